@@ -1,0 +1,5 @@
+import sys
+
+from vramfit.cli import main
+
+sys.exit(main())

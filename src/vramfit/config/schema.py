@@ -1,0 +1,136 @@
+"""The typed run configuration: every key a user can set, its type, default and meaning.
+
+Defaults live here and nowhere else. Unknown keys are rejected (extra="forbid") so a typo
+never silently falls back to a default; `load.py` turns pydantic's errors into one message
+that lists every problem with its key path and a "did you mean".
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "tiny:ssd1b",
+        description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, "
+        "or tiny:sdxl / tiny:ssd1b.",
+    )
+    family: Literal["auto", "sdxl"] = Field(
+        "auto", description="Model family; auto reads it from the checkpoint."
+    )
+    tokenizers: Optional[str] = Field(
+        None,
+        description="Folder holding tokenizer/ and tokenizer_2/ (a diffusers SDXL folder "
+        "works). Needed when a single file is used and no tokenizer is found beside it.",
+    )
+    revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+
+
+class DataConfig(_Section):
+    path: Optional[str] = Field(None, description="Folder of training images.")
+    metadata: Optional[str] = Field(
+        None,
+        description="kohya metadata .json or Hugging Face metadata.jsonl; default: "
+        "<path>/metadata.jsonl when present, else same-name caption files.",
+    )
+    caption_extension: str = ".txt"
+    resolution: int = Field(1024, ge=64, le=4096, description="Base bucket side in pixels.")
+    bucket_step: int = Field(64, ge=8, le=512)
+    max_aspect: float = Field(4.0, ge=1.0, le=8.0)
+    min_size: int = Field(256, ge=1, description="Images with a shorter side are skipped.")
+    random_crop: bool = False
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _step_divides(self) -> "DataConfig":
+        if self.bucket_step % 8:
+            raise ValueError("bucket_step must be a multiple of 8 (the VAE downsamples by 8)")
+        if self.resolution % self.bucket_step:
+            raise ValueError(
+                f"resolution {self.resolution} is not a multiple of bucket_step {self.bucket_step}"
+            )
+        return self
+
+
+class CacheConfig(_Section):
+    dir: Optional[str] = Field(
+        None, description="Cache folder; default ~/.cache/vramfit (content-addressed, shareable)."
+    )
+    latents: bool = Field(True, description="Encode images once and train from disk.")
+    text: bool = Field(True, description="Encode captions once and train from disk.")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Stored precision.")
+    vae_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="VAE precision while encoding (SDXL's VAE overflows in fp16)."
+    )
+    vae_tiling: bool = Field(False, description="Tiled VAE encoding: bounded memory, slower.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    lr: float = Field(1e-5, gt=0)
+    optimizer: Literal["adafactor", "adamw"] = "adafactor"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    precision: Literal["full_bf16", "mixed_bf16", "fp32"] = Field(
+        "full_bf16",
+        description="full_bf16: weights, grads and optimizer math in bf16; mixed_bf16: fp32 "
+        "master weights with bf16 autocast; fp32: everything fp32.",
+    )
+    gradient_checkpointing: bool = True
+    max_grad_norm: float = Field(1.0, ge=0, description="Global gradient clipping; 0 disables.")
+    noise_offset: float = Field(0.0, ge=0)
+    min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting; 0 disables.")
+    seed: int = 42
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainConfig":
+        if self.warmup_steps >= self.steps and self.warmup_steps > 0:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})"
+            )
+        return self
+
+
+class SaveConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="Also save every N steps; 0 saves at the end only.")
+    formats: list[Literal["single_file", "diffusers"]] = Field(["single_file"], min_length=1)
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class OutputConfig(_Section):
+    dir: str = "output"
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "vramfit"
+    progress: bool = True
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    cache: CacheConfig = CacheConfig()
+    train: TrainConfig = TrainConfig()
+    save: SaveConfig = SaveConfig()
+    output: OutputConfig = OutputConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output.dir)
