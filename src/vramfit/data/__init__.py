@@ -1,0 +1,1 @@
+"""Training data: scanning and validating datasets, aspect-ratio bucketing, synthetic data."""
