@@ -1,0 +1,1 @@
+"""Model families, sources (single file, diffusers folder, hub, tiny) and their loading."""

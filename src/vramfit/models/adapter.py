@@ -1,0 +1,74 @@
+"""The family-facing interface: what every model family provides to the one training loop.
+
+A family (SDXL and its distilled layouts today) loads a ModelBundle from a resolved source,
+encodes captions and images for the cache, runs the denoiser on a batch and writes checkpoints.
+The loop never looks at the family's name; it only calls these methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model comes from, after resolving repo ids and tiny:<name> to local paths."""
+
+    kind: str  # "single_file" | "diffusers"
+    path: Path
+    tokenizers: Optional[Path] = None
+    label: str = ""  # what the user wrote, for messages and metadata
+
+
+@dataclass
+class ModelBundle:
+    """All parts of a text-to-image model, on the CPU until a phase moves one to the device."""
+
+    family: str
+    layout: str
+    source: Source
+    denoiser: torch.nn.Module
+    vae: Optional[torch.nn.Module]
+    text_encoders: list[torch.nn.Module]
+    tokenizers: list[Any]
+    noise_scheduler: Any
+    extra: dict = field(default_factory=dict)
+
+    def drop_encoders(self) -> None:
+        """Free the VAE and text encoders once everything they produce is cached."""
+        self.vae = None
+        self.text_encoders = []
+
+
+class Family(Protocol):
+    name: str
+
+    def detect_single_file(self, keys: set[str]) -> bool: ...
+
+    def detect_diffusers(self, model_index: dict) -> bool: ...
+
+    def load(self, source: Source) -> ModelBundle: ...
+
+    def encoder_identity(self, bundle: ModelBundle, part: str) -> str: ...
+
+    def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+
+    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]: ...
+
+    def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
+                generator: torch.Generator) -> torch.Tensor: ...
+
+    def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: dict[str, torch.Tensor], time_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
+                         metadata: dict[str, str]) -> None: ...
+
+    def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None: ...
+
+    def describe(self, source: Source) -> dict: ...

@@ -1,0 +1,41 @@
+"""The model families vramfit knows, and detection of which one a source holds."""
+from __future__ import annotations
+
+import json
+
+from vramfit.formats.safetensors_io import CheckpointError, read_header
+from vramfit.models.adapter import Family, Source
+from vramfit.models.sdxl import SDXLFamily
+
+FAMILIES: dict[str, Family] = {"sdxl": SDXLFamily()}
+
+# Keys that identify checkpoints of families vramfit does not train yet, for a clear refusal.
+_KNOWN_OTHERS = {
+    "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": "Stable Diffusion 3",
+    "joint_blocks.0.x_block.attn.qkv.weight": "Stable Diffusion 3 (transformer only)",
+    "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": "Stable Diffusion 1.x",
+    "cond_stage_model.model.token_embedding.weight": "Stable Diffusion 2.x",
+    "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": "FLUX",
+}
+
+
+def detect_family(source: Source, requested: str = "auto") -> Family:
+    if requested != "auto":
+        return FAMILIES[requested]
+    if source.kind == "single_file":
+        keys = set(read_header(source.path)[0])
+        for family in FAMILIES.values():
+            if family.detect_single_file(keys):
+                return family
+        for key, name in _KNOWN_OTHERS.items():
+            if key in keys:
+                raise CheckpointError(f"{source.path}: this is a {name} checkpoint, which this "
+                                      f"version of vramfit cannot train (families: {', '.join(FAMILIES)})")
+        raise CheckpointError(f"{source.path}: no known model family found in its keys "
+                              f"(first keys: {sorted(keys)[:3]})")
+    index = json.loads((source.path / "model_index.json").read_text())
+    for family in FAMILIES.values():
+        if family.detect_diffusers(index):
+            return family
+    raise CheckpointError(f"{source.path}: pipeline {index.get('_class_name')} is not a family "
+                          f"vramfit can train (families: {', '.join(FAMILIES)})")

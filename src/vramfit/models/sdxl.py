@@ -1,0 +1,312 @@
+"""The SDXL family: SDXL, SSD-1B, Segmind-Vega and any other SDXL-shaped UNet.
+
+The UNet layout (transformer depth per block, mid block) is read from the checkpoint's keys,
+never from a table per model name, so distilled variants load as they are. Text conditioning
+is SDXL's: the penultimate hidden states of CLIP-L and OpenCLIP bigG concatenated (2048 wide),
+the projected pooled output of bigG, and the 6 size/crop numbers per image.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vramfit.formats import clip as clipfmt
+from vramfit.formats import ldm_vae, sgm_unet
+from vramfit.formats.safetensors_io import (
+    CheckpointError, load_prefixed, meta_tensors, read_header, save_atomic, write_text_atomic,
+)
+from vramfit.models.adapter import ModelBundle, Source
+from vramfit.models.sources import require_tokenizers
+from vramfit.models.tiny import shipped_config
+
+UNET = "model.diffusion_model."
+VAE = "first_stage_model."
+CLIP_L = "conditioner.embedders.0.transformer."
+CLIP_G = "conditioner.embedders.1.model."
+VAE_SCALE = 0.13025
+
+
+def layout_name(config: dict) -> str:
+    """Name a UNet layout by comparing its depths with the known distilled variants."""
+    depths = (json.dumps(config.get("transformer_layers_per_block")),
+              json.dumps(config.get("reverse_transformer_layers_per_block")), config.get("mid_block_type"))
+    for name in ("sdxl_unet", "ssd1b_unet"):
+        ref = shipped_config(name)
+        ref_depths = (json.dumps(ref["transformer_layers_per_block"]),
+                      json.dumps(ref["reverse_transformer_layers_per_block"]), ref["mid_block_type"])
+        if depths == ref_depths and config["block_out_channels"] == ref["block_out_channels"]:
+            return name.split("_")[0]
+    return "sdxl-custom"
+
+
+def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path):
+    """Instantiate without allocating random weights, then take the checkpoint's tensors."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = cls(**config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the {what} weights do not match the detected architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for name, buf in list(model.named_buffers()):
+        if buf.device.type == "meta":  # non-persistent buffers (e.g. position_ids) are rebuilt
+            raise CheckpointError(f"{path}: {what} buffer {name} was not initialised")
+    return model.eval()
+
+
+class SDXLFamily:
+    name = "sdxl"
+
+    # ---- detection ---------------------------------------------------------------------------
+    def detect_single_file(self, keys: set[str]) -> bool:
+        return any(k.startswith(UNET + "label_emb.") for k in keys) and any(
+            k.startswith(UNET + "input_blocks.") for k in keys)
+
+    def detect_diffusers(self, model_index: dict) -> bool:
+        return model_index.get("_class_name", "").startswith("StableDiffusionXL")
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load(self, source: Source) -> ModelBundle:
+        from diffusers import DDPMScheduler
+
+        scheduler = DDPMScheduler.from_config(shipped_config("sdxl_scheduler"))
+        if source.kind == "single_file":
+            unet, vae, encoders = self._load_single_file(source.path)
+        else:
+            unet, vae, encoders = self._load_diffusers(source.path)
+        tok_dir = require_tokenizers(source)
+        tokenizers = self.load_tokenizers(tok_dir)
+        return ModelBundle(self.name, layout_name(dict(unet.config)), source, unet, vae, encoders,
+                           tokenizers, scheduler)
+
+    def load_tokenizers(self, folder: Path) -> list[Any]:
+        from transformers import CLIPTokenizer
+
+        # SDXL's second tokenizer pads with "!" (id 0) rather than end-of-text.
+        return [CLIPTokenizer.from_pretrained(folder / "tokenizer"),
+                CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
+
+    def _load_single_file(self, path: Path):
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+
+        header, _ = read_header(path)
+        if not self.detect_single_file(set(header)):
+            raise CheckpointError(f"{path}: no SDXL-family UNet found (no {UNET}label_emb.* keys)")
+        config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET))
+        state = sgm_unet.sgm_to_diffusers_unet(load_prefixed(path, UNET), config)
+        unet = _build(UNet2DConditionModel, config, state, "UNet", path)
+        vae, encoders = self._single_file_encoders(path, header)
+        return unet, vae, encoders
+
+    def _single_file_encoders(self, path: Path, header: dict):
+        from diffusers import AutoencoderKL
+
+        for prefix, what in ((VAE, "VAE"), (CLIP_L, "CLIP-L text encoder"), (CLIP_G, "bigG text encoder")):
+            if not any(k.startswith(prefix) for k in header):
+                raise CheckpointError(
+                    f"{path}: the file has no {what} ({prefix}* keys); vramfit needs a full "
+                    "checkpoint (UNet, VAE and both text encoders) or a diffusers folder")
+        vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE)
+        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE", path)
+        enc1 = self._clip(load_prefixed(path, CLIP_L), "quick_gelu", False, path)
+        enc2 = self._clip(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
+        return vae, [enc1, enc2]
+
+    def _clip(self, state: dict, act: str, projection: bool, path: Path):
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+        cfg = clipfmt.clip_config_from_keys(state, hidden_act=act, with_projection=projection)
+        vocab = cfg["vocab_size"]
+        cfg.update(bos_token_id=vocab - 2, eos_token_id=vocab - 1)
+        config = CLIPTextConfig(**cfg)
+        cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+        with torch.device("meta"):
+            probe = cls(config)
+        state = clipfmt.normalize_hf_clip_keys(state, probe)
+        model = cls(config)  # small enough to build for real; keeps non-persistent buffers right
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: text encoder weights do not match "
+                                  f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        return model.eval()
+
+    def _load_diffusers(self, folder: Path):
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+        for sub in ("unet", "vae", "text_encoder", "text_encoder_2"):
+            if not (folder / sub / "config.json").is_file():
+                raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
+        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=True)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+        enc1 = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
+        enc2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2")
+        return unet.eval(), vae.eval(), [enc1.eval(), enc2.eval()]
+
+    def load_encoders(self, source: Source):
+        """VAE and text encoders again, for saving after they were freed for training."""
+        if source.kind == "single_file":
+            header, _ = read_header(source.path)
+            return self._single_file_encoders(source.path, header)
+        _, vae, encoders = self._load_diffusers(source.path)
+        return vae, encoders
+
+    # ---- encoding ----------------------------------------------------------------------------
+    def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
+        from vramfit.data.fingerprint import module_fingerprint
+
+        if part == "vae":
+            return "sdxl-vae:" + module_fingerprint(bundle.vae)
+        return "sdxl-text:" + "+".join(module_fingerprint(m) for m in bundle.text_encoders)
+
+    @torch.no_grad()
+    def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Penultimate hidden states of both encoders (one on the device at a time) and bigG's pooled."""
+        hidden, pooled = [], None
+        for tokenizer, encoder in zip(bundle.tokenizers, bundle.text_encoders):
+            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
+                            truncation=True, return_tensors="pt").input_ids
+            encoder.to(device)
+            out = encoder(ids.to(device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2].float().cpu())
+            if hasattr(out, "text_embeds"):
+                pooled = out.text_embeds.float().cpu()
+            encoder.to("cpu")
+        return {"prompt_embeds": torch.cat(hidden, dim=-1).to(dtype), "pooled": pooled.to(dtype)}
+
+    @torch.no_grad()
+    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
+        """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
+        vae = bundle.vae
+        if tiling:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
+        vae_dtype = next(vae.parameters()).dtype
+        dist = vae.encode(pixels.to(device, vae_dtype)).latent_dist
+        return {"mean": dist.mean.float().cpu().to(dtype), "logvar": dist.logvar.float().cpu().to(dtype)}
+
+    def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
+                generator: torch.Generator) -> torch.Tensor:
+        mean = encoded["mean"].float()
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
+        std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
+        return (mean + std * eps) * VAE_SCALE
+
+    def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: dict[str, torch.Tensor], time_ids: torch.Tensor) -> torch.Tensor:
+        return bundle.denoiser(noisy, timesteps, encoder_hidden_states=text["prompt_embeds"],
+                               added_cond_kwargs={"text_embeds": text["pooled"], "time_ids": time_ids}).sample
+
+    # ---- saving ------------------------------------------------------------------------------
+    def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        config = dict(bundle.denoiser.config)
+        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
+        return {UNET + k: v for k, v in sgm_unet.diffusers_to_sgm_unet(sd, config).items()}
+
+    def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
+                         metadata: dict[str, str]) -> None:
+        """UNet converted back to SGM keys; VAE and text encoders carried over from the source."""
+        state = self.unet_sgm_state(bundle, dtype)
+        src = bundle.source
+        if src.kind == "single_file":
+            # Everything that is not the UNet is copied byte for byte from the input file.
+            for key, t in load_prefixed(src.path, "").items():
+                if not key.startswith(UNET):
+                    state[key] = t
+        else:
+            vae, (enc1, enc2) = self.load_encoders(src)
+            state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
+            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(enc1.state_dict()).items()})
+            state.update({CLIP_G + k: v for k, v in clipfmt.hf_to_openclip(enc2.state_dict()).items()})
+        save_atomic(state, path, metadata)
+
+    def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
+        """A diffusers SDXL folder that StableDiffusionXLPipeline.from_pretrained loads."""
+        import diffusers
+        from diffusers import EulerDiscreteScheduler
+
+        folder = Path(folder)
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        unet = bundle.denoiser
+        (tmp / "unet").mkdir(parents=True)
+        unet.save_config(tmp / "unet")
+        save_atomic({k: v.detach().to("cpu", dtype) for k, v in unet.state_dict().items()},
+                    tmp / "unet" / "diffusion_pytorch_model.safetensors")
+        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
+            self.load_encoders(bundle.source)
+        vae.save_pretrained(tmp / "vae")
+        encoders[0].save_pretrained(tmp / "text_encoder")
+        encoders[1].save_pretrained(tmp / "text_encoder_2")
+        for sub, tok in zip(("tokenizer", "tokenizer_2"), bundle.tokenizers):
+            tok.save_pretrained(tmp / sub)
+        EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler")).save_pretrained(tmp / "scheduler")
+        index = {"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": diffusers.__version__,
+                 "force_zeros_for_empty_prompt": True, "vae": ["diffusers", "AutoencoderKL"],
+                 "unet": ["diffusers", "UNet2DConditionModel"],
+                 "text_encoder": ["transformers", "CLIPTextModel"],
+                 "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+                 "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
+                 "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+                 "image_encoder": [None, None], "feature_extractor": [None, None]}
+        write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
+        old = folder.with_name(f".{folder.name}.old")
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        if old.exists():
+            shutil.rmtree(old)
+
+    # ---- inspection --------------------------------------------------------------------------
+    def describe(self, source: Source) -> dict:
+        """Family, layout, parameter counts and dtypes per component, without loading weights."""
+        if source.kind == "single_file":
+            header, _ = read_header(source.path)
+            parts = {"unet": UNET, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
+                     "text_encoder_2 (bigG)": CLIP_G}
+            comps = {name: _count(header, prefix) for name, prefix in parts.items()}
+            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET))
+        else:
+            comps = {}
+            for sub in ("unet", "vae", "text_encoder", "text_encoder_2"):
+                files = sorted((source.path / sub).glob("*.safetensors"))
+                comps[sub] = _merge([_count(read_header(f)[0], "") for f in files])
+            config = json.loads((source.path / "unet" / "config.json").read_text())
+        return {"family": self.name, "layout": layout_name(config),
+                "transformer_layers_per_block": config.get("transformer_layers_per_block"),
+                "reverse_transformer_layers_per_block": config.get("reverse_transformer_layers_per_block"),
+                "mid_block_type": config.get("mid_block_type"), "components": comps}
+
+
+def _count(header: dict, prefix: str) -> dict:
+    params, dtypes = 0, {}
+    for key, info in header.items():
+        if key.startswith(prefix):
+            n = 1
+            for s in info["shape"]:
+                n *= s
+            params += n
+            dtypes[info["dtype"]] = dtypes.get(info["dtype"], 0) + n
+    return {"params": params, "dtypes": dtypes}
+
+
+def _merge(counts: list[dict]) -> dict:
+    out = {"params": 0, "dtypes": {}}
+    for c in counts:
+        out["params"] += c["params"]
+        for k, v in c["dtypes"].items():
+            out["dtypes"][k] = out["dtypes"].get(k, 0) + v
+    return out

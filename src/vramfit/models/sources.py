@@ -1,0 +1,133 @@
+"""Resolve what the user wrote in model.path to a local Source.
+
+Accepted: a single-file .safetensors (SGM/LDM layout, as ComfyUI and A1111 use), a diffusers
+folder (with model_index.json), a Hugging Face repo id (fetched with the user's usual login
+when online, taken from the local Hugging Face cache when offline), or tiny:<name>.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from vramfit.config.schema import ModelConfig
+from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.models.adapter import Source
+from vramfit.models.tiny import materialize
+
+# Files of a diffusers SDXL repo that training needs; weights in safetensors only.
+_REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.safetensors",
+                  "tokenizer*/*", "scheduler/*"]
+SDXL_TOKENIZER_REPO = "stabilityai/stable-diffusion-xl-base-1.0"
+
+
+class SourceError(ValueError):
+    """A model.path that cannot be turned into a model; the message says what to provide."""
+
+
+def default_cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vramfit"
+
+
+def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
+    text = cfg.path
+    cache_root = cache_root or default_cache_root()
+    tokenizers = Path(cfg.tokenizers).expanduser() if cfg.tokenizers else None
+    if text.startswith("tiny:"):
+        path = materialize(text.split(":", 1)[1], cache_root / "tiny")
+        return Source("single_file", path, tokenizers or path.parent, label=text)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return Source("single_file", path, tokenizers or find_tokenizers(path), label=text)
+    if path.is_dir():
+        return _from_folder(path, tokenizers, text)
+    if path.exists() or text.count("/") != 1:
+        raise SourceError(f"model.path: {text} is not a file, a folder or a repo id (org/name)")
+    return _from_hub(text, cfg.revision, tokenizers)
+
+
+def _from_folder(path: Path, tokenizers: Optional[Path], label: str) -> Source:
+    if (path / "model_index.json").is_file():
+        return Source("diffusers", path, tokenizers or path, label=label)
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) == 1:
+        return Source("single_file", files[0], tokenizers or find_tokenizers(files[0]), label=label)
+    raise SourceError(
+        f"model.path: {path} is a folder without model_index.json "
+        f"({len(files)} .safetensors files in it); give a diffusers folder or one .safetensors file"
+    )
+
+
+def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path]) -> Source:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
+                                        local_files_only=offline))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise SourceError(
+                f"model.path: {repo_id} is not in the local Hugging Face cache and the hub is "
+                "offline (HF_HUB_OFFLINE=1); download it where there is network "
+                f"(`hf download {repo_id}`) or set model.path to a local file or folder"
+            ) from None
+        folder = _cached_or_fail(repo_id, revision)
+    except Exception as exc:  # network errors come in many classes; fall back to the cache
+        if type(exc).__name__ in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
+            raise SourceError(f"model.path: {repo_id}: {exc}") from None
+        folder = _cached_or_fail(repo_id, revision)
+    if (folder / "model_index.json").is_file():
+        return Source("diffusers", folder, tokenizers or folder, label=repo_id)
+    return _from_folder(folder, tokenizers, repo_id)
+
+
+def _cached_or_fail(repo_id: str, revision: Optional[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
+                                      local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise SourceError(
+            f"model.path: {repo_id} could not be fetched (no network?) and is not in the local "
+            "Hugging Face cache; set model.path to a local file or folder"
+        ) from None
+
+
+def find_tokenizers(checkpoint: Path) -> Optional[Path]:
+    """A folder holding tokenizer/ and tokenizer_2/ for a single file, or None.
+
+    Looked for beside the file, then in the local Hugging Face cache of the SDXL base repo
+    (tokenizers are the same for every SDXL-family checkpoint). Never downloads.
+    """
+    for folder in (checkpoint.parent, checkpoint.parent / checkpoint.stem):
+        if (folder / "tokenizer").is_dir() and (folder / "tokenizer_2").is_dir():
+            return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        cached = Path(snapshot_download(SDXL_TOKENIZER_REPO, allow_patterns=["tokenizer*/*"],
+                                        local_files_only=True))
+        if (cached / "tokenizer").is_dir() and (cached / "tokenizer_2").is_dir():
+            return cached
+    except Exception:  # not cached: the loader reports what to provide
+        pass
+    return None
+
+
+def require_tokenizers(source: Source) -> Path:
+    if source.tokenizers is None:
+        raise CheckpointError(
+            f"{source.path}: this single file has no tokenizers and none were found beside it or in "
+            "the local Hugging Face cache. Set model.tokenizers to a folder containing tokenizer/ "
+            "and tokenizer_2/ (e.g. a downloaded stabilityai/stable-diffusion-xl-base-1.0), or put "
+            "those two folders next to the checkpoint."
+        )
+    for sub in ("tokenizer", "tokenizer_2"):
+        if not (source.tokenizers / sub).is_dir():
+            raise CheckpointError(f"model.tokenizers: {source.tokenizers} has no {sub}/ folder")
+    return source.tokenizers
