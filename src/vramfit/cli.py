@@ -1,0 +1,131 @@
+"""The `vramfit` command: parse argv and call the library. No training logic lives here."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from vramfit.config import ConfigError, load_config
+from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.models.sources import SourceError
+
+USER_ERRORS = (ConfigError, CheckpointError, SourceError, FileNotFoundError, ValueError)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, nargs="?", help="TOML run config (optional: defaults apply)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set train.lr=2e-6 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vramfit", description=(
+        "Fine-tune SDXL-family diffusion models inside the GPU memory you have."))
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="cache the dataset, train, save a checkpoint and a memory report")
+    _add_config_args(p)
+    p = sub.add_parser("cache", help="only scan the dataset and fill the latent and text cache")
+    _add_config_args(p)
+    p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
+    p.add_argument("path", help="single file, diffusers folder, repo id or tiny:<name>")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("demo", help="fine-tune tiny:ssd1b on generated images (no arguments needed)")
+    p.add_argument("--output", type=Path, default=Path("vramfit-demo"), help="folder for the demo run")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def cmd_train(args) -> int:
+    from vramfit.train.setup import train_run
+
+    cfg = load_config(args.config, args.overrides)
+    result = train_run(cfg, progress=not args.no_progress)
+    print_summary(result)
+    return 0
+
+
+def print_summary(result) -> None:
+    print(f"\ntrained {len(result.loop.losses)} steps on {len(result.scan.items)} images "
+          f"({len(result.scan.problems)} skipped); final loss {result.loop.losses[-1]:.4f}")
+    print("\nmemory by phase:\n" + result.report.table())
+    print(f"\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
+    print(f"memory report, config and logs: {result.output_dir}")
+
+
+def cmd_cache(args) -> int:
+    from vramfit.memory.accounting import MemoryTracker
+    from vramfit.train.setup import pick_device, prepare
+
+    cfg = load_config(args.config, args.overrides)
+    device = pick_device(cfg.train.device)
+    tracker = MemoryTracker(device)
+    _, _, data, scanned = prepare(cfg, tracker, device, not args.no_progress)
+    print(f"{len(scanned.items)} images usable, {len(scanned.problems)} skipped")
+    print("cache: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    print("\nmemory by phase:\n" + tracker.report.table())
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from vramfit.config.schema import ModelConfig
+    from vramfit.models.registry import detect_family
+    from vramfit.models.sources import resolve_source
+
+    source = resolve_source(ModelConfig(path=args.path))
+    info = detect_family(source).describe(source)
+    info["source"] = {"kind": source.kind, "path": str(source.path),
+                      "tokenizers": str(source.tokenizers) if source.tokenizers else None}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{source.path}\n  format: {source.kind}\n  family: {info['family']}\n  layout: {info['layout']}")
+    print(f"  transformer depth per down block: {info['transformer_layers_per_block']}")
+    print(f"  transformer depth per up block:   {info['reverse_transformer_layers_per_block']}")
+    print(f"  mid block: {info['mid_block_type']}")
+    print(f"  tokenizers: {info['source']['tokenizers'] or 'none found (set model.tokenizers)'}")
+    for name, c in info["components"].items():
+        dtypes = ", ".join(f"{k} {v:,}" for k, v in c["dtypes"].items())
+        print(f"  {name:<24}{c['params']:>16,} params   {dtypes}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from vramfit.demo import run_demo
+
+    result = run_demo(args.output, steps=args.steps, progress=not args.no_progress)
+    print_summary(result)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "cache": cmd_cache, "inspect": cmd_inspect, "demo": cmd_demo}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "urllib3", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not args.verbose:  # their dtype and init notices are about our own deliberate choices
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Memory techniques and measurement."""

@@ -1,0 +1,107 @@
+"""Measured memory by phase: peak GPU allocated and reserved, peak process RSS, wall time.
+
+Each phase resets CUDA's peak counters on entry and reads them on exit. Process RSS has no
+per-phase peak counter, so a daemon thread samples it every 20 ms while a phase runs; its cost
+is one /proc read per sample. Cost on CPU-only runs: the sampler thread alone.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import psutil
+import torch
+
+GIB = 2**30
+
+
+@dataclass
+class PhaseMemory:
+    name: str
+    seconds: float = 0.0
+    gpu_peak_allocated: int = 0
+    gpu_peak_reserved: int = 0
+    rss_peak: int = 0
+    steps: int = 0
+    step_seconds: Optional[float] = None  # median seconds per step, for phases that step
+
+
+@dataclass
+class MemoryReport:
+    device: str
+    gpu_name: Optional[str] = None
+    gpu_total: Optional[int] = None
+    phases: list[PhaseMemory] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "gpu_name": self.gpu_name, "gpu_total_bytes": self.gpu_total,
+                "phases": [asdict(p) for p in self.phases]}
+
+    def write(self, path: Path) -> None:
+        from vramfit.formats.safetensors_io import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
+
+    def table(self) -> str:
+        rows = [f"{'phase':<14}{'GPU alloc':>11}{'GPU resv':>11}{'RSS':>10}{'time':>9}{'s/step':>9}"]
+        for p in self.phases:
+            gpu = self.device.startswith("cuda")
+            alloc = f"{p.gpu_peak_allocated / GIB:.2f}G" if gpu else "-"
+            resv = f"{p.gpu_peak_reserved / GIB:.2f}G" if gpu else "-"
+            per = f"{p.step_seconds:.3f}" if p.step_seconds is not None else "-"
+            rows.append(f"{p.name:<14}{alloc:>11}{resv:>11}{p.rss_peak / GIB:>9.2f}G{p.seconds:>8.1f}s{per:>9}")
+        return "\n".join(rows)
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, interval: float = 0.02):
+        super().__init__(daemon=True)
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.peak = self.proc.memory_info().rss
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        return max(self.peak, self.proc.memory_info().rss)
+
+
+class MemoryTracker:
+    """Collects a PhaseMemory for each `with tracker.phase(name):` block."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        name = torch.cuda.get_device_name(device) if self.cuda else None
+        total = torch.cuda.get_device_properties(device).total_memory if self.cuda else None
+        self.report = MemoryReport(str(device), name, total)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[PhaseMemory]:
+        rec = PhaseMemory(name)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sampler = _RssSampler()
+        sampler.start()
+        t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+                rec.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
+                rec.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
+            rec.rss_peak = sampler.stop()
+            rec.seconds = time.perf_counter() - t0
+            self.report.phases.append(rec)
