@@ -6,7 +6,6 @@ import io
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -14,11 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFile
-
-try:
-    import vramfit  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vramfit.data.buckets import (
     CropInfo,

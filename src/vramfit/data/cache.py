@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from vramfit.data.fingerprint import digest
-from vramfit.formats.safetensors_io import save_atomic
+from vramfit.formats.safetensors_io import CheckpointError, read_header, save_atomic
 
 CACHE_VERSION = 1
 log = logging.getLogger("vramfit.cache")
@@ -31,7 +31,17 @@ class DiskCache:
         return self.root / kind / key[:2] / f"{key}.safetensors"
 
     def has(self, kind: str, key: str) -> bool:
-        return self.path(kind, key).is_file()
+        """True when the entry exists and its file is whole; a damaged one is deleted."""
+        path = self.path(kind, key)
+        if not path.is_file():
+            return False
+        try:
+            read_header(path)
+        except (CheckpointError, OSError, KeyError, TypeError) as exc:
+            log.warning("cache entry %s is damaged (%s); it will be rebuilt", path, exc)
+            path.unlink(missing_ok=True)
+            return False
+        return True
 
     def get(self, kind: str, key: str) -> Optional[dict[str, torch.Tensor]]:
         path = self.path(kind, key)

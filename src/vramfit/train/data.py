@@ -115,6 +115,9 @@ class TrainingData:
             entry = self.cache.get("latents", r.latent_key)
             if entry is not None:
                 return entry
+            if self.bundle.vae is None:
+                raise RuntimeError(f"the latent cache entry of {r.item.key} became unreadable during "
+                                   "training; run again and it will be rebuilt")
             log.warning("latent cache entry for %s vanished; encoding it again", r.item.key)
         return encode_item_image(self.family, self.bundle, r, self.data_cfg, self.cache_cfg, self.device)
 
@@ -123,6 +126,9 @@ class TrainingData:
             entries = [self.cache.get("text", r.text_key) for r in records]
             if all(e is not None for e in entries):
                 return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+            if not self.bundle.text_encoders:
+                raise RuntimeError("a text cache entry became unreadable during training; run again "
+                                   "and it will be rebuilt")
         return self.family.encode_text(self.bundle, [r.item.caption for r in records], self.device,
                                        DTYPES[self.cache_cfg.dtype])
 

@@ -1,0 +1,1 @@
+"""Key maps between single-file checkpoint layouts (SGM/LDM/OpenCLIP) and diffusers/transformers."""

@@ -1,0 +1,41 @@
+"""Shared fixtures: a per-session cache root (tiny models are written once), small datasets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vramfit.data.synth import make_synthetic_dataset
+
+SIZE = 64  # image side for training tests: 8x8 latents keep each step in milliseconds
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vramfit-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(cache_root, monkeypatch):
+    # Nothing a test does may read or write the user's ~/.cache/vramfit or the hub.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_root / "xdg"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(cache_root / "hf"))
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    root = tmp_path / "images"
+    make_synthetic_dataset(root, n=4, size=SIZE, seed=1)
+    return root
+
+
+def train_args(images: Path, out: Path, cache: Path, *extra: str, model: str = "tiny:ssd1b") -> list[str]:
+    """CLI arguments of a small, fast training run."""
+    sets = [f"model.path={model}", f"data.path={images}", f"data.resolution={SIZE}", f"data.min_size={SIZE}",
+            "data.bucket_step=32", f"cache.dir={cache}", "train.steps=2", "train.lr=1e-3",
+            f"output.dir={out}", "logging.tensorboard=false", *extra]
+    args = ["train", "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    return args

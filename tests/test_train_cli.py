@@ -1,0 +1,178 @@
+"""End-to-end runs through the `vramfit` CLI on tiny models: what a user's run does, on CPU."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SIZE, train_args
+from vramfit.cli import main
+
+
+def _run(args: list[str]) -> int:
+    return main(args)
+
+
+def test_train_writes_checkpoint_report_and_config(images, tmp_path, cache_root, capsys):
+    out = tmp_path / "run"
+    assert _run(train_args(images, out, cache_root / "c1", "save.every_steps=1", "save.name=m")) == 0
+    printed = capsys.readouterr().out
+    assert "memory by phase" in printed and "m.safetensors" in printed
+    assert (out / "m.safetensors").is_file() and (out / "m-step000001.safetensors").is_file()
+    report = json.loads((out / "m.memory.json").read_text())
+    assert [p["name"] for p in report["phases"]] == ["load", "cache_latents", "cache_text", "train", "save"]
+    assert all(p["rss_peak"] > 0 for p in report["phases"])
+    assert report["phases"][3]["steps"] == 2
+    assert "[train]" in (out / "config.toml").read_text()
+    run = json.loads((out / "run.json").read_text())
+    assert len(run["losses"]) == 2 and all(l > 0 for l in run["losses"])
+
+
+def test_trained_unet_changes_and_the_rest_is_carried_over(images, tmp_path, cache_root):
+    out = tmp_path / "run"
+    assert _run(train_args(images, out, cache_root / "c2", "save.dtype=fp32", "save.name=m")) == 0
+    saved = load_file(str(out / "m.safetensors"))
+    source = load_file(str(cache_root / "c2" / "tiny" / "tiny-ssd1b-v1" / "tiny-ssd1b.safetensors"))
+    assert set(saved) == set(source)
+    changed = [k for k in source if k.startswith("model.diffusion_model.")
+               and not torch.equal(saved[k], source[k])]
+    assert len(changed) > 10
+    for k in source:
+        if not k.startswith("model.diffusion_model."):
+            assert torch.equal(saved[k], source[k]), k
+
+
+def test_saved_single_file_trains_again_as_a_source(images, tmp_path, cache_root):
+    first = tmp_path / "a"
+    assert _run(train_args(images, first, cache_root / "c3", "save.name=m")) == 0
+    ckpt = first / "m.safetensors"
+    # the tokenizers are not in the output folder: a clear error says what to provide
+    code = _run(train_args(images, tmp_path / "b", cache_root / "c3", model=str(ckpt)))
+    assert code == 2
+    tok = cache_root / "c3" / "tiny" / "tiny-ssd1b-v1"
+    assert _run(train_args(images, tmp_path / "b", cache_root / "c3", f"model.tokenizers={tok}",
+                           model=str(ckpt))) == 0
+
+
+def test_missing_tokenizer_message(images, tmp_path, cache_root, capsys):
+    first = tmp_path / "a"
+    assert _run(train_args(images, first, cache_root / "c4", "save.name=m")) == 0
+    capsys.readouterr()
+    assert _run(train_args(images, tmp_path / "b", cache_root / "c4", model=str(first / "m.safetensors"))) == 2
+    err = capsys.readouterr().err
+    assert "model.tokenizers" in err and "tokenizer_2" in err and "m.safetensors" in err
+
+
+def test_cached_and_live_encoding_train_identically(images, tmp_path, cache_root):
+    """Training from the disk cache sees the same inputs as encoding every step."""
+    losses = []
+    for name, latents, text in (("cached", "true", "true"), ("live", "false", "false")):
+        out = tmp_path / name
+        assert _run(train_args(images, out, cache_root / f"c5{name}", f"cache.latents={latents}",
+                               f"cache.text={text}", "train.precision=fp32", "train.steps=3",
+                               "train.batch_size=2", "save.name=m")) == 0
+        losses.append(json.loads((out / "run.json").read_text())["losses"])
+    # The first step's loss is equal to the last bit: same latents, noise, timesteps and
+    # embeddings. Later steps agree to float32 rounding only: the cache encodes captions 64 at a
+    # time, which changes BLAS blocking in the last bit, and Adafactor's first updates are nearly
+    # sign updates, so a gradient of ~1e-9 can flip one parameter's step.
+    assert losses[0][0] == losses[1][0]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert len(set(losses[0])) == 3
+
+
+def test_bad_files_are_skipped_and_named(images, tmp_path, cache_root, caplog):
+    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+    (images / "broken.txt").write_text("a broken file")
+    (images / "empty.jpg").write_bytes(b"")
+    (images / "empty.txt").write_text("an empty file")
+    (images / "notes.png").write_text("this is text, not an image")
+    (images / "notes.txt").write_text("notes")
+    good = sorted(images.glob("000*.png"))[0]
+    (images / "nocaption.png").write_bytes(good.read_bytes())
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING"):
+        assert _run(train_args(images, out, cache_root / "c6")) == 0
+    run = json.loads((out / "run.json").read_text())
+    skipped = {s["path"] for s in run["skipped"]}
+    assert {"broken.png", "empty.jpg", "notes.png", "nocaption.png"} <= skipped
+    assert run["items"] == 4
+    for name in ("broken.png", "empty.jpg", "notes.png", "nocaption.png"):
+        assert name in caplog.text
+
+
+def test_config_errors_are_all_listed_before_loading(images, tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[train]\nlr = "fast"\nstepz = 3\n[data]\nresolution = 1000\n[modle]\npath = "x"\n')
+    code = main(["train", str(cfg), "--set", "train.optimizer=sgd", "--set", f"data.path={images}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    for expected in ("train.lr", "train.stepz", "did you mean train.steps", "modle", "did you mean model",
+                     "train.optimizer", "resolution 1000"):
+        assert expected in err, expected
+
+
+def test_missing_paths_are_reported_together(tmp_path, capsys):
+    code = main(["train", "--set", f"data.path={tmp_path / 'nope'}", "--set",
+                 f"model.path={tmp_path / 'missing.safetensors'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.path" in err and "model.path" in err and "missing.safetensors" in err
+
+
+def test_example_config_parses():
+    from vramfit.config import load_config
+
+    for example in Path(__file__).resolve().parents[1].glob("examples/*.toml"):
+        cfg = load_config(example, ["model.path=tiny:ssd1b"], need_data=False)
+        assert cfg.train.steps > 0
+
+
+def test_ssd1b_example_is_the_write_up_recipe():
+    from vramfit.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples/ssd1b_full_8gb.toml", ["model.path=tiny:ssd1b"], need_data=False)
+    t = cfg.train
+    assert (t.batch_size, t.grad_accum, t.optimizer, t.precision, t.gradient_checkpointing) == (
+        1, 32, "adafactor", "full_bf16", True)
+    assert cfg.cache.latents and cfg.cache.text and cfg.data.resolution == 1024
+    assert cfg.save.formats == ["single_file"]
+
+
+def test_demo_runs(tmp_path, capsys):
+    assert main(["demo", "--output", str(tmp_path / "demo"), "--steps", "4", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "tiny-ssd1b-demo.safetensors" in printed and "memory by phase" in printed
+    assert (tmp_path / "demo" / "run" / "tiny-ssd1b-demo.safetensors").is_file()
+
+
+def test_inspect_reads_layout_from_keys(capsys, cache_root):
+    assert main(["inspect", "tiny:ssd1b", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "sdxl" and info["mid_block_type"] == "UNetMidBlock2D"
+    assert info["reverse_transformer_layers_per_block"] == [[2, 2, 3], [1, 1, 1], 1]
+    assert info["components"]["unet"]["params"] > 1_000_000
+    assert main(["inspect", "tiny:sdxl"]) == 0
+    text = capsys.readouterr().out
+    assert "UNetMidBlock2DCrossAttn" in text and "unet" in text
+
+
+@pytest.mark.parametrize("fmt", ["diffusers"])
+def test_diffusers_output_loads_in_diffusers_and_trains_again(images, tmp_path, cache_root, fmt):
+    from diffusers import StableDiffusionXLPipeline
+
+    out = tmp_path / "a"
+    assert _run(train_args(images, out, cache_root / "c7", f"save.formats=['{fmt}']", "save.name=m",
+                           "save.dtype=fp32")) == 0
+    folder = out / "m-diffusers"
+    pipe = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
+    assert pipe.unet.config.mid_block_type == "UNetMidBlock2D"
+    assert _run(train_args(images, tmp_path / "b", cache_root / "c7", "save.name=m2",
+                           model=str(folder))) == 0
+    # a diffusers source saved as a single file gets SGM keys for every component
+    sd = load_file(str(tmp_path / "b" / "m2.safetensors"))
+    assert any(k.startswith("conditioner.embedders.1.model.transformer.resblocks.") for k in sd)
+    assert any(k.startswith("first_stage_model.encoder.down.") for k in sd)
