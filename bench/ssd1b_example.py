@@ -69,7 +69,7 @@ def main() -> None:
         build_single_file(ckpt, args.layout)
     print(f"built {ckpt} in {time.time() - t0:.0f} s", flush=True)
     make_synthetic_dataset(args.work / "images", n=args.images, size=1024, seed=0)
-    run_dir = args.work / "run"
+    run_dir = args.work / f"run-accum{args.accum}"
     cmd = [sys.executable, "-m", "vramfit", "train", "examples/ssd1b_full_8gb.toml", "--no-progress",
            "--set", f"model.path={ckpt}", "--set", f"data.path={args.work / 'images'}",
            "--set", f"train.steps={args.steps}", "--set", f"train.grad_accum={args.accum}",
@@ -83,7 +83,7 @@ def main() -> None:
     report["command"] = " ".join(cmd)
     report["wall_seconds"] = round(time.time() - t0, 1)
     report["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    (args.out / f"{args.layout}_example.json").write_text(json.dumps(report, indent=2))
+    (args.out / f"{args.layout}_accum{args.accum}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     sys.exit(proc.returncode)
 
