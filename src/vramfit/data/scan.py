@@ -207,20 +207,25 @@ def _from_kohya_json(root: Path, metadata: Path, problems: list[Problem]) -> lis
     out: list[_Candidate] = []
     seen: set[Path] = set()
     for name, entry in data.items():
-        try:
-            image = _resolve_image(root, name, allow_missing_extension=True)
-            if image in seen:
-                raise _Rejected("duplicate metadata entry for the same image")
-            seen.add(image)
-        except _Rejected as rej:
-            problems.append(Problem(_display_name(root, name), rej.reason))
-            continue
-        try:
-            caption = _kohya_caption(entry)
-            out.append(_Candidate(image, caption, None))
-        except _Rejected as rej:
-            out.append(_Candidate(image, None, rej.reason))
+        _add_entry(root, name, lambda e=entry: _kohya_caption(e), True, seen, problems, out)
     return out
+
+
+def _add_entry(root: Path, name: str, caption_of, allow_missing_extension: bool, seen: set[Path],
+               problems: list[Problem], out: list[_Candidate]) -> None:
+    """Resolve one metadata entry's image (once per image) and its caption into `out`."""
+    try:
+        image = _resolve_image(root, name, allow_missing_extension=allow_missing_extension)
+        if image in seen:
+            raise _Rejected("duplicate metadata entry for the same image")
+        seen.add(image)
+    except _Rejected as rej:
+        problems.append(Problem(_display_name(root, name), rej.reason))
+        return
+    try:
+        out.append(_Candidate(image, caption_of(), None))
+    except _Rejected as rej:
+        out.append(_Candidate(image, None, rej.reason))
 
 
 def _kohya_caption(entry: object) -> str:
@@ -250,19 +255,7 @@ def _from_jsonl(root: Path, metadata: Path, problems: list[Problem]) -> list[_Ca
         if not isinstance(name, str) or not name:
             problems.append(Problem(label, "metadata line has no 'file_name'"))
             continue
-        try:
-            image = _resolve_image(root, name, allow_missing_extension=False)
-            if image in seen:
-                raise _Rejected("duplicate metadata entry for the same image")
-            seen.add(image)
-        except _Rejected as rej:
-            problems.append(Problem(_display_name(root, name), rej.reason))
-            continue
-        try:
-            caption = _jsonl_caption(record)
-            out.append(_Candidate(image, caption, None))
-        except _Rejected as rej:
-            out.append(_Candidate(image, None, rej.reason))
+        _add_entry(root, name, lambda r=record: _jsonl_caption(r), False, seen, problems, out)
     return out
 
 
