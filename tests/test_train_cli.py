@@ -146,7 +146,14 @@ def test_demo_runs(tmp_path, capsys):
     assert main(["demo", "--output", str(tmp_path / "demo"), "--steps", "4", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "tiny-ssd1b-demo.safetensors" in printed and "memory by phase" in printed
-    assert (tmp_path / "demo" / "run" / "tiny-ssd1b-demo.safetensors").is_file()
+    run = tmp_path / "demo" / "run"
+    assert (run / "tiny-ssd1b-demo.safetensors").is_file()
+    assert list((run / "logs").glob("events.out.tfevents.*"))  # TensorBoard is on by default
+    from safetensors import safe_open
+
+    with safe_open(str(run / "tiny-ssd1b-demo.safetensors"), "pt") as fh:
+        meta = fh.metadata()
+    assert "[train]" in meta["vramfit.config"] and meta["vramfit.step"] == "4"
 
 
 def test_inspect_reads_layout_from_keys(capsys, cache_root):
