@@ -107,11 +107,12 @@ def test_bad_files_are_skipped_and_named(images, tmp_path, cache_root, caplog):
 def test_config_errors_are_all_listed_before_loading(images, tmp_path, capsys):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[train]\nlr = "fast"\nstepz = 3\n[data]\nresolution = 1000\n[modle]\npath = "x"\n')
-    code = main(["train", str(cfg), "--set", "train.optimizer=sgd", "--set", f"data.path={images}"])
+    code = main(["train", str(cfg), "--set", "train.optimizer=sgd", "--set", f"data.path={images}",
+                 "--set", "model.path=./nowhere.safetensors"])
     err = capsys.readouterr().err
     assert code == 2
     for expected in ("train.lr", "train.stepz", "did you mean train.steps", "modle", "did you mean model",
-                     "train.optimizer", "resolution 1000"):
+                     "train.optimizer", "resolution 1000", "nowhere.safetensors does not exist"):
         assert expected in err, expected
 
 

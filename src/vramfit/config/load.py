@@ -90,11 +90,27 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.endswith((".safetensors", ".ckpt")) or "\\" in path
 
 
-def check_paths(cfg: RunConfig, *, need_data: bool) -> list[str]:
+def _merged(data: dict) -> dict:
+    """The defaults with the user's values laid over them, for checks that run even when the
+    schema rejected something else (so path problems are listed together with type problems)."""
+    merged = RunConfig().model_dump()
+    for section, values in data.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+    return merged
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def check_paths(data: dict, *, need_data: bool) -> list[str]:
     """Problems that pydantic cannot see: files that do not exist, missing optional packages."""
+    v = _merged(data)
+    model, dat, log, train = v["model"], v["data"], v["logging"], v["train"]
     problems = []
-    mp = cfg.model.path
-    if not mp.startswith("tiny:"):
+    mp = _text(model.get("path"))
+    if mp and not mp.startswith("tiny:"):
         p = Path(mp).expanduser()
         if _looks_local(mp) or p.exists():
             if not p.exists():
@@ -104,22 +120,25 @@ def check_paths(cfg: RunConfig, *, need_data: bool) -> list[str]:
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
                 "like org/name (or tiny:sdxl, tiny:ssd1b)"
             )
-    if cfg.model.tokenizers and not Path(cfg.model.tokenizers).expanduser().is_dir():
-        problems.append(f"model.tokenizers: {cfg.model.tokenizers} is not a folder")
-    if need_data:
-        if cfg.data.path is None:
-            problems.append("data.path: required (a folder of images), e.g. --set data.path=my-images")
-        elif not Path(cfg.data.path).expanduser().is_dir():
-            problems.append(f"data.path: {cfg.data.path} is not a folder")
-    if cfg.data.metadata and not Path(cfg.data.metadata).expanduser().is_file():
-        problems.append(f"data.metadata: {cfg.data.metadata} does not exist")
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    tok = _text(model.get("tokenizers"))
+    if tok and not Path(tok).expanduser().is_dir():
+        problems.append(f"model.tokenizers: {tok} is not a folder")
+    path = _text(dat.get("path"))
+    if need_data and dat.get("path") is None:
+        problems.append("data.path: required (a folder of images), e.g. --set data.path=my-images")
+    elif need_data and path and not Path(path).expanduser().is_dir():
+        problems.append(f"data.path: {path} is not a folder")
+    meta = _text(dat.get("metadata"))
+    if meta and not Path(meta).expanduser().is_file() and not (path and (Path(path) / meta).is_file()):
+        problems.append(f"data.metadata: {meta} does not exist")
+    if log.get("wandb") is True and importlib.util.find_spec("wandb") is None:
         problems.append("logging.wandb: wandb is not installed (pip install wandb) or set it to false")
-    if cfg.train.device.startswith("cuda"):
+    device = train.get("device")
+    if isinstance(device, str) and device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            problems.append(f"train.device: {cfg.train.device} asked for but no CUDA GPU is visible")
+            problems.append(f"train.device: {device} asked for but no CUDA GPU is visible")
     return problems
 
 
@@ -137,13 +156,13 @@ def load_config(
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError([f"not valid TOML: {exc}"], source) from None
     problems = apply_overrides(data, overrides)
+    cfg = None
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         problems += [_describe(e) for e in exc.errors()]
-        raise ConfigError(problems, source) from None
-    problems += check_paths(cfg, need_data=need_data)
-    if problems:
+    problems += check_paths(data, need_data=need_data)
+    if problems or cfg is None:
         raise ConfigError(problems, source)
     return cfg
 

@@ -24,7 +24,7 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
-from vramfit.train.data import TrainingData, free_device_memory, make_records
+from vramfit.train.data import DTYPES, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopResult, run_loop
 from vramfit.train.logs import RunLogger
 
@@ -68,13 +68,17 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan)."""
     result = scan(cfg)
     with tracker.phase("load"):
-        source = resolve_source(cfg.model, cache_root(cfg) )
+        source = resolve_source(cfg.model, cache_root(cfg))
         family = detect_family(source, cfg.model.family)
         bundle = family.load(source)
     data = TrainingData(family, bundle, make_records(result.items, cfg.data, cfg.train.seed), cfg.data,
                         cfg.cache, DiskCache(cache_root(cfg) / "entries"), device)
-    if cfg.cache.vae_dtype == "bf16":
-        bundle.vae.to(torch.bfloat16)
+    # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in fp16);
+    # half-precision text encoders are kept on GPUs but widened for the CPU, which lacks fast fp16.
+    bundle.vae.to(DTYPES[cfg.cache.vae_dtype])
+    if device.type == "cpu":
+        for enc in bundle.text_encoders:
+            enc.to(torch.float32)
     data.assign_keys()
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
@@ -110,7 +114,7 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
     dtype = SAVE_DTYPES[cfg.save.dtype]
     meta = {"vramfit.version": _version(), "vramfit.config": dump_config(cfg),
             "vramfit.step": str(step if step is not None else cfg.train.steps),
-            "vramfit.base_model": bundle.source.label, "modelspec.architecture": f"stable-diffusion-xl-v1-base",
+            "vramfit.base_model": bundle.source.label, "modelspec.architecture": "stable-diffusion-xl-v1-base",
             "vramfit.layout": bundle.layout}
     paths = []
     if "single_file" in cfg.save.formats:
