@@ -70,12 +70,13 @@ def meta_tensors(header: dict[str, dict], prefix: str = "") -> dict[str, torch.T
     }
 
 
-def load_prefixed(path: Path, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Load the tensors whose key starts with `prefix`, with the prefix stripped."""
+def load_prefixed(path: Path, prefix: str, dtype: torch.dtype | None = None,
+                  exclude: str | None = None) -> dict[str, torch.Tensor]:
+    """Load the tensors whose key starts with `prefix` (and not with `exclude`), prefix stripped."""
     out = {}
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         for key in fh.keys():
-            if key.startswith(prefix):
+            if key.startswith(prefix) and not (exclude and key.startswith(exclude)):
                 t = fh.get_tensor(key)
                 out[key[len(prefix):]] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out

@@ -131,7 +131,10 @@ class SDXLFamily:
         with torch.device("meta"):
             probe = cls(config)
         state = clipfmt.normalize_hf_clip_keys(state, probe)
-        model = cls(config)  # small enough to build for real; keeps non-persistent buffers right
+        # Built for real (small, and non-persistent buffers come out right), then kept in the
+        # precision the file stores: an fp16 bigG on the GPU is half the size of an fp32 one.
+        stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        model = cls(config).to(stored)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("position_ids")]
         if missing or unexpected:
@@ -222,9 +225,7 @@ class SDXLFamily:
         src = bundle.source
         if src.kind == "single_file":
             # Everything that is not the UNet is copied byte for byte from the input file.
-            for key, t in load_prefixed(src.path, "").items():
-                if not key.startswith(UNET):
-                    state[key] = t
+            state.update(load_prefixed(src.path, "", exclude=UNET))
         else:
             vae, (enc1, enc2) = self.load_encoders(src)
             state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
