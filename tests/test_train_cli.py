@@ -184,3 +184,5 @@ def test_diffusers_output_loads_in_diffusers_and_trains_again(images, tmp_path, 
     sd = load_file(str(tmp_path / "b" / "m2.safetensors"))
     assert any(k.startswith("conditioner.embedders.1.model.transformer.resblocks.") for k in sd)
     assert any(k.startswith("first_stage_model.encoder.down.") for k in sd)
+    tiny = load_file(str(cache_root / "c7" / "tiny" / "tiny-ssd1b-v1" / "tiny-ssd1b.safetensors"))
+    assert set(sd) == set(tiny)  # same key set as a single file made by the usual tools

@@ -230,7 +230,10 @@ class SDXLFamily:
             vae, (enc1, enc2) = self.load_encoders(src)
             state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(enc1.state_dict()).items()})
-            state.update({CLIP_G + k: v for k, v in clipfmt.hf_to_openclip(enc2.state_dict()).items()})
+            # OpenCLIP files carry the contrastive temperature, which text conditioning never
+            # uses and diffusers drops; write ln(100), its trained value, so the key set is complete.
+            bigg = clipfmt.hf_to_openclip(enc2.state_dict(), logit_scale=torch.tensor(4.6052))
+            state.update({CLIP_G + k: v for k, v in bigg.items()})
         save_atomic(state, path, metadata)
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
