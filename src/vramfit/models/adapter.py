@@ -63,8 +63,12 @@ class Family(Protocol):
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor: ...
 
-    def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], time_ids: torch.Tensor) -> torch.Tensor: ...
+    def training_loss(self, bundle: ModelBundle, batch: dict[str, torch.Tensor], cfg: Any,
+                      generator: torch.Generator, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The family's objective on one micro-batch (cached/live encodings), random draws
+        from `generator` only."""
+        ...
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None: ...

@@ -22,6 +22,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.models.adapter import ModelBundle, Source
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
+from vramfit.train.objectives import epsilon_inputs, min_snr_weights, weighted_mse
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -211,6 +212,16 @@ class SDXLFamily:
                 text: dict[str, torch.Tensor], time_ids: torch.Tensor) -> torch.Tensor:
         return bundle.denoiser(noisy, timesteps, encoder_hidden_states=text["prompt_embeds"],
                                added_cond_kwargs={"text_embeds": text["pooled"], "time_ids": time_ids}).sample
+
+    def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                      device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Epsilon-prediction loss on SDXL's DDPM schedule, with noise offset and min-SNR weights."""
+        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator).to(device)
+        noisy, noise, timesteps = epsilon_inputs(latents, bundle.noise_scheduler, generator, cfg.noise_offset)
+        text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
+        pred = self.predict(bundle, noisy.to(dtype), timesteps, text, batch["time_ids"].to(device, dtype))
+        weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
+        return weighted_mse(pred, noise, weights)
 
     # ---- saving ------------------------------------------------------------------------------
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

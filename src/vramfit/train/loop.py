@@ -13,7 +13,6 @@ import torch
 from vramfit.config.schema import TrainConfig
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.train.data import TrainingData
-from vramfit.train.objectives import epsilon_inputs, min_snr_weights, weighted_mse
 
 
 @dataclass
@@ -31,16 +30,10 @@ class LoopResult:
 def micro_step_loss(family: Family, bundle: ModelBundle, batch: dict, cfg: TrainConfig,
                     generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Loss of one micro-batch (not yet divided by the accumulation count)."""
-    latents = family.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator).to(device)
-    noisy, noise, timesteps = epsilon_inputs(latents, bundle.noise_scheduler, generator, cfg.noise_offset)
-    text = {"prompt_embeds": batch["prompt_embeds"].to(device, dtype), "pooled": batch["pooled"].to(device, dtype)}
-    time_ids = batch["time_ids"].to(device, dtype)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "mixed_bf16"
                 else nullcontext())
     with autocast:
-        pred = family.predict(bundle, noisy.to(dtype), timesteps, text, time_ids)
-    weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
-    return weighted_mse(pred, noise, weights)
+        return family.training_loss(bundle, batch, cfg, generator, device, dtype)
 
 
 def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer, schedule,
