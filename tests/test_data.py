@@ -84,7 +84,10 @@ def test_caption_folder_keeps_good_items_and_reports_each_bad_one(tmp_path):
 
     assert result.source == "captions"
     assert [i.key for i in result.items] == ["good1.png", "sub/good2.jpg"]
-    assert result.items[0] == Item(good1, "good1.png", "a blue square", 300, 300)
+    import hashlib
+
+    digest = hashlib.sha256(good1.read_bytes()).hexdigest()
+    assert result.items[0] == Item(good1, "good1.png", "a blue square", 300, 300, digest)
     assert result.items[1].caption == "a photo with a BOM"
     assert (result.items[1].width, result.items[1].height) == (400, 300)
 
@@ -353,3 +356,24 @@ def test_synthetic_dataset_is_deterministic_and_scans_clean(tmp_path):
         words = item.caption.split()
         assert words[0] == "a" and words[2] in {"circle", "square", "triangle"}
         assert item.caption.endswith("background")
+
+
+def test_symlinks_out_of_the_dataset_and_duplicates_are_reported(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    root = tmp_path / "data"
+    make_synthetic_dataset(root, n=3, size=64, seed=2)
+    secret = outside / "secret.png"
+    secret.write_bytes((root / "0000.png").read_bytes())
+    (root / "link.png").symlink_to(secret)
+    (root / "link.txt").write_text("a linked image")
+    (root / "inside.png").symlink_to(root / "0001.png")  # a link that stays inside is fine
+    (root / "inside.txt").write_text("another caption for the same picture")
+    (root / "copy.png").write_bytes((root / "0002.png").read_bytes())
+    (root / "copy.txt").write_text((root / "0002.txt").read_text())
+    result = scan_dataset(root, min_size=64)
+    reasons = {p.path: p.reason for p in result.problems}
+    assert reasons["link.png"].startswith("symlink leads outside the dataset folder")
+    assert reasons["copy.png"] == "duplicate of 0002.png (same image and caption)"
+    keys = {i.key for i in result.items}
+    assert keys == {"0000.png", "0001.png", "0002.png", "inside.png"}

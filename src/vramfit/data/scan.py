@@ -39,6 +39,7 @@ class Item:
     caption: str
     width: int
     height: int
+    sha256: str = ""  # of the file's bytes: the cache key and duplicate detection use it
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,14 @@ def scan_dataset(
             )
 
     items: list[Item] = []
+    seen: dict[tuple[str, str], str] = {}
+    real_root = root.resolve()
     with _pil_limits(max_pixels):
         for cand in candidates:
             key = cand.path.relative_to(root).as_posix()
             ok = True
             try:
+                _check_inside(cand.path, real_root)
                 width, height = _check_image(cand.path, min_size, max_pixels)
             except _Rejected as rej:
                 problems.append(Problem(key, rej.reason))
@@ -128,9 +132,33 @@ def scan_dataset(
             if cand.caption_problem is not None:
                 problems.append(Problem(key, cand.caption_problem))
                 ok = False
-            if ok:
-                items.append(Item(cand.path, key, cand.caption, width, height))
+            if not ok:
+                continue
+            digest = _sha256(cand.path)
+            first = seen.setdefault((digest, cand.caption), key)
+            if first != key:
+                # Same bytes and same caption: training on both would silently double its weight.
+                problems.append(Problem(key, f"duplicate of {first} (same image and caption)"))
+                continue
+            items.append(Item(cand.path, key, cand.caption, width, height, digest))
     return ScanResult(items=items, problems=problems, source=source)
+
+
+def _check_inside(path: Path, real_root: Path) -> None:
+    """Reject files that are, or sit behind, symlinks leading out of the dataset folder."""
+    target = path.resolve()
+    if not target.is_relative_to(real_root):
+        raise _Rejected(f"symlink leads outside the dataset folder (to {target})")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _locate_metadata(metadata: Path, root: Path) -> Path:

@@ -42,7 +42,7 @@ def make_records(items: list[Item], data_cfg: DataConfig, seed: int) -> list[Rec
     for item in items:
         bucket = assign_bucket(item.width, item.height, buckets)
         crop_seed = int(digest(seed, item.key)[:8], 16) if data_cfg.random_crop else 0
-        records.append(Record(item, tuple(bucket), file_digest(item.path), crop_seed))
+        records.append(Record(item, tuple(bucket), item.sha256 or file_digest(item.path), crop_seed))
     return records
 
 
