@@ -10,9 +10,12 @@ from typing import Optional, Sequence
 
 from vramfit.config import ConfigError, load_config
 from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.data.cache import CacheWriteError
 from vramfit.models.sources import SourceError
+from vramfit.train.loop import NonFiniteLoss
 
-USER_ERRORS = (ConfigError, CheckpointError, SourceError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, CheckpointError, SourceError, FileNotFoundError, ValueError, NonFiniteLoss,
+               CacheWriteError)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="cache the dataset, train, save a checkpoint and a memory report")
     _add_config_args(p)
+    p.add_argument("--resume", metavar="latest|PATH",
+                   help="continue from the newest state in output.dir/state (latest) or a state folder")
     p = sub.add_parser("cache", help="only scan the dataset and fill the latent and text cache")
     _add_config_args(p)
     p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
@@ -45,14 +50,19 @@ def cmd_train(args) -> int:
     from vramfit.train.setup import train_run
 
     cfg = load_config(args.config, args.overrides)
-    result = train_run(cfg, progress=not args.no_progress)
+    result = train_run(cfg, progress=not args.no_progress, resume=args.resume)
     print_summary(result)
+    if result.loop.interrupted:
+        print(f"\nstopped by {result.loop.interrupted}; the training state is saved. Continue with:\n"
+              f"  vramfit train {args.config or ''} ... --resume latest   (same --set options)")
+        return 130 if result.loop.interrupted == "SIGINT" else 143
     return 0
 
 
 def print_summary(result) -> None:
+    last = f"{result.loop.losses[-1]:.4f}" if result.loop.losses else "-"
     print(f"\ntrained {len(result.loop.losses)} steps on {len(result.scan.items)} images "
-          f"({len(result.scan.problems)} skipped); final loss {result.loop.losses[-1]:.4f}")
+          f"({len(result.scan.problems)} skipped); final loss {last}")
     print("\nmemory by phase:\n" + result.report.table())
     print(f"\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
     print(f"memory report, config and logs: {result.output_dir}")

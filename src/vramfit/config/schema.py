@@ -31,6 +31,9 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    allow_pickle: bool = Field(
+        False, description="Load a pickle .ckpt (with torch.load(weights_only=True)); pickle files "
+        "can run code when loaded by other tools, so they are refused unless this is set.")
 
 
 class DataConfig(_Section):
@@ -94,6 +97,11 @@ class TrainConfig(_Section):
     min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting; 0 disables.")
     seed: int = 42
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    nonfinite: Literal["skip", "stop"] = Field(
+        "skip",
+        description="A NaN/inf loss or gradient: skip that optimizer step (counted in run.json), "
+        "or stop the run naming the step and the batch's files.",
+    )
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
@@ -109,6 +117,10 @@ class SaveConfig(_Section):
     formats: list[Literal["single_file", "diffusers"]] = Field(["single_file"], min_length=1)
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    state_every_steps: int = Field(
+        0, ge=0, description="Save a resumable training state every N steps (also written at "
+        "the end and on Ctrl-C/SIGTERM); 0: every_steps when set, else only end and interrupt.")
+    keep_last: int = Field(3, ge=1, description="Intermediate checkpoints and states kept (newest).")
 
 
 class OutputConfig(_Section):
@@ -130,6 +142,15 @@ class RunConfig(_Section):
     save: SaveConfig = SaveConfig()
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _saves_can_happen(self) -> "RunConfig":
+        for key in ("every_steps", "state_every_steps"):
+            value = getattr(self.save, key)
+            if value > self.train.steps:
+                raise ValueError(f"save.{key} ({value}) is larger than train.steps "
+                                 f"({self.train.steps}), so it would never save")
+        return self
 
     @property
     def output_dir(self) -> Path:

@@ -10,14 +10,15 @@ from vramfit.config.schema import RunConfig
 
 
 class RunLogger:
-    def __init__(self, cfg: RunConfig, out: Path, progress: bool, device: torch.device):
+    def __init__(self, cfg: RunConfig, out: Path, progress: bool, device: torch.device, start_step: int = 0):
         self.device = device
         self.images_per_step = cfg.train.batch_size * cfg.train.grad_accum
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=cfg.train.steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True)
         self.tb = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

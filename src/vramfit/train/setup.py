@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,7 +28,8 @@ from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train.data import DTYPES, TrainingData, free_device_memory, make_records
-from vramfit.train.loop import LoopResult, run_loop
+from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
+from vramfit.train.state import Progress, check_compatible, find_state, load_state, read_meta, save_state
 from vramfit.train.logs import RunLogger
 
 log = logging.getLogger("vramfit")
@@ -107,8 +111,16 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
         unet.disable_gradient_checkpointing()
 
 
+def assert_finite(model: torch.nn.Module) -> None:
+    """Refuse to write a checkpoint that holds NaN or inf (it would poison every later use)."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise NonFiniteLoss(f"parameter {name} holds NaN or inf; nothing was saved")
+
+
 def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list[Path]:
     """Write the formats asked for; `step` None means the final save."""
+    assert_finite(bundle.denoiser)
     out = cfg.output_dir
     name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
     dtype = SAVE_DTYPES[cfg.save.dtype]
@@ -125,11 +137,62 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
         folder = out / f"{name}-diffusers"
         family.save_diffusers(bundle, folder, dtype)
         paths.append(folder)
+    if step is not None:
+        for suffix in (".safetensors", "-diffusers"):
+            _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last)
     return paths
 
 
-def train_run(cfg: RunConfig, *, progress: bool = True) -> RunResult:
+def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int) -> None:
+    import shutil
+
+    found = sorted(p for p in out.glob(f"{prefix}*{suffix}") if p.name[len(prefix):-len(suffix)].isdigit())
+    for old in found[:-keep]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+@contextmanager
+def stop_on_signals(flag: StopFlag):
+    """First SIGINT/SIGTERM: finish the current step, save state, exit. A second one: stop now."""
+    def handler(signum, frame):
+        if flag.requested:
+            raise KeyboardInterrupt
+        flag.requested = signal.Signals(signum).name
+        log.warning("%s received: stopping after this step and saving the training state "
+                    "(send it again to stop at once)", flag.requested)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
+                     generator: torch.Generator) -> Progress:
+    if not resume:
+        return Progress()
+    path = find_state(cfg.output_dir, resume)
+    check_compatible(read_meta(path)["config"], cfg.model_dump(mode="json"), path)
+    progress = load_state(path, bundle.denoiser, optimizer, schedule, generator)
+    log.info("resumed from %s at step %d (epoch %d)", path, progress.step, progress.epoch)
+    return progress
+
+
+def check_resumable(cfg: RunConfig, resume: Optional[str]) -> None:
+    """Fail before any weight loads when --resume cannot work."""
+    if resume:
+        path = find_state(cfg.output_dir, resume)
+        check_compatible(read_meta(path)["config"], cfg.model_dump(mode="json"), path)
+
+
+def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
     device = pick_device(cfg.train.device)
+    check_resumable(cfg, resume)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -139,25 +202,43 @@ def train_run(cfg: RunConfig, *, progress: bool = True) -> RunResult:
     place_denoiser(bundle, cfg, device)
     optimizer = build_optimizer(bundle.denoiser.parameters(), cfg.train)
     schedule = build_schedule(optimizer, cfg.train)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator)
+    start = state.step
     saved: list[Path] = []
-    logger = RunLogger(cfg, out, progress, device)
-    with tracker.phase("train") as phase:
-        result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device,
-                          on_step=logger.step, save_every=cfg.save.every_steps,
-                          on_save=lambda s: saved.extend(save_checkpoint(family, bundle, cfg, s)))
+    config_json = cfg.model_dump(mode="json")
+
+    def write_state(p: Progress) -> None:
+        assert_finite(bundle.denoiser)
+        save_state(out, bundle.denoiser, optimizer, schedule, generator, p, config_json, cfg.save.keep_last)
+
+    hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
+                      on_save=lambda p: saved.extend(save_checkpoint(family, bundle, cfg, p.step)),
+                      on_state=write_state)
+    logger = RunLogger(cfg, out, progress, device, start)
+    hooks.on_step = logger.step
+    flag = StopFlag()
+    with tracker.phase("train") as phase, stop_on_signals(flag):
+        result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
+                          hooks, flag)
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
     logger.close()
+    with tracker.phase("save"):
+        write_state(state)  # also at the end, so a finished run can be extended with more steps
+        if not result.interrupted:
+            saved += save_checkpoint(family, bundle, cfg, None)
     del optimizer
     free_device_memory(device)
-    with tracker.phase("save"):
-        saved += save_checkpoint(family, bundle, cfg, None)
     report = tracker.report
     report.write(out / f"{cfg.save.name}.memory.json")
     write_text_atomic(out / "run.json", json.dumps(
         {"versions": _versions(), "seed": cfg.train.seed, "items": len(scanned.items),
          "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
-         "cache": data.stats, "losses": result.losses, "nonfinite_steps_skipped": result.skipped,
+         "cache": data.stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
+         "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
+         "interrupted": result.interrupted, "losses": result.losses,
+         "nonfinite_steps_skipped": state.nonfinite_skipped,
          "checkpoints": [str(p) for p in saved]}, indent=2))
     return RunResult(out, saved, report, result, scanned, data.stats)
 
