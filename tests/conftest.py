@@ -3,9 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
+import torch
 
 from vramfit.data.synth import make_synthetic_dataset
+
+# Under pytest-xdist every worker is a process; with torch's default of one thread per core, two
+# workers on two cores oversubscribe and OpenMP's spin-waits slow the tiny models many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the subprocesses some tests start
 
 SIZE = 64  # image side for training tests: 8x8 latents keep each step in milliseconds
 
