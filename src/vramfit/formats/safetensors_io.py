@@ -35,7 +35,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
     if path.suffix in (".ckpt", ".pt", ".pth", ".bin"):
         raise CheckpointError(
             f"{path}: pickle checkpoints are not loaded (they can run code); convert it to "
-            ".safetensors first, or use the diffusers folder of the model"
+            ".safetensors, or set model.allow_pickle=true to read it with weights_only"
         )
     size = path.stat().st_size
     with open(path, "rb") as fh:

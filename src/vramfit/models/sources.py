@@ -21,6 +21,9 @@ _REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.saf
 SDXL_TOKENIZER_REPO = "stabilityai/stable-diffusion-xl-base-1.0"
 
 
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+
 class SourceError(ValueError):
     """A model.path that cannot be turned into a model; the message says what to provide."""
 
@@ -38,6 +41,9 @@ def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Sourc
         path = materialize(text.split(":", 1)[1], cache_root / "tiny")
         return Source("single_file", path, tokenizers or path.parent, label=text)
     path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
+        converted = convert_pickle(path, cache_root / "converted", cfg.allow_pickle)
+        return Source("single_file", converted, tokenizers or find_tokenizers(path), label=text)
     if path.is_file():
         return Source("single_file", path, tokenizers or find_tokenizers(path), label=text)
     if path.is_dir():
@@ -131,3 +137,33 @@ def require_tokenizers(source: Source) -> Path:
         if not (source.tokenizers / sub).is_dir():
             raise CheckpointError(f"model.tokenizers: {source.tokenizers} has no {sub}/ folder")
     return source.tokenizers
+
+
+def convert_pickle(path: Path, folder: Path, allowed: bool) -> Path:
+    """A pickle checkpoint, read with torch.load(weights_only=True), as a cached .safetensors.
+
+    Refused unless model.allow_pickle is set: weights_only blocks code execution in current
+    torch, but the file stays a pickle that other tools may load unsafely, so it is opt-in.
+    """
+    if not allowed:
+        raise SourceError(
+            f"model.path: {path} is a pickle checkpoint; pickle files can run code when loaded. "
+            "Convert it to .safetensors, or set model.allow_pickle=true to read it with "
+            "torch.load(weights_only=True)")
+    import torch
+
+    from vramfit.data.fingerprint import file_digest
+    from vramfit.formats.safetensors_io import save_atomic
+
+    target = folder / f"{path.stem}-{file_digest(path)[:16]}.safetensors"
+    if target.is_file():
+        return target
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise SourceError(f"model.path: {path} could not be read as a weights-only pickle ({exc})") from None
+    state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise SourceError(f"model.path: {path} holds no tensor state dict")
+    save_atomic({k: v.contiguous() for k, v in state.items()}, target, {"vramfit.converted_from": path.name})
+    return target

@@ -68,6 +68,19 @@ class TrainingData:
         self.data_cfg, self.cache_cfg, self.cache, self.device = data_cfg, cache_cfg, cache, device
         self.stats = {"latents_cached": 0, "latents_reused": 0, "text_cached": 0, "text_reused": 0}
 
+    def warn_long_captions(self) -> int:
+        """Name every caption the text encoders will truncate; returns how many."""
+        long = 0
+        for r in self.records:
+            for tok in self.bundle.tokenizers:
+                n = len(tok(r.item.caption, truncation=False).input_ids)
+                if n > tok.model_max_length:
+                    log.warning("caption of %s is %d tokens; the text encoder keeps the first %d",
+                                r.item.key, n, tok.model_max_length)
+                    long += 1
+                    break
+        return long
+
     # ---- cache stage -------------------------------------------------------------------------
     def assign_keys(self) -> None:
         store = self.cache_cfg.dtype

@@ -83,6 +83,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     if device.type == "cpu":
         for enc in bundle.text_encoders:
             enc.to(torch.float32)
+    data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
