@@ -91,8 +91,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_refuses_pickle_and_truncated_files(tmp_path):
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"not really")
-    with pytest.raises(CheckpointError, match="pickle"):
+    with pytest.raises(SourceError, match="allow_pickle"):
         _load(str(ckpt))
+    with pytest.raises(SourceError, match="could not be read as a weights-only pickle"):
+        _load(str(ckpt), allow_pickle=True)
     _, bundle = _load("tiny:sdxl")
     data = bundle.source.path.read_bytes()
     cut = tmp_path / "cut.safetensors"

@@ -264,3 +264,54 @@ def test_long_captions_are_truncated_with_a_warning(images, tmp_path, cache_root
     with caplog.at_level("WARNING"):
         assert main(train_args(images, tmp_path / "run", cache_root / "t")) == 0
     assert f"caption of {long.with_suffix('.png').name}" in caplog.text and "keeps the first 77" in caplog.text
+
+
+def test_every_kind_of_odd_image_trains_or_is_named(tmp_path, cache_root, caplog):
+    """One dataset holding each odd or bad input, trained through the CLI."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "odd"
+    root.mkdir()
+    rgb = Image.new("RGB", (80, 64), (200, 30, 30))
+
+    def put(name: str, image=None, caption: "str | bytes | None" = "a picture", raw: bytes = None):
+        path = root / name
+        if raw is not None:
+            path.write_bytes(raw)
+        else:
+            image.save(path)
+        if caption is not None:
+            cap = path.with_suffix(".txt")
+            cap.write_bytes(caption) if isinstance(caption, bytes) else cap.write_text(caption)
+
+    put("cmyk.jpg", rgb.convert("CMYK"))
+    put("rgba.png", Image.new("RGBA", (64, 80), (0, 0, 255, 100)))
+    put("palette.png", rgb.convert("P"))
+    put("gray.png", rgb.convert("L"))
+    put("deep.png", Image.fromarray(np.full((64, 64), 40000, dtype=np.uint16)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rotated = root / "rotated.jpg"
+    Image.new("RGB", (96, 64), (10, 200, 10)).save(rotated, exif=exif)
+    rotated.with_suffix(".txt").write_text("a rotated picture")
+    good = (root / "cmyk.jpg").read_bytes()
+    put("truncated.jpg", raw=good[: len(good) // 2])
+    put("zero.png", raw=b"")
+    put("text.png", raw=b"just some words")
+    put("tiny.png", Image.new("RGB", (16, 16)))
+    put("latin1.png", rgb, caption="caf\xe9".encode("latin-1"))
+    put("empty.png", rgb.rotate(90, expand=True), caption="   ")
+    put("bomb.png", Image.new("RGB", (4000, 4000)))
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING"):
+        code = main(train_args(root, out, cache_root / "odd", "data.max_pixels=1000000"))
+    assert code == 0
+    run = _run_json(out)
+    skipped = {s["path"]: s["reason"] for s in run["skipped"]}
+    assert set(skipped) == {"truncated.jpg", "zero.png", "text.png", "tiny.png", "latin1.png", "empty.png",
+                            "bomb.png"}
+    assert "over the limit" in skipped["bomb.png"]
+    assert run["items"] == 6  # cmyk, rgba, palette, gray, 16-bit and the EXIF-rotated one
+    for name in skipped:
+        assert name in caplog.text

@@ -48,6 +48,8 @@ class DataConfig(_Section):
     bucket_step: int = Field(64, ge=8, le=512)
     max_aspect: float = Field(4.0, ge=1.0, le=8.0)
     min_size: int = Field(256, ge=1, description="Images with a shorter side are skipped.")
+    max_pixels: int = Field(178_956_970, ge=1, description="Larger images are skipped unopened "
+                            "(decompression-bomb guard; PIL's own default limit).")
     random_crop: bool = False
     shuffle: bool = True
 
