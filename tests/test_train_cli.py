@@ -75,11 +75,10 @@ def test_cached_and_live_encoding_train_identically(images, tmp_path, cache_root
                                f"cache.text={text}", "train.precision=fp32", "train.steps=3",
                                "train.batch_size=2", "save.name=m")) == 0
         losses.append(json.loads((out / "run.json").read_text())["losses"])
-    # The first step's loss is equal to the last bit: same latents, noise, timesteps and
-    # embeddings. Later steps agree to float32 rounding only: the cache encodes captions 64 at a
-    # time, which changes BLAS blocking in the last bit, and Adafactor's first updates are nearly
-    # sign updates, so a gradient of ~1e-9 can flip one parameter's step.
-    assert losses[0][0] == losses[1][0]
+    # Same latents, noise, timesteps and embeddings, to float32 rounding: the cache encodes
+    # captions 64 at a time and the live path one batch at a time, and BLAS blocking then differs
+    # in the last bit (how much depends on the thread count); Adafactor's first updates are
+    # nearly sign updates, which can carry such a bit into one parameter's step.
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert len(set(losses[0])) == 3
 
