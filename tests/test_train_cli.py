@@ -185,3 +185,16 @@ def test_diffusers_output_loads_in_diffusers_and_trains_again(images, tmp_path, 
     assert any(k.startswith("first_stage_model.encoder.down.") for k in sd)
     tiny = load_file(str(cache_root / "c7" / "tiny" / "tiny-ssd1b-v1" / "tiny-ssd1b.safetensors"))
     assert set(sd) == set(tiny)  # same key set as a single file made by the usual tools
+
+
+def test_impossible_combinations_are_config_errors(images, capsys):
+    code = main(["train", "--set", f"data.path={images}", "--set", "train.steps=10", "--set",
+                 "train.warmup_steps=10", "--set", "save.every_steps=50", "--set", "train.device=cuda"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "warmup_steps (10) must be smaller than steps (10)" in err
+    if not torch.cuda.is_available():
+        assert "train.device: cuda asked for but no CUDA GPU is visible" in err
+    code = main(["train", "--set", f"data.path={images}", "--set", "train.steps=10", "--set",
+                 "save.every_steps=50"])
+    assert code == 2 and "save.every_steps (50) is larger than train.steps (10)" in capsys.readouterr().err
