@@ -1,0 +1,399 @@
+"""The Stable Diffusion 3 family: SD3 Medium and SD3.5-shaped MMDiTs (qk-norm, dual attention).
+
+The transformer layout is read from the checkpoint's keys (formats/sd3_mmdit.py). Text
+conditioning is SD3's: the penultimate hidden states of CLIP-L and CLIP-G concatenated (2048 wide
+at full size), zero-padded to the joint attention width and followed on the sequence axis by T5's
+output; the pooled vector is both CLIPs' projected pooled outputs side by side. CLIP-L has no
+projection in Stability's files, so an identity projection stands in (as diffusers and ComfyUI
+do). T5 is optional: without it its part of the sequence is zeros, as SD3 allows.
+Training is rectified flow (train/flow.py) on SD3's shift-3 sigma table.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from vramfit.formats import clip as clipfmt
+from vramfit.formats import ldm_vae
+from vramfit.formats.safetensors_io import (
+    CheckpointError, load_prefixed, meta_tensors, read_header, save_atomic, write_text_atomic,
+)
+from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
+from vramfit.models.adapter import ModelBundle, Source
+from vramfit.models.sdxl import SDXLFamily, _build, _count, _merge
+from vramfit.models.sources import require_tokenizers
+from vramfit.train import flow
+from vramfit.train.objectives import weighted_mse
+
+TRANSFORMER = "model.diffusion_model."
+VAE = "first_stage_model."
+CLIP_L = "text_encoders.clip_l.transformer."
+CLIP_G = "text_encoders.clip_g.transformer."
+T5 = "text_encoders.t5xxl.transformer."
+VAE_SCALE = 1.5305
+VAE_SHIFT = 0.0609
+CLIP_MAX_LENGTH = 77
+DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SDXL = SDXLFamily()  # for the helpers both families share (CLIP building, tokenizers, VAE encoding)
+
+# (layers, width, qk_norm, dual attention layers) of the released models -> layout name
+_LAYOUTS = {
+    (24, 1536, None, ()): "sd3-medium",
+    (24, 1536, "rms_norm", tuple(range(13))): "sd3.5-medium",
+    (38, 2432, "rms_norm", ()): "sd3.5-large",
+}
+_ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
+                  "sd3.5-large": "stable-diffusion-3.5-large"}
+
+
+def layout_name(config: dict) -> str:
+    key = (config["num_layers"], config["caption_projection_dim"], config.get("qk_norm"),
+           tuple(config.get("dual_attention_layers") or ()))
+    return _LAYOUTS.get(key, "sd3-custom")
+
+
+def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
+    """``T5Config`` kwargs of an encoder read from ``T5EncoderModel`` keys and shapes."""
+    def need(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise ValueError(f"not a T5 encoder state dict: missing key {key!r}")
+        return sd[key]
+
+    emb = need("shared.weight")
+    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
+    if not blocks or blocks != set(range(len(blocks))):
+        raise ValueError(f"T5 encoder block numbering is not contiguous from 0: {sorted(blocks)[:10]}")
+    rel = need("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    heads = int(rel.shape[1])
+    inner = int(need("encoder.block.0.layer.0.SelfAttention.q.weight").shape[0])
+    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
+    wi = need("encoder.block.0.layer.1.DenseReluDense." + ("wi_0" if gated else "wi") + ".weight")
+    return {
+        "vocab_size": int(emb.shape[0]), "d_model": int(emb.shape[1]), "d_kv": inner // heads,
+        "num_heads": heads, "d_ff": int(wi.shape[0]), "num_layers": len(blocks),
+        "relative_attention_num_buckets": int(rel.shape[0]), "relative_attention_max_distance": 128,
+        "feed_forward_proj": "gated-gelu" if gated else "relu", "is_encoder_decoder": False,
+        "layer_norm_epsilon": 1e-6, "dropout_rate": 0.0, "pad_token_id": 0, "eos_token_id": 1,
+        "decoder_start_token_id": 0, "use_cache": False, "tie_word_embeddings": False,
+    }
+
+
+class SD3Family:
+    name = "sd3"
+
+    # ---- detection ---------------------------------------------------------------------------
+    def detect_single_file(self, keys: set[str]) -> bool:
+        return any(k.startswith(TRANSFORMER + "joint_blocks.") for k in keys)
+
+    def detect_diffusers(self, model_index: dict) -> bool:
+        return model_index.get("_class_name", "").startswith("StableDiffusion3")
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load(self, source: Source) -> ModelBundle:
+        if source.kind == "single_file":
+            transformer, vae, encoders = self._load_single_file(source.path)
+            scheduler = self._scheduler(None)
+        else:
+            transformer, vae, encoders = self._load_diffusers(source.path)
+            scheduler = self._scheduler(source.path)
+        tok_dir = require_tokenizers(source)
+        tokenizers = self.load_tokenizers(tok_dir, t5=len(encoders) == 3)
+        return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
+                           encoders, tokenizers, scheduler,
+                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH})
+
+    def _scheduler(self, folder: Optional[Path]):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if folder is not None and (folder / "scheduler" / "scheduler_config.json").is_file():
+            return FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=flow.NUM_TRAIN_TIMESTEPS,
+                                               shift=flow.DEFAULT_SHIFT)
+
+    def load_tokenizers(self, folder: Path, t5: bool) -> list[Any]:
+        """CLIP-L and CLIP-G tokenizers (CLIP-G pads with "!", as SDXL's), then T5's when T5 is used."""
+        tokenizers = _SDXL.load_tokenizers(folder)
+        if t5:
+            from transformers import T5TokenizerFast
+
+            if not (folder / "tokenizer_3").is_dir():
+                raise CheckpointError(f"model.tokenizers: {folder} has no tokenizer_3/ folder (the T5 "
+                                      "tokenizer), which this checkpoint's T5 encoder needs")
+            tokenizers.append(T5TokenizerFast.from_pretrained(folder / "tokenizer_3"))
+        return tokenizers
+
+    def _load_single_file(self, path: Path):
+        from diffusers import SD3Transformer2DModel
+
+        header, _ = read_header(path)
+        if not self.detect_single_file(set(header)):
+            raise CheckpointError(f"{path}: no SD3 transformer found (no {TRANSFORMER}joint_blocks.* keys)")
+        config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
+        state = sai_to_diffusers_mmdit(load_prefixed(path, TRANSFORMER))
+        transformer = _build(SD3Transformer2DModel, config, state, "transformer", path)
+        vae, encoders = self._single_file_encoders(path, header)
+        return transformer, vae, encoders
+
+    def _single_file_encoders(self, path: Path, header: dict):
+        from diffusers import AutoencoderKL
+
+        for prefix, what in ((VAE, "VAE"), (CLIP_L, "CLIP-L text encoder"), (CLIP_G, "CLIP-G text encoder")):
+            if not any(k.startswith(prefix) for k in header):
+                raise CheckpointError(
+                    f"{path}: the file has no {what} ({prefix}* keys); vramfit needs an SD3 file with "
+                    "the text encoders (e.g. sd3_medium_incl_clips.safetensors or "
+                    "sd3_medium_incl_clips_t5xxlfp8.safetensors) or a diffusers folder")
+        vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
+                                              shift_factor=VAE_SHIFT)
+        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE", path)
+        clip_l = load_prefixed(path, CLIP_L)
+        if not any(k.endswith("text_projection.weight") for k in clip_l):
+            clip_l["text_projection.weight"] = _identity_projection(clip_l)
+        enc1 = _SDXL._clip(clip_l, "quick_gelu", True, path)
+        enc2 = _SDXL._clip(load_prefixed(path, CLIP_G), "gelu", True, path)
+        encoders = [enc1, enc2]
+        if any(k.startswith(T5) for k in header):
+            encoders.append(self._t5(load_prefixed(path, T5), path))
+        return vae, encoders
+
+    def _t5(self, state: dict[str, torch.Tensor], path: Path):
+        from accelerate import init_empty_weights
+        from transformers import T5Config, T5EncoderModel
+
+        try:
+            config = T5Config(**t5_config_from_keys(state))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        # Stability ships T5-XXL in float8, which no matmul takes: widen it to bfloat16.
+        state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
+        with init_empty_weights():
+            model = T5EncoderModel(config)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()  # encoder.embed_tokens shares shared.weight; files store it once
+        missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: T5 encoder weights do not match "
+                                  f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.device.type == "meta":
+                raise CheckpointError(f"{path}: T5 encoder tensor {name} was not initialised")
+        return model.eval()
+
+    def _load_diffusers(self, folder: Path):
+        from diffusers import AutoencoderKL, SD3Transformer2DModel
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+        for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+            if not (folder / sub / "config.json").is_file():
+                raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
+        transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
+                                                            low_cpu_mem_usage=True)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+        encoders = [CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder").eval(),
+                    CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2").eval()]
+        if (folder / "text_encoder_3" / "config.json").is_file():
+            encoders.append(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3").eval())
+        return transformer.eval(), vae.eval(), encoders
+
+    def load_encoders(self, source: Source):
+        """VAE and text encoders again, for saving after they were freed for training."""
+        if source.kind == "single_file":
+            header, _ = read_header(source.path)
+            return self._single_file_encoders(source.path, header)
+        _, vae, encoders = self._load_diffusers(source.path)
+        return vae, encoders
+
+    # ---- encoding ----------------------------------------------------------------------------
+    def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
+        from vramfit.data.fingerprint import module_fingerprint
+
+        if part == "vae":
+            return "sd3-vae:" + module_fingerprint(bundle.vae)
+        prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
+        t5 = "t5" if len(bundle.text_encoders) == 3 else "no-t5"
+        joint = bundle.denoiser.config.joint_attention_dim
+        return f"sd3-text:{prints}:{t5}:{self._max_len(bundle, None)}:{joint}"
+
+    @staticmethod
+    def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
+        return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
+
+    @torch.no_grad()
+    def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                    dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """prompt_embeds [B, 77 + max_sequence_length, joint_attention_dim] and pooled [B, 2 x proj].
+
+        One encoder is on the device at a time and goes back to the CPU after.
+        """
+        n_t5 = self._max_len(bundle, max_sequence_length)
+        joint = bundle.denoiser.config.joint_attention_dim
+        hidden, pooled = [], []
+        for tokenizer, encoder in zip(bundle.tokenizers[:2], bundle.text_encoders[:2]):
+            ids = tokenizer(captions, padding="max_length", max_length=CLIP_MAX_LENGTH,
+                            truncation=True, return_tensors="pt").input_ids
+            encoder.to(device)
+            out = encoder(ids.to(device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2].float().cpu())
+            pooled.append(out.text_embeds.float().cpu())
+            encoder.to("cpu")
+        clip = torch.cat(hidden, dim=-1)
+        if clip.shape[-1] > joint:
+            raise ValueError(f"the CLIP embeddings are {clip.shape[-1]} wide, more than the transformer's "
+                             f"joint_attention_dim {joint}")
+        clip = torch.nn.functional.pad(clip, (0, joint - clip.shape[-1]))
+        if len(bundle.text_encoders) > 2:
+            t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
+            ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
+                            add_special_tokens=True, return_tensors="pt").input_ids
+            t5.to(device)
+            t5_out = t5(ids.to(device))[0].float().cpu()
+            t5.to("cpu")
+        else:
+            t5_out = torch.zeros(len(captions), n_t5, joint)
+        return {"prompt_embeds": torch.cat([clip, t5_out], dim=-2).to(dtype),
+                "pooled": torch.cat(pooled, dim=-1).to(dtype)}
+
+    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
+        """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
+        return _SDXL.encode_images(bundle, pixels, device, dtype, tiling)
+
+    def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
+                generator: torch.Generator) -> torch.Tensor:
+        mean = encoded["mean"].float()
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
+        std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
+        return (mean + std * eps - VAE_SHIFT) * VAE_SCALE
+
+    def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: dict[str, torch.Tensor]) -> torch.Tensor:
+        return bundle.denoiser(hidden_states=noisy, timestep=timesteps,
+                               encoder_hidden_states=text["prompt_embeds"], pooled_projections=text["pooled"],
+                               return_dict=False)[0]
+
+    def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                      device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Rectified-flow loss (velocity target) with SD3's timestep density and loss weighting."""
+        for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
+            if getattr(cfg, name, 0) > 0:
+                raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
+        scheme = getattr(cfg, "weighting_scheme", flow.DEFAULT_SCHEME)
+        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator).to(device)
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(device)
+        u = flow.sample_density(scheme, latents.shape[0], generator,
+                                logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
+                                logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
+                                mode_scale=getattr(cfg, "mode_scale", flow.DEFAULT_MODE_SCALE))
+        sched = bundle.noise_scheduler.config
+        table = flow.shifted_sigmas(sched.num_train_timesteps, sched.shift)
+        sigmas, timesteps = flow.lookup_sigmas(u, table)
+        noisy, target = flow.flow_inputs(latents, noise, sigmas)
+        text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
+        pred = self.predict(bundle, noisy.to(dtype), timesteps.to(device), text)
+        return weighted_mse(pred, target, flow.loss_weighting(scheme, sigmas).to(device))
+
+    # ---- saving ------------------------------------------------------------------------------
+    def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
+        return {TRANSFORMER + k: v for k, v in diffusers_to_sai_mmdit(sd).items()}
+
+    def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
+                         metadata: dict[str, str]) -> None:
+        """Transformer converted back to SAI keys; VAE and text encoders carried over from the source."""
+        state = self.transformer_sai_state(bundle, dtype)
+        src = bundle.source
+        if src.kind == "single_file":
+            # Everything that is not the transformer is copied byte for byte (T5 stays in fp8).
+            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+        else:
+            vae, encoders = self.load_encoders(src)
+            state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
+            clip_l = clipfmt.to_sgm_clip_keys(encoders[0].state_dict())
+            proj = clip_l.get("text_projection.weight")
+            if proj is not None and torch.equal(proj, torch.eye(proj.shape[0], dtype=proj.dtype)):
+                del clip_l["text_projection.weight"]  # Stability's files carry no CLIP-L projection
+            state.update({CLIP_L + k: v for k, v in clip_l.items()})
+            state.update({CLIP_G + k: v for k, v in clipfmt.to_sgm_clip_keys(encoders[1].state_dict()).items()})
+            if len(encoders) > 2:
+                t5 = {k: v for k, v in encoders[2].state_dict().items() if k != "encoder.embed_tokens.weight"}
+                state.update({T5 + k: v for k, v in t5.items()})
+        meta = dict(metadata)
+        meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "stable-diffusion-3")
+        save_atomic(state, path, meta)
+
+    def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
+        """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""
+        import diffusers
+
+        folder = Path(folder)
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        transformer = bundle.denoiser
+        (tmp / "transformer").mkdir(parents=True)
+        transformer.save_config(tmp / "transformer")
+        save_atomic({k: v.detach().to("cpu", dtype) for k, v in transformer.state_dict().items()},
+                    tmp / "transformer" / "diffusion_pytorch_model.safetensors")
+        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
+            self.load_encoders(bundle.source)
+        vae.save_pretrained(tmp / "vae")
+        subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        for sub, enc in zip(subs, encoders):
+            enc.save_pretrained(tmp / sub)
+        tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \
+            self.load_tokenizers(require_tokenizers(bundle.source), t5=len(encoders) == 3)
+        for sub, tok in zip(("tokenizer", "tokenizer_2", "tokenizer_3"), tokenizers[:len(encoders)]):
+            tok.save_pretrained(tmp / sub)
+        bundle.noise_scheduler.save_pretrained(tmp / "scheduler")
+        has_t5 = len(encoders) == 3
+        index = {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
+                 "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+                 "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+                 "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+                 "text_encoder_3": ["transformers", "T5EncoderModel"] if has_t5 else [None, None],
+                 "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
+                 "tokenizer_3": ["transformers", "T5TokenizerFast"] if has_t5 else [None, None],
+                 "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                 "image_encoder": [None, None], "feature_extractor": [None, None]}
+        write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
+        old = folder.with_name(f".{folder.name}.old")
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        if old.exists():
+            shutil.rmtree(old)
+
+    # ---- inspection --------------------------------------------------------------------------
+    def describe(self, source: Source) -> dict:
+        """Family, layout, transformer shape and parameter counts/dtypes per component, without loading weights."""
+        if source.kind == "single_file":
+            header, _ = read_header(source.path)
+            parts = {"transformer": TRANSFORMER, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
+                     "text_encoder_2 (CLIP-G)": CLIP_G, "text_encoder_3 (T5)": T5}
+            comps = {name: _count(header, prefix) for name, prefix in parts.items()
+                     if any(k.startswith(prefix) for k in header)}
+            config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
+        else:
+            comps = {}
+            for sub in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+                files = sorted((source.path / sub).glob("*.safetensors"))
+                if files:
+                    comps[sub] = _merge([_count(read_header(f)[0], "") for f in files])
+            config = json.loads((source.path / "transformer" / "config.json").read_text())
+        return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
+                "width": config["caption_projection_dim"], "qk_norm": config.get("qk_norm"),
+                "dual_attention_layers": list(config.get("dual_attention_layers") or ()),
+                "t5": any(k.startswith("text_encoder_3") for k in comps), "components": comps}
+
+
+def _identity_projection(clip_state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """diffusers/ComfyUI's stand-in for the CLIP-L projection that SD3 files do not carry."""
+    emb = next((t for k, t in clip_state.items() if k.endswith("embeddings.token_embedding.weight")), None)
+    if emb is None:
+        raise CheckpointError("CLIP-L state has no embeddings.token_embedding.weight")
+    return torch.eye(emb.shape[1], dtype=emb.dtype)

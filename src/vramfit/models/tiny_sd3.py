@@ -1,0 +1,101 @@
+"""The tiny SD3 model (`tiny:sd3`): a real SAI single file of the real classes, for tests and the demo.
+
+The file has the layout of Stability's ``sd3_medium_incl_clips_t5xxlfp8.safetensors``: the MMDiT
+under ``model.diffusion_model.`` (SAI naming), the 16-channel VAE under ``first_stage_model.``,
+CLIP-L and CLIP-G under ``text_encoders.clip_{l,g}.transformer.`` (HF keys; CLIP-L without a
+projection) and T5 under ``text_encoders.t5xxl.transformer.`` stored in float8 (e4m3) as in the
+original. Tokenizer folders (tokenizer/, tokenizer_2/, tokenizer_3/) are written beside it; the
+T5 tokenizer is a small Unigram vocabulary made here, so nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+from vramfit.formats.clip import to_sgm_clip_keys
+from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
+from vramfit.formats.safetensors_io import save_atomic
+from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit
+from vramfit.models.tiny import shipped_config, write_tiny_tokenizers
+
+_FORMAT = "1"  # bump when the tiny SD3 architecture or the way it is written changes
+TRANSFORMER = "model.diffusion_model."
+VAE = "first_stage_model."
+CLIP_L = "text_encoders.clip_l.transformer."
+CLIP_G = "text_encoders.clip_g.transformer."
+T5 = "text_encoders.t5xxl.transformer."
+_WORDS = ("a", "the", "of", "red", "blue", "green", "circle", "square", "photo", "on", "and", "with")
+
+
+def t5_vocab() -> list[tuple[str, float]]:
+    """Unigram pieces and scores: T5's three specials at ids 0-2, the word boundary, whole
+    words, then every printable character with and without a leading boundary."""
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(_WORDS)]
+    chars = string.ascii_letters + string.digits + string.punctuation
+    vocab += [("\u2581" + c, -5.0) for c in chars] + [(c, -6.0) for c in chars]
+    return vocab
+
+
+def write_t5_tokenizer(folder: Path) -> None:
+    """Write a T5 tokenizer (tokenizer.json + tokenizer_config.json) that
+    ``T5TokenizerFast.from_pretrained(folder)`` loads: pad id 0, eos id 1, unk id 2."""
+    from transformers import T5TokenizerFast
+
+    tok = T5TokenizerFast(vocab=t5_vocab(), extra_ids=0, model_max_length=512)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(folder))
+
+
+def write_sd3_tokenizers(folder: Path) -> None:
+    """tokenizer/ and tokenizer_2/ (the tiny CLIP BPE of tiny.py) and tokenizer_3/ (tiny T5)."""
+    write_tiny_tokenizers(folder)
+    write_t5_tokenizer(Path(folder) / "tokenizer_3")
+
+
+def build_tiny_sd3_state(with_t5: bool = True) -> dict[str, torch.Tensor]:
+    """The full single-file state dict (SAI keys) of the seeded tiny SD3 model."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config,
+                              T5EncoderModel)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = SD3Transformer2DModel(**shipped_config("tiny_sd3_transformer"))
+        vae = AutoencoderKL(**shipped_config("tiny_sd3_vae"))
+        clip_l = CLIPTextModel(CLIPTextConfig(**shipped_config("tiny_clip_l")))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**shipped_config("tiny_clip_g")))
+        t5 = T5EncoderModel(T5Config(**shipped_config("tiny_t5"))) if with_t5 else None
+    state = {}
+    for key, t in diffusers_to_sai_mmdit(transformer.state_dict()).items():
+        state[TRANSFORMER + key] = t
+    for key, t in diffusers_to_ldm_vae(vae.state_dict()).items():
+        state[VAE + key] = t
+    for key, t in to_sgm_clip_keys(clip_l.state_dict()).items():  # HF keys, no projection
+        state[CLIP_L + key] = t
+    for key, t in to_sgm_clip_keys(clip_g.state_dict()).items():  # HF keys with text_projection
+        state[CLIP_G + key] = t
+    state = {k: v.detach().to(torch.float32).contiguous() if v.is_floating_point() else v.contiguous()
+             for k, v in state.items()}
+    if t5 is not None:
+        for key, t in t5.state_dict().items():
+            if key == "encoder.embed_tokens.weight":  # tied to shared.weight; stored once
+                continue
+            state[T5 + key] = t.detach().to(torch.float8_e4m3fn).contiguous()
+    return state
+
+
+def materialize_sd3(root: Path, *, with_t5: bool = True) -> Path:
+    """Return the tiny SD3 single file under `root`, writing it (and tokenizers) if needed."""
+    name = "sd3" if with_t5 else "sd3-no-t5"
+    folder = Path(root) / f"tiny-{name}-v{_FORMAT}"
+    path = folder / f"tiny-{name}.safetensors"
+    if path.exists() and (folder / "tokenizer_3" / "tokenizer_config.json").exists():
+        return path
+    write_sd3_tokenizers(folder)
+    meta = {"vramfit.tiny": name, "modelspec.title": f"vramfit tiny {name}",
+            "modelspec.architecture": "stable-diffusion-3"}
+    save_atomic(build_tiny_sd3_state(with_t5), path, metadata=meta)
+    return path
