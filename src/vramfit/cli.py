@@ -27,7 +27,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vramfit", description=(
-        "Fine-tune SDXL-family diffusion models inside the GPU memory you have."))
+        "Fine-tune SDXL-family and Stable Diffusion 3 models inside the GPU memory you have."))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="cache the dataset, train, save a checkpoint and a memory report")
@@ -94,10 +94,10 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"{source.path}\n  format: {source.kind}\n  family: {info['family']}\n  layout: {info['layout']}")
-    print(f"  transformer depth per down block: {info['transformer_layers_per_block']}")
-    print(f"  transformer depth per up block:   {info['reverse_transformer_layers_per_block']}")
-    print(f"  mid block: {info['mid_block_type']}")
+    print(f"{source.path}\n  format: {source.kind}")
+    for key, value in info.items():  # family, layout and the architecture facts each family reports
+        if key not in ("components", "source"):
+            print(f"  {key.replace('_', ' ')}: {value}")
     print(f"  tokenizers: {info['source']['tokenizers'] or 'none found (set model.tokenizers)'}")
     for name, c in info["components"].items():
         dtypes = ", ".join(f"{k} {v:,}" for k, v in c["dtypes"].items())

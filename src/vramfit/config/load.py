@@ -118,7 +118,7 @@ def check_paths(data: dict, *, need_data: bool) -> list[str]:
         elif mp.count("/") != 1:
             problems.append(
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
-                "like org/name (or tiny:sdxl, tiny:ssd1b)"
+                "like org/name (or tiny:sdxl, tiny:ssd1b, tiny:sd3)"
             )
     tok = _text(model.get("tokenizers"))
     if tok and not Path(tok).expanduser().is_dir():

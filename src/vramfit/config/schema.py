@@ -20,9 +20,9 @@ class ModelConfig(_Section):
     path: str = Field(
         "tiny:ssd1b",
         description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, "
-        "or tiny:sdxl / tiny:ssd1b.",
+        "or tiny:sdxl / tiny:ssd1b / tiny:sd3.",
     )
-    family: Literal["auto", "sdxl"] = Field(
+    family: Literal["auto", "sdxl", "sd3"] = Field(
         "auto", description="Model family; auto reads it from the checkpoint."
     )
     tokenizers: Optional[str] = Field(
@@ -31,6 +31,8 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    max_sequence_length: int = Field(77, ge=1, le=512, description="SD3: T5 tokens per caption "
+                                     "(77 as SD3's DreamBooth script, up to 512; 256 in the pipeline).")
     allow_pickle: bool = Field(
         False, description="Load a pickle .ckpt (with torch.load(weights_only=True)); pickle files "
         "can run code when loaded by other tools, so they are refused unless this is set.")
@@ -95,8 +97,13 @@ class TrainConfig(_Section):
     )
     gradient_checkpointing: bool = True
     max_grad_norm: float = Field(1.0, ge=0, description="Global gradient clipping; 0 disables.")
-    noise_offset: float = Field(0.0, ge=0)
-    min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting; 0 disables.")
+    noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
+    min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
+    weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
+        "logit_normal", description="SD3 flow matching: timestep density (and cosmap's loss weight).")
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = 1.29
     seed: int = 42
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
     nonfinite: Literal["skip", "stop"] = Field(

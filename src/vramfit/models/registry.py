@@ -5,14 +5,15 @@ import json
 
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.models.adapter import Family, Source
+from vramfit.models.sd3 import SD3Family
 from vramfit.models.sdxl import SDXLFamily
 
-FAMILIES: dict[str, Family] = {"sdxl": SDXLFamily()}
+FAMILIES: dict[str, Family] = {"sdxl": SDXLFamily(), "sd3": SD3Family()}
 
 # Keys that identify checkpoints of families vramfit does not train yet, for a clear refusal.
 _KNOWN_OTHERS = {
-    "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": "Stable Diffusion 3",
-    "joint_blocks.0.x_block.attn.qkv.weight": "Stable Diffusion 3 (transformer only)",
+    "joint_blocks.0.x_block.attn.qkv.weight": "Stable Diffusion 3 transformer without its VAE "
+    "(the model.diffusion_model. prefix is missing)",
     "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": "Stable Diffusion 1.x",
     "cond_stage_model.model.token_embedding.weight": "Stable Diffusion 2.x",
     "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": "FLUX",

@@ -276,6 +276,11 @@ class SD3Family:
                                encoder_hidden_states=text["prompt_embeds"], pooled_projections=text["pooled"],
                                return_dict=False)[0]
 
+    def config_problems(self, cfg) -> list[str]:
+        """Settings of another family's objective, refused before any weight loads."""
+        return [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
+                for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Rectified-flow loss (velocity target) with SD3's timestep density and loss weighting."""

@@ -74,6 +74,15 @@ class SDXLFamily:
     def detect_diffusers(self, model_index: dict) -> bool:
         return model_index.get("_class_name", "").startswith("StableDiffusionXL")
 
+    def config_problems(self, cfg) -> list[str]:
+        """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
+        problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
+                    for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale")
+                    if name in cfg.train.model_fields_set]
+        if "max_sequence_length" in cfg.model.model_fields_set:
+            problems.append("model.max_sequence_length: applies to SD3's T5 encoder only")
+        return problems
+
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
         from diffusers import DDPMScheduler
@@ -232,6 +241,7 @@ class SDXLFamily:
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
         """UNet converted back to SGM keys; VAE and text encoders carried over from the source."""
+        metadata = {**metadata, "modelspec.architecture": "stable-diffusion-xl-v1-base"}
         state = self.unet_sgm_state(bundle, dtype)
         src = bundle.source
         if src.kind == "single_file":

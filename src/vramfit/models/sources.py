@@ -14,6 +14,7 @@ from vramfit.config.schema import ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError
 from vramfit.models.adapter import Source
 from vramfit.models.tiny import materialize
+from vramfit.models.tiny_sd3 import materialize_sd3
 
 # Files of a diffusers SDXL repo that training needs; weights in safetensors only.
 _REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.safetensors",
@@ -37,6 +38,9 @@ def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Sourc
     text = cfg.path
     cache_root = cache_root or default_cache_root()
     tokenizers = Path(cfg.tokenizers).expanduser() if cfg.tokenizers else None
+    if text == "tiny:sd3":
+        path = materialize_sd3(cache_root / "tiny")
+        return Source("single_file", path, tokenizers or path.parent, label=text)
     if text.startswith("tiny:"):
         path = materialize(text.split(":", 1)[1], cache_root / "tiny")
         return Source("single_file", path, tokenizers or path.parent, label=text)
@@ -130,8 +134,9 @@ def require_tokenizers(source: Source) -> Path:
         raise CheckpointError(
             f"{source.path}: this single file has no tokenizers and none were found beside it or in "
             "the local Hugging Face cache. Set model.tokenizers to a folder containing tokenizer/ "
-            "and tokenizer_2/ (e.g. a downloaded stabilityai/stable-diffusion-xl-base-1.0), or put "
-            "those two folders next to the checkpoint."
+            "and tokenizer_2/ (and tokenizer_3/ for SD3 with T5), e.g. a downloaded "
+            "stabilityai/stable-diffusion-xl-base-1.0 or stabilityai/stable-diffusion-3-medium-diffusers, "
+            "or put those folders next to the checkpoint."
         )
     for sub in ("tokenizer", "tokenizer_2"):
         if not (source.tokenizers / sub).is_dir():

@@ -71,12 +71,15 @@ class TrainingData:
     def warn_long_captions(self) -> int:
         """Name every caption the text encoders will truncate; returns how many."""
         long = 0
+        # CLIP stops at its 77 positions; SD3's T5 at model.max_sequence_length.
+        cap = self.bundle.extra.get("max_sequence_length")
         for r in self.records:
             for tok in self.bundle.tokenizers:
+                limit = min(tok.model_max_length, cap or tok.model_max_length)
                 n = len(tok(r.item.caption, truncation=False).input_ids)
-                if n > tok.model_max_length:
+                if n > limit:
                     log.warning("caption of %s is %d tokens; the text encoder keeps the first %d",
-                                r.item.key, n, tok.model_max_length)
+                                r.item.key, n, limit)
                     long += 1
                     break
         return long

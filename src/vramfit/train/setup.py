@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.config.load import dump_config
+from vramfit.config.load import ConfigError, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
@@ -75,7 +75,11 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     with tracker.phase("load"):
         source = resolve_source(cfg.model, cache_root(cfg))
         family = detect_family(source, cfg.model.family)
+        problems = family.config_problems(cfg)
+        if problems:
+            raise ConfigError(problems, f"config for this {family.name} model")
         bundle = family.load(source)
+        bundle.extra["max_sequence_length"] = cfg.model.max_sequence_length
     data = TrainingData(family, bundle, make_records(result.items, cfg.data, cfg.train.seed), cfg.data,
                         cfg.cache, DiskCache(cache_root(cfg) / "entries"), device)
     # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in fp16);
@@ -128,7 +132,7 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
     dtype = SAVE_DTYPES[cfg.save.dtype]
     meta = {"vramfit.version": _version(), "vramfit.config": dump_config(cfg),
             "vramfit.step": str(step if step is not None else cfg.train.steps),
-            "vramfit.base_model": bundle.source.label, "modelspec.architecture": "stable-diffusion-xl-v1-base",
+            "vramfit.base_model": bundle.source.label, "vramfit.family": bundle.family,
             "vramfit.layout": bundle.layout}
     paths = []
     if "single_file" in cfg.save.formats:

@@ -1,0 +1,60 @@
+"""SD3 through the same CLI path as the SDXL family: train, save, resume, inspect."""
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import train_args
+from vramfit.cli import main
+
+
+def test_sd3_full_finetune_saves_single_file_and_diffusers(images, tmp_path, cache_root):
+    out = tmp_path / "run"
+    args = train_args(images, out, cache_root / "s1", "save.formats=['single_file','diffusers']",
+                      "save.dtype=fp32", "save.name=m", "train.weighting_scheme=cosmap", model="tiny:sd3")
+    assert main(args) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert len(run["losses"]) == 2 and all(l > 0 for l in run["losses"])
+    saved = load_file(str(out / "m.safetensors"))
+    source = load_file(str(next((cache_root / "s1" / "tiny").glob("tiny-sd3-*/tiny-sd3.safetensors"))))
+    assert set(saved) == set(source)
+    moved = [k for k in source if k.startswith("model.diffusion_model.") and not torch.equal(saved[k], source[k])]
+    assert moved
+    assert all(torch.equal(saved[k], source[k]) for k in source if not k.startswith("model.diffusion_model."))
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(out / "m-diffusers", local_files_only=True)
+    assert pipe.transformer.config.num_layers == 2
+
+
+def test_sd3_resume_is_exact(images, tmp_path, cache_root):
+    sets = ("train.steps=4", "save.state_every_steps=2", "train.precision=fp32", "save.name=m")
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(train_args(images, full, cache_root / "s2", *sets, model="tiny:sd3")) == 0
+    args = train_args(images, part, cache_root / "s2", *sets, model="tiny:sd3")
+    assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
+    ref = json.loads((full / "run.json").read_text())["losses"]
+    assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
+
+
+def test_sdxl_only_options_are_refused_for_sd3(images, tmp_path, cache_root, capsys):
+    args = train_args(images, tmp_path / "run", cache_root / "s3", "train.min_snr_gamma=5", model="tiny:sd3")
+    assert main(args) == 2
+    assert "min_snr_gamma" in capsys.readouterr().err
+
+
+def test_inspect_sd3(capsys):
+    assert main(["inspect", "tiny:sd3", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "sd3" and info["t5"] is True
+    assert info["components"]["text_encoder_3 (T5)"]["dtypes"] == {"F8_E4M3": info["components"]["text_encoder_3 (T5)"]["params"]}
+
+
+def test_sd3_only_options_are_refused_for_sdxl(images, tmp_path, cache_root, capsys):
+    args = train_args(images, tmp_path / "run", cache_root / "s4", "train.weighting_scheme=mode",
+                      "model.max_sequence_length=256")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "train.weighting_scheme" in err and "model.max_sequence_length" in err
