@@ -1,0 +1,477 @@
+"""LoRA file formats: peft state dicts <-> the files diffusers, ComfyUI and A1111 load.
+
+Three layouts are written or read (keys shown for one module):
+
+* **peft** (what ``peft.utils.get_peft_model_state_dict(denoiser)`` returns; the in-memory form
+  every function here takes and gives): ``<diffusers module>.lora_A.weight`` [r, in] and
+  ``<diffusers module>.lora_B.weight`` [out, r]. No alpha: peft keeps it in its ``LoraConfig``
+  and scales by ``lora_alpha / r``.
+* **diffusers** (:func:`to_diffusers`): the peft keys behind the pipeline component name,
+  ``unet.<module>.lora_A.weight`` (SDXL, SSD-1B) or ``transformer.<module>.lora_A.weight`` (SD3).
+  ``StableDiffusionXLPipeline`` / ``StableDiffusion3Pipeline.load_lora_weights`` take these keys as
+  they are (no conversion step), and ComfyUI accepts the SD3 one. The format has no place for
+  alpha: diffusers (without its own ``lora_adapter_metadata`` JSON) and ComfyUI (without
+  ``.alpha`` tensors) both use scale 1.0. So :func:`to_diffusers` folds ``alpha / r`` into
+  ``lora_B`` when alpha differs from the rank, and the file means the same thing to every loader
+  regardless of metadata.
+* **kohya** (:func:`to_kohya_sdxl`), the A1111 / ComfyUI / kohya-ss format for SDXL-family UNets:
+  ``lora_unet_<SGM module path, "." -> "_">.lora_down.weight`` / ``.lora_up.weight`` and
+  ``.alpha`` (a float32 scalar). SGM paths come from :func:`vramfit.formats.sgm_unet.unet_key_map`,
+  so SSD-1B and other depth patterns get their own correct names from their config. Tensors are
+  passed through unchanged (kohya's forward scales by ``alpha / r`` as peft does).
+
+:func:`load_lora` reads any of these (plus the older diffusers ``.lora.down.weight`` /
+``.processor.to_q_lora`` spellings and kohya files with diffusers-path names as written by
+diffusers' ``convert_state_dict_to_kohya``) and returns peft keys, per-module alphas and a guess
+of the model family. :func:`lora_config_kwargs` turns those into ``LoraConfig`` arguments.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors.torch import load_file
+
+from vramfit.formats.safetensors_io import read_header, save_atomic
+from vramfit.formats.sgm_unet import unet_key_map
+
+Alpha = Union[float, int, Mapping[str, float], None]
+
+DENOISER_PREFIX = {"sdxl": "unet", "sd3": "transformer"}
+KOHYA_UNET = "lora_unet_"
+KOHYA_TE = {"lora_te_": "text_encoder", "lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2",
+            "lora_te3_": "text_encoder_3"}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig JSON in __metadata__
+
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# Module roots of each family's denoiser, to tell raw peft files apart.
+_SDXL_ROOTS = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in", "conv_out", "time_embedding.",
+               "add_embedding.", "conv_norm_out")
+_SD3_ROOTS = ("transformer_blocks.", "pos_embed.", "time_text_embed.", "context_embedder", "norm_out.",
+              "proj_out")
+# kohya text-encoder module names (HF CLIP / T5 paths with "." -> "_").
+_KOHYA_CLIP = re.compile(
+    r"^text_model_encoder_layers_(\d+)_(self_attn_(?:q|k|v|out)_proj|mlp_fc[12])$")
+
+
+def _tensor_summary(keys) -> str:
+    keys = sorted(keys)
+    return f"{len(keys)} key(s), e.g. {keys[0]!r}" if keys else "no keys"
+
+
+# ----------------------------------------------------------------------------- peft state helpers
+def _peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Group ``<module>.lora_A.weight`` / ``lora_B.weight`` pairs by module; check shapes."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    bad = []
+    for key, t in state.items():
+        m = _PEFT_KEY.match(key)
+        if not m:
+            bad.append(key)
+            continue
+        modules.setdefault(m["module"], {})[m["ab"]] = t
+    if bad:
+        raise ValueError(f"{what}: not a peft LoRA state dict (expected only <module>.lora_A.weight and "
+                         f"<module>.lora_B.weight; DoRA, LoRA biases and embeddings are not supported); "
+                         f"{len(bad)} other key(s), e.g. {sorted(bad)[0]!r}")
+    for module, pair in modules.items():
+        if set(pair) != {"A", "B"}:
+            have = "lora_A" if "A" in pair else "lora_B"
+            raise ValueError(f"{what}: module {module!r} has only {have}")
+        a, b = pair["A"], pair["B"]
+        if a.ndim < 2 or b.ndim < 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"{what}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+                             f"{tuple(b.shape)}, which do not share a rank")
+    return modules
+
+
+def _alpha_for(alpha: Alpha, module: str, rank: int) -> float:
+    if alpha is None:
+        return float(rank)
+    if isinstance(alpha, Mapping):
+        if module not in alpha:
+            raise ValueError(f"no alpha given for LoRA module {module!r}")
+        return float(alpha[module])
+    return float(alpha)
+
+
+def lora_ranks(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """{module: rank} of a peft-style state dict."""
+    return {m: int(p["A"].shape[0]) for m, p in _peft_modules(state, "LoRA state").items()}
+
+
+# ----------------------------------------------------------------------------- diffusers format
+def to_diffusers(peft_state: Mapping[str, torch.Tensor], family: str, alpha: Alpha = None) -> dict:
+    """The diffusers file layout of a denoiser LoRA: ``unet.`` (sdxl) or ``transformer.`` (sd3)
+    before the peft keys.
+
+    ``alpha`` is the ``lora_alpha`` the LoRA was trained with (a number, or {module: alpha}); when
+    it differs from a module's rank, ``lora_B`` is multiplied by ``alpha / rank`` so that loaders
+    that assume scale 1.0 (diffusers without its metadata JSON, ComfyUI) apply it at its trained
+    strength. ``None`` means alpha == rank (the diffusers scripts' default), and tensors are passed
+    through unchanged.
+    """
+    if family not in DENOISER_PREFIX:
+        raise ValueError(f"LoRA family {family!r}: expected one of {sorted(DENOISER_PREFIX)}")
+    prefix = DENOISER_PREFIX[family]
+    modules = _peft_modules(peft_state, "to_diffusers")
+    clash = [m for m in modules if m.split(".", 1)[0] in (*DENOISER_PREFIX.values(), *TEXT_ENCODERS)]
+    if clash:
+        raise ValueError(f"to_diffusers: keys already carry a component prefix (e.g. {clash[0]!r}); "
+                         "pass the bare peft state of the denoiser")
+    out = {}
+    for module, pair in modules.items():
+        a, b = pair["A"], pair["B"]
+        rank = int(a.shape[0])
+        scale = _alpha_for(alpha, module, rank) / rank
+        if scale != 1.0:
+            b = (b.to(torch.float32) * scale).to(b.dtype)
+        out[f"{prefix}.{module}.lora_A.weight"] = a
+        out[f"{prefix}.{module}.lora_B.weight"] = b
+    return out
+
+
+# ----------------------------------------------------------------------------- kohya format
+def _module_map(unet_config: Mapping) -> dict[str, str]:
+    """{diffusers module path: SGM module path} for every Linear/Conv-bearing module."""
+    out: dict[str, str] = {}
+    for d, s in unet_key_map(unet_config).items():
+        for suffix in (".weight", ".bias"):
+            if d.endswith(suffix) and s.endswith(suffix):
+                out.setdefault(d[: -len(suffix)], s[: -len(suffix)])
+    return out
+
+
+def kohya_name(sgm_module: str) -> str:
+    return KOHYA_UNET + sgm_module.replace(".", "_")
+
+
+def _config_dict(unet_config) -> dict:
+    return {k: v for k, v in dict(unet_config).items() if not str(k).startswith("_")}
+
+
+def kohya_unet_names(unet_config: Mapping) -> dict[str, str]:
+    """{kohya module name: diffusers module path} for a UNet config.
+
+    Holds the SGM-path names kohya, A1111 and ComfyUI use, and also the diffusers-path names
+    (``lora_unet_down_blocks_1_...``) that diffusers' ``convert_state_dict_to_kohya`` writes.
+    """
+    out: dict[str, str] = {}
+    for d, s in _module_map(_config_dict(unet_config)).items():
+        name = kohya_name(s)
+        if out.get(name, d) != d:
+            raise ValueError(f"kohya name {name!r} is ambiguous ({out[name]!r} and {d!r})")
+        out[name] = d
+    for d in list(out.values()):
+        out.setdefault(kohya_name(d), d)
+    return out
+
+
+def to_kohya_sdxl(peft_state: Mapping[str, torch.Tensor], unet_config: Mapping, alpha: Alpha) -> dict:
+    """kohya / A1111 / ComfyUI layout of an SDXL-family UNet LoRA.
+
+    ``alpha`` is the ``lora_alpha`` of training (a number, or {module: alpha} as
+    :func:`from_kohya_sdxl` returns; ``None`` = rank). Weights are passed through (same tensors);
+    each module gets ``.alpha`` as a float32 scalar.
+    """
+    to_sgm = _module_map(_config_dict(unet_config))
+    modules = _peft_modules(peft_state, "to_kohya_sdxl")
+    unknown = sorted(m for m in modules if m not in to_sgm)
+    if unknown:
+        raise ValueError(f"to_kohya_sdxl: {len(unknown)} LoRA module(s) are not parameters of this UNet "
+                         f"config (e.g. {unknown[0]!r}); is the state dict of the UNet, without prefix?")
+    out: dict[str, torch.Tensor] = {}
+    for module, pair in modules.items():
+        name = kohya_name(to_sgm[module])
+        out[f"{name}.lora_down.weight"] = pair["A"]
+        out[f"{name}.lora_up.weight"] = pair["B"]
+        out[f"{name}.alpha"] = torch.tensor(_alpha_for(alpha, module, int(pair["A"].shape[0])),
+                                            dtype=torch.float32)
+    return out
+
+
+def _kohya_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    bad = []
+    for key, t in state.items():
+        name, _, suffix = key.partition(".")
+        if suffix not in ("lora_down.weight", "lora_up.weight", "alpha"):
+            bad.append(key)
+            continue
+        modules.setdefault(name, {})[suffix.split(".")[0]] = t
+    if bad:
+        raise ValueError(f"{what}: key(s) that are not kohya LoRA (.lora_down.weight / .lora_up.weight / "
+                         f".alpha; LoHa, LoKr and DoRA are not supported): {_tensor_summary(bad)}")
+    for name, parts in modules.items():
+        if "lora_down" not in parts or "lora_up" not in parts:
+            raise ValueError(f"{what}: kohya module {name!r} lacks lora_down or lora_up")
+    return modules
+
+
+def _from_kohya(modules, rename, what: str) -> tuple[dict, dict[str, float]]:
+    state, alphas = {}, {}
+    for name, parts in modules.items():
+        module = rename(name)
+        down, up = parts["lora_down"], parts["lora_up"]
+        rank = int(down.shape[0])
+        state[f"{module}.lora_A.weight"] = down
+        state[f"{module}.lora_B.weight"] = up
+        alphas[module] = float(parts["alpha"].item()) if "alpha" in parts else float(rank)
+    _peft_modules(state, what)  # shape checks
+    return state, alphas
+
+
+def from_kohya_sdxl(kohya_state: Mapping[str, torch.Tensor], unet_config: Mapping
+                    ) -> tuple[dict, dict[str, float]]:
+    """kohya UNet LoRA -> (peft state, {module: alpha}). A module without ``.alpha`` gets alpha =
+    rank (scale 1.0, as ComfyUI and diffusers read it). Text-encoder keys are refused here
+    (:func:`load_lora` reads them)."""
+    names = kohya_unet_names(unet_config)
+    modules = _kohya_modules(kohya_state, "from_kohya_sdxl")
+    unknown = sorted(n for n in modules if n not in names)
+    if unknown:
+        raise ValueError(f"from_kohya_sdxl: {len(unknown)} kohya module(s) are not UNet modules of this "
+                         f"config, e.g. {unknown[0]!r}")
+    return _from_kohya(modules, names.__getitem__, "from_kohya_sdxl")
+
+
+def _kohya_te_module(name: str, prefix: str) -> str:
+    body = name[len(prefix):]
+    m = _KOHYA_CLIP.match(body)
+    if m:
+        return f"text_model.encoder.layers.{m[1]}.{m[2].replace('self_attn_', 'self_attn.').replace('mlp_', 'mlp.')}"
+    if body == "text_projection":
+        return body
+    raise ValueError(f"kohya text-encoder module {name!r} is not a CLIP attention or MLP layer")
+
+
+# ----------------------------------------------------------------------------- files
+def lora_scale_metadata(rank: int, alpha: float, fmt: str = "kohya") -> dict[str, str]:
+    """safetensors metadata for a saved LoRA. Informational only: no loader needs it for the scale
+    (kohya files carry ``.alpha`` tensors; diffusers files have alpha/rank folded into lora_B).
+
+    ``ss_network_dim`` / ``ss_network_alpha`` are the kohya-ss names A1111 and ComfyUI front ends
+    display. The diffusers key ``lora_adapter_metadata`` is deliberately not written: diffusers would
+    build its LoraConfig from it alone."""
+    if fmt not in ("kohya", "diffusers"):
+        raise ValueError(f"LoRA format {fmt!r}: expected 'kohya' or 'diffusers'")
+    meta = {"vramfit.lora.format": fmt, "vramfit.lora.rank": str(int(rank)),
+            "vramfit.lora.alpha": repr(float(alpha))}
+    if fmt == "kohya":
+        meta.update({"ss_network_module": "networks.lora", "ss_network_dim": str(int(rank)),
+                     "ss_network_alpha": repr(float(alpha))})
+    else:
+        meta["vramfit.lora.scale_in_weights"] = "true" if float(alpha) != float(rank) else "false"
+    return meta
+
+
+def save_lora(path: Union[str, Path], state: Mapping[str, torch.Tensor],
+              metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write a LoRA safetensors file atomically (the old file or the whole new one, never half)."""
+    meta = dict(metadata or {})
+    bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"safetensors metadata must map str to str; bad entry {bad[0]!r}")
+    if not state:
+        raise ValueError(f"{path}: refusing to save an empty LoRA")
+    tensors, seen = {}, set()
+    for k, v in state.items():  # safetensors refuses tensors that share storage: copy repeats
+        v = v.detach()
+        ptr = v.untyped_storage().data_ptr()
+        tensors[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    save_atomic(tensors, Path(path), metadata=meta or None)
+
+
+@dataclass
+class LoadedLora:
+    """A LoRA read by :func:`load_lora`. Unpacks as ``state, alphas, family``.
+
+    ``state``: the denoiser's LoRA with peft keys (no component prefix); ``alphas``: {module: alpha}
+    to apply with scale alpha/rank; ``family``: "sdxl", "sd3" or None when the file holds no
+    denoiser LoRA; ``format``: "diffusers", "peft" or "kohya"; ``text_encoders``: {"text_encoder" |
+    "text_encoder_2" | "text_encoder_3": peft state with HF module paths}; their alphas alike.
+    """
+
+    state: dict[str, torch.Tensor]
+    alphas: dict[str, float]
+    family: Optional[str]
+    format: str
+    text_encoders: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    text_encoder_alphas: dict[str, dict[str, float]] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator:
+        return iter((self.state, self.alphas, self.family))
+
+
+def detect_format(keys) -> str:
+    """'kohya', 'diffusers', 'peft' or 'unknown' from tensor names alone."""
+    keys = list(keys)
+    if not keys:
+        return "unknown"
+    if all(k.startswith((KOHYA_UNET, *KOHYA_TE)) for k in keys):
+        return "kohya"
+    components = (*DENOISER_PREFIX.values(), *TEXT_ENCODERS)
+    if all(k.split(".", 1)[0] in components and "lora" in k for k in keys):
+        return "diffusers"
+    if all(_PEFT_KEY.match(k) and k.startswith((*_SDXL_ROOTS, *_SD3_ROOTS)) for k in keys):
+        return "peft"
+    return "unknown"
+
+
+_LEGACY = [  # older diffusers spellings -> peft
+    (re.compile(r"\.processor\.(to_[qkv])_lora\.(down|up)\.weight$"), r".\1.lora.\2.weight"),
+    (re.compile(r"\.processor\.to_out_lora\.(down|up)\.weight$"), r".to_out.0.lora.\1.weight"),
+    (re.compile(r"\.(?:lora|lora_linear_layer)\.down\.weight$"), ".lora_A.weight"),
+    (re.compile(r"\.(?:lora|lora_linear_layer)\.up\.weight$"), ".lora_B.weight"),
+]
+
+
+def _to_peft_key(key: str) -> str:
+    for pattern, repl in _LEGACY:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def _guess_family(modules, path) -> str:
+    if any(m.startswith("single_transformer_blocks.") for m in modules):
+        raise ValueError(f"{path}: a FLUX LoRA (e.g. {sorted(modules)[0]!r}); only SDXL-family and SD3 "
+                         "LoRAs are supported")
+    if all(m.startswith(_SDXL_ROOTS) for m in modules):
+        return "sdxl"
+    if all(m.startswith(_SD3_ROOTS) for m in modules):
+        return "sd3"
+    raise ValueError(f"{path}: LoRA modules of no known denoiser, e.g. {sorted(modules)[0]!r}")
+
+
+def _diffusers_alphas(meta: Mapping[str, str], prefix: Optional[str], ranks: Mapping[str, int]
+                      ) -> dict[str, float]:
+    """Alphas as diffusers would apply them: from its ``lora_adapter_metadata`` JSON when present
+    (``lora_alpha`` and exact-name ``alpha_pattern`` entries), else alpha = rank."""
+    raw = meta.get(DIFFUSERS_METADATA_KEY)
+    cfg = {}
+    if raw:
+        data = json.loads(raw)
+        cut = f"{prefix}." if prefix else ""
+        cfg = {k[len(cut):]: v for k, v in data.items() if k.startswith(cut)} if cut else data
+    out = {}
+    for module, rank in ranks.items():
+        pattern = cfg.get("alpha_pattern") or {}
+        hit = [v for p, v in pattern.items() if module == p.lstrip("^") or module.endswith("." + p)]
+        if hit:
+            out[module] = float(hit[0])
+        elif "lora_alpha" in cfg:
+            out[module] = float(cfg["lora_alpha"])
+        else:
+            out[module] = float(rank)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _shipped_kohya_names() -> dict[str, str]:
+    """kohya names of the SDXL and SSD-1B layouts together (SGM block numbering is the same grid,
+    so one SGM name means the same diffusers module in both)."""
+    from vramfit.models.tiny import shipped_config
+
+    out: dict[str, str] = {}
+    for name in ("sdxl_unet", "ssd1b_unet"):
+        for k, d in kohya_unet_names(shipped_config(name)).items():
+            if out.setdefault(k, d) != d:
+                raise AssertionError(f"{k}: {out[k]} vs {d}")
+    return out
+
+
+def load_lora(path: Union[str, Path], unet_config: Optional[Mapping] = None) -> LoadedLora:
+    """Read a LoRA in diffusers, raw peft or kohya (SDXL-family) layout into peft keys.
+
+    ``unet_config`` maps kohya SGM names; without it the SDXL and SSD-1B layouts are tried.
+    Raises ValueError naming the file and an example key for anything else.
+    """
+    path = Path(path)
+    _, meta = read_header(path)  # CheckpointError (a ValueError) for non-safetensors / truncated files
+    raw = load_file(str(path), device="cpu")
+    fmt = detect_format(raw)
+    if fmt == "unknown":
+        example = sorted(raw)[0] if raw else None
+        raise ValueError(
+            f"{path}: not a LoRA file in a format vramfit reads (diffusers 'unet.'/'transformer.' + "
+            f"lora_A/lora_B, peft, or kohya 'lora_unet_' + lora_down/lora_up); "
+            + (f"example key {example!r}" if example else "it holds no tensors"))
+    te_state: dict[str, dict] = {}
+    te_alphas: dict[str, dict] = {}
+    if fmt == "kohya":
+        unet_part = {k: v for k, v in raw.items() if k.startswith(KOHYA_UNET)}
+        if any(k.startswith(KOHYA_UNET + "joint_blocks_") for k in unet_part):
+            raise ValueError(f"{path}: a kohya SD3 LoRA (e.g. {sorted(unet_part)[0]!r}) is not supported; "
+                             "save SD3 LoRAs in the diffusers layout (transformer.* lora_A/lora_B)")
+        names = kohya_unet_names(unet_config) if unet_config is not None else _shipped_kohya_names()
+        modules = _kohya_modules(unet_part, str(path))
+        unknown = sorted(n for n in modules if n not in names)
+        if unknown:
+            hint = "" if unet_config is not None else "; pass the UNet config of the model it was trained for"
+            raise ValueError(f"{path}: {len(unknown)} kohya UNet module(s) not in the SDXL-family layout, "
+                             f"e.g. {unknown[0]!r}{hint}")
+        state, alphas = _from_kohya(modules, names.__getitem__, str(path))
+        for pre, comp in KOHYA_TE.items():  # no prefix here is a prefix of another
+            part = {k: v for k, v in raw.items() if k.startswith(pre)}
+            if part:
+                try:
+                    s, a = _from_kohya(_kohya_modules(part, str(path)),
+                                       lambda n, pre=pre: _kohya_te_module(n, pre), str(path))
+                except ValueError as exc:
+                    raise ValueError(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
+                te_state.setdefault(comp, {}).update(s)
+                te_alphas.setdefault(comp, {}).update(a)
+        return LoadedLora(state, alphas, "sdxl" if state else None, fmt, te_state, te_alphas, dict(meta))
+
+    parts: dict[Optional[str], dict] = {}
+    for key, t in raw.items():
+        comp, rest = key.split(".", 1) if fmt == "diffusers" else (None, key)
+        parts.setdefault(comp, {})[_to_peft_key(rest)] = t
+    denoisers = [c for c in parts if c in DENOISER_PREFIX.values() or c is None]
+    if len(denoisers) > 1:
+        raise ValueError(f"{path}: LoRA for both a UNet and a transformer ({denoisers})")
+    state, alphas, family = {}, {}, None
+    for comp, part in parts.items():
+        try:
+            ranks = lora_ranks(part)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        comp_alphas = _diffusers_alphas(meta, comp, ranks)
+        if comp in TEXT_ENCODERS:
+            te_state[comp], te_alphas[comp] = part, comp_alphas
+            continue
+        state, alphas = part, comp_alphas
+        family = _guess_family(ranks, path)
+        if comp is not None and family != {v: k for k, v in DENOISER_PREFIX.items()}[comp]:
+            raise ValueError(f"{path}: {comp}.* keys with modules of a {family} model "
+                             f"(e.g. {sorted(ranks)[0]!r})")
+    return LoadedLora(state, alphas, family, fmt, te_state, te_alphas, dict(meta))
+
+
+def lora_config_kwargs(state: Mapping[str, torch.Tensor], alphas: Mapping[str, float]) -> dict:
+    """``peft.LoraConfig`` arguments that rebuild a loaded LoRA exactly: ``r``/``lora_alpha`` from
+    the most common values, ``rank_pattern``/``alpha_pattern`` for modules that differ, and the
+    exact module paths as ``target_modules``."""
+    ranks = lora_ranks(state)
+    if not ranks:
+        raise ValueError("lora_config_kwargs: the LoRA has no modules")
+    r = collections.Counter(ranks.values()).most_common(1)[0][0]
+    alpha = collections.Counter(alphas[m] for m in ranks).most_common(1)[0][0]
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": sorted(ranks),
+        # peft matches pattern keys as regexes against a dotted suffix of the module path
+        "rank_pattern": {re.escape(m): k for m, k in ranks.items() if k != r},
+        "alpha_pattern": {re.escape(m): alphas[m] for m in ranks if alphas[m] != alpha},
+    }
