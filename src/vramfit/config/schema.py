@@ -79,7 +79,20 @@ class CacheConfig(_Section):
     vae_tiling: bool = Field(False, description="Tiled VAE encoding: bounded memory, slower.")
 
 
+class LoraSettings(_Section):
+    rank: int = Field(4, ge=1, le=1024)
+    alpha: Optional[float] = Field(None, gt=0, description="Scale numerator; default: the rank (scale 1).")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = Field(
+        ["to_q", "to_k", "to_v", "to_out.0"],
+        description='Module name suffixes to adapt, or ["all_linear"] for every linear layer of '
+        "the attention/transformer blocks.",
+        min_length=1,
+    )
+
+
 class TrainConfig(_Section):
+    mode: Literal["full", "lora"] = Field("full", description="Train all denoiser weights, or a LoRA.")
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -121,9 +134,17 @@ class TrainConfig(_Section):
         return self
 
 
+FULL_FORMATS = ("single_file", "diffusers")
+LORA_FORMATS = ("lora", "lora_kohya")
+
+
 class SaveConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Also save every N steps; 0 saves at the end only.")
-    formats: list[Literal["single_file", "diffusers"]] = Field(["single_file"], min_length=1)
+    formats: Optional[list[Literal["single_file", "diffusers", "lora", "lora_kohya"]]] = Field(
+        None, min_length=1,
+        description="full: single_file (ComfyUI/A1111 checkpoint) and/or diffusers (folder); "
+        "lora: lora (diffusers/PEFT file; ComfyUI reads it for SD3) and/or lora_kohya (SDXL family, "
+        "kohya/A1111/ComfyUI). Default: single_file, or lora for a LoRA run.")
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     state_every_steps: int = Field(
@@ -148,9 +169,27 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     cache: CacheConfig = CacheConfig()
     train: TrainConfig = TrainConfig()
+    lora: LoraSettings = LoraSettings()
     save: SaveConfig = SaveConfig()
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _formats_fit_the_mode(self) -> "RunConfig":
+        allowed = FULL_FORMATS if self.train.mode == "full" else LORA_FORMATS
+        wrong = [f for f in self.save.formats or [] if f not in allowed]
+        if wrong:
+            raise ValueError(f"save.formats {wrong} do not apply to train.mode = {self.train.mode!r} "
+                             f"(use {list(allowed)})")
+        if self.train.mode == "full" and "lora" in self.model_fields_set:
+            raise ValueError("[lora] settings are given but train.mode is 'full'; set train.mode = 'lora'")
+        return self
+
+    @property
+    def save_formats(self) -> list[str]:
+        if self.save.formats:
+            return list(self.save.formats)
+        return ["single_file"] if self.train.mode == "full" else ["lora"]
 
     @model_validator(mode="after")
     def _saves_can_happen(self) -> "RunConfig":

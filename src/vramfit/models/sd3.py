@@ -278,8 +278,12 @@ class SD3Family:
 
     def config_problems(self, cfg) -> list[str]:
         """Settings of another family's objective, refused before any weight loads."""
-        return [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
-                for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
+                    for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        if "lora_kohya" in cfg.save_formats:
+            problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
+                            "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
+        return problems
 
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:

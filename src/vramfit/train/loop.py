@@ -83,7 +83,9 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
              hooks: LoopHooks = LoopHooks(), stop: StopFlag = StopFlag(), shuffle: bool = True) -> LoopResult:
     """Train `bundle.denoiser` from progress.step to cfg.steps; returns losses and step times."""
     unet = bundle.denoiser
-    dtype = next(unet.parameters()).dtype if cfg.precision != "mixed_bf16" else torch.float32
+    # Inputs follow the frozen base under LoRA (its trainable fp32 matrices cast for themselves).
+    base = next((p for p in unet.parameters() if not p.requires_grad), next(unet.parameters()))
+    dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
     batches = epoch_batches(data, cfg, progress, shuffle)
     params = [p for p in unet.parameters() if p.requires_grad]
     result = LoopResult()

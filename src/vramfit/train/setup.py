@@ -29,6 +29,7 @@ from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train.data import DTYPES, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
+from vramfit.train.lora import apply_lora, lora_state
 from vramfit.train.state import Progress, check_compatible, find_state, load_state, read_meta, save_state
 from vramfit.train.logs import RunLogger
 
@@ -111,6 +112,9 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
     unet = bundle.denoiser
     unet.to(device, torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
     unet.requires_grad_(True)
+    if cfg.train.mode == "lora":
+        targets = apply_lora(unet, cfg.lora)
+        log.info("LoRA rank %d on %d modules", cfg.lora.rank, len(targets))
     if cfg.train.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     else:
@@ -135,17 +139,40 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
             "vramfit.base_model": bundle.source.label, "vramfit.family": bundle.family,
             "vramfit.layout": bundle.layout}
     paths = []
-    if "single_file" in cfg.save.formats:
+    formats = cfg.save_formats
+    if cfg.train.mode == "lora":
+        paths = save_lora_files(bundle, cfg, name, formats, meta)
+    if "single_file" in formats:
         path = out / f"{name}.safetensors"
         family.save_single_file(bundle, path, dtype, meta)
         paths.append(path)
-    if "diffusers" in cfg.save.formats:
+    if "diffusers" in formats:
         folder = out / f"{name}-diffusers"
         family.save_diffusers(bundle, folder, dtype)
         paths.append(folder)
     if step is not None:
-        for suffix in (".safetensors", "-diffusers"):
+        for suffix in (".safetensors", "-diffusers", ".kohya.safetensors"):
             _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last)
+    return paths
+
+
+def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta: dict) -> list[Path]:
+    from vramfit.formats import lora as lora_formats
+
+    state = lora_state(bundle.denoiser)
+    alpha = cfg.lora.alpha or cfg.lora.rank
+    meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha)}
+    paths = []
+    if "lora" in formats:
+        path = cfg.output_dir / f"{name}.safetensors"
+        # diffusers and ComfyUI read these files at scale 1, so alpha/rank is folded into lora_B
+        lora_formats.save_lora(path, lora_formats.to_diffusers(state, bundle.family, alpha=alpha), meta)
+        paths.append(path)
+    if "lora_kohya" in formats:
+        path = cfg.output_dir / f"{name}.kohya.safetensors"
+        kohya = lora_formats.to_kohya_sdxl(state, dict(bundle.denoiser.config), alpha)
+        lora_formats.save_lora(path, kohya, meta)
+        paths.append(path)
     return paths
 
 

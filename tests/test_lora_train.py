@@ -1,0 +1,85 @@
+"""LoRA training through the CLI for both families: what trains, what is saved, resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import train_args
+from vramfit.cli import main
+
+LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m")
+
+
+def _keys(path) -> list[str]:
+    with safe_open(str(path), "pt") as fh:
+        return list(fh.keys())
+
+
+def test_sdxl_lora_saves_diffusers_and_kohya_files(images, tmp_path, cache_root):
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "l1", *LORA, "save.formats=['lora','lora_kohya']",
+                           model="tiny:ssd1b")) == 0
+    diffusers_keys = _keys(out / "m.safetensors")
+    assert diffusers_keys and all(k.startswith("unet.") and "lora" in k for k in diffusers_keys)
+    kohya = load_file(str(out / "m.kohya.safetensors"))
+    assert any(k.startswith("lora_unet_input_blocks_") and k.endswith(".lora_down.weight") for k in kohya)
+    assert all(float(v) == 4.0 for k, v in kohya.items() if k.endswith(".alpha"))
+    with safe_open(str(out / "m.safetensors"), "pt") as fh:
+        assert fh.metadata()["vramfit.lora_rank"] == "4"
+    from vramfit.formats.lora import load_lora
+
+    state, alphas, family = load_lora(out / "m.kohya.safetensors")
+    assert family == "sdxl" and state and set(alphas.values()) == {4.0}  # read back to peft names
+    # the training state holds only the LoRA tensors: the frozen base is not duplicated
+    state = load_file(str(out / "state" / "step-000002" / "weights.safetensors"))
+    assert state and all("lora_" in k for k in state)
+
+
+def test_lora_changes_only_the_adapter(images, tmp_path, cache_root):
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "l2", *LORA, "save.state_every_steps=1",
+                           "train.steps=2", model="tiny:sdxl")) == 0
+    first = load_file(str(out / "state" / "step-000001" / "weights.safetensors"))
+    last = load_file(str(out / "state" / "step-000002" / "weights.safetensors"))
+    ups = [k for k in first if "lora_B" in k]
+    assert any(not torch.equal(first[k], last[k]) for k in ups)
+    assert all(v.dtype == torch.float32 for v in last.values())  # fp32 LoRA over a bf16 base
+
+
+def test_sd3_lora_and_resume(images, tmp_path, cache_root):
+    sets = (*LORA, "train.steps=4", "save.state_every_steps=2", "train.precision=fp32")
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(train_args(images, full, cache_root / "l3", *sets, model="tiny:sd3")) == 0
+    keys = _keys(full / "m.safetensors")
+    assert keys and all(k.startswith("transformer.") for k in keys)
+    assert {"to_q", "to_k", "to_v", "to_out"} <= {k.split(".attn.")[1].split(".")[0] for k in keys}
+    args = train_args(images, part, cache_root / "l3", *sets, model="tiny:sd3")
+    assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
+    ref = json.loads((full / "run.json").read_text())["losses"]
+    assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
+    a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_all_linear_preset_adapts_more_modules(images, tmp_path, cache_root):
+    counts = []
+    for name, targets in (("a", "['to_q']"), ("b", "['all_linear']")):
+        out = tmp_path / name
+        assert main(train_args(images, out, cache_root / "l4", *LORA, f"lora.targets={targets}",
+                               "train.steps=1", model="tiny:sd3")) == 0
+        counts.append(len(_keys(out / "m.safetensors")))
+    assert counts[1] > counts[0] > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("lora.targets=['no_such_layer']",), "match no linear layer"),
+    (("save.formats=['lora_kohya']",), "lora_kohya is for SDXL-family"),
+    (("save.formats=['single_file']",), "do not apply to train.mode = 'lora'"),
+])
+def test_lora_config_errors(images, tmp_path, cache_root, capsys, extra, message):
+    assert main(train_args(images, tmp_path / "run", cache_root / "l5", *LORA, *extra, model="tiny:sd3")) == 2
+    assert message in capsys.readouterr().err
