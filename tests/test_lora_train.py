@@ -83,3 +83,17 @@ def test_all_linear_preset_adapts_more_modules(images, tmp_path, cache_root):
 def test_lora_config_errors(images, tmp_path, cache_root, capsys, extra, message):
     assert main(train_args(images, tmp_path / "run", cache_root / "l5", *LORA, *extra, model="tiny:sd3")) == 2
     assert message in capsys.readouterr().err
+
+
+def test_dreambooth_instance_prompt_needs_no_caption_files(tmp_path, cache_root):
+    from vramfit.data.synth import make_synthetic_dataset
+
+    images = tmp_path / "instance"
+    make_synthetic_dataset(images, n=3, size=64, seed=4)
+    for caption in images.glob("*.txt"):
+        caption.unlink()
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "l6", *LORA, "data.instance_prompt=a photo of sks shape",
+                           model="tiny:sd3")) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["items"] == 3 and run["skipped"] == []

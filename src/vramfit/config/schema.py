@@ -46,6 +46,9 @@ class DataConfig(_Section):
         "<path>/metadata.jsonl when present, else same-name caption files.",
     )
     caption_extension: str = ".txt"
+    instance_prompt: Optional[str] = Field(
+        None, min_length=1, description="DreamBooth: use this prompt for every image (caption "
+        "files are then not needed), e.g. \"a photo of sks dog\".")
     resolution: int = Field(1024, ge=64, le=4096, description="Base bucket side in pixels.")
     bucket_step: int = Field(64, ge=8, le=512)
     max_aspect: float = Field(4.0, ge=1.0, le=8.0)
@@ -54,6 +57,12 @@ class DataConfig(_Section):
                             "(decompression-bomb guard; PIL's own default limit).")
     random_crop: bool = False
     shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _one_caption_source(self) -> "DataConfig":
+        if self.instance_prompt is not None and self.metadata is not None:
+            raise ValueError("instance_prompt and metadata both give captions; use one")
+        return self
 
     @model_validator(mode="after")
     def _step_divides(self) -> "DataConfig":

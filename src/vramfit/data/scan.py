@@ -83,6 +83,7 @@ def scan_dataset(
     caption_extension: str = ".txt",
     min_size: int = 256,
     max_pixels: int = 178_956_970,
+    instance_prompt: str | None = None,
 ) -> ScanResult:
     """Scan ``root`` and return the usable items plus a problem for every unusable one.
 
@@ -95,12 +96,12 @@ def scan_dataset(
     if not root.is_dir():
         raise ValueError(f"dataset root {root} is not a folder")
 
-    if metadata is None and (root / "metadata.jsonl").is_file():
+    if metadata is None and instance_prompt is None and (root / "metadata.jsonl").is_file():
         metadata = root / "metadata.jsonl"
     problems: list[Problem] = []
     if metadata is None:
         source = "captions"
-        candidates = _from_caption_files(root, caption_extension)
+        candidates = _from_caption_files(root, caption_extension, instance_prompt)
     else:
         metadata = _locate_metadata(Path(metadata), root)
         suffix = metadata.suffix.lower()
@@ -173,7 +174,8 @@ def _locate_metadata(metadata: Path, root: Path) -> Path:
 # --------------------------------------------------------------------------- sources
 
 
-def _from_caption_files(root: Path, caption_extension: str) -> list[_Candidate]:
+def _from_caption_files(root: Path, caption_extension: str,
+                        instance_prompt: str | None = None) -> list[_Candidate]:
     if not caption_extension.startswith("."):
         caption_extension = "." + caption_extension
     images = [
@@ -187,6 +189,9 @@ def _from_caption_files(root: Path, caption_extension: str) -> list[_Candidate]:
     images.sort(key=lambda p: p.relative_to(root).as_posix())
     out = []
     for image in images:
+        if instance_prompt is not None:  # DreamBooth: one prompt for every image, no caption files
+            out.append(_Candidate(image, _clean_caption(instance_prompt), None))
+            continue
         caption_path = image.with_suffix(caption_extension)
         try:
             caption = _read_caption_file(caption_path)

@@ -61,7 +61,7 @@ def scan(cfg: RunConfig) -> ScanResult:
     result = scan_dataset(Path(cfg.data.path).expanduser(),
                           metadata=Path(cfg.data.metadata).expanduser() if cfg.data.metadata else None,
                           caption_extension=cfg.data.caption_extension, min_size=cfg.data.min_size,
-                          max_pixels=cfg.data.max_pixels)
+                          max_pixels=cfg.data.max_pixels, instance_prompt=cfg.data.instance_prompt)
     for p in result.problems:
         log.warning("skipping %s: %s", p.path, p.reason)
     if not result.items:
