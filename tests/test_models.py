@@ -110,10 +110,15 @@ def test_refuses_pickle_and_truncated_files(tmp_path):
 def test_other_families_are_named_not_misloaded(tmp_path):
     from safetensors.torch import save_file
 
-    path = tmp_path / "sd3.safetensors"
-    save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(2, 2)}, str(path))
-    with pytest.raises(CheckpointError, match="Stable Diffusion 3"):
+    path = tmp_path / "flux.safetensors"
+    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(2, 2)}, str(path))
+    with pytest.raises(CheckpointError, match="FLUX"):
         _load(str(path))
+    sd15 = tmp_path / "sd15.safetensors"
+    save_file({"cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": torch.zeros(2, 2)},
+              str(sd15))
+    with pytest.raises(CheckpointError, match="Stable Diffusion 1.x"):
+        _load(str(sd15))
 
 
 def _fake_hub_cache(hf_home: Path, repo: str, folder: Path) -> None:
