@@ -1,6 +1,7 @@
 """Optimizers: same updates where they should be, and the state they save."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.optimization import Adafactor
 
@@ -70,3 +71,25 @@ def test_build_optimizer_and_schedules():
     assert lrs[0] == 0 and lrs[2] == 1e-3 and lrs[-1] < lrs[3]
     opt = build_optimizer(model.parameters(), TrainConfig(optimizer="adafactor"))
     assert isinstance(opt, MatrixAdafactor)
+
+
+def test_adamw8bit_keeps_8bit_state_and_trains_like_adamw():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128)
+    opt = build_optimizer(model.parameters(), TrainConfig(optimizer="adamw8bit", lr=1e-3))
+    ref = torch.nn.Linear(256, 128)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    losses, ref_losses = [], []
+    for _ in range(5):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        losses.append(model(x).pow(2).mean().item())
+        ref_losses.append(ref(x).pow(2).mean().item())
+    assert losses[-1] < losses[0] / 3
+    assert losses == pytest.approx(ref_losses, rel=1e-2)  # 8-bit moments follow fp32 AdamW closely
+    # a quarter of AdamW's fp32 moments for the weight matrix, plus block scales and the small bias
+    assert state_bytes(opt) < state_bytes(ref_opt) / 3

@@ -58,3 +58,45 @@ def test_sd3_only_options_are_refused_for_sdxl(images, tmp_path, cache_root, cap
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "train.weighting_scheme" in err and "model.max_sequence_length" in err
+
+
+def test_quantized_t5_is_close_to_bf16_and_smaller(cache_root):
+    import copy
+
+    from vramfit.config.schema import ModelConfig
+    from vramfit.memory.quantize import storage_bytes
+    from vramfit.models.registry import detect_family
+    from vramfit.models.sources import resolve_source
+
+    source = resolve_source(ModelConfig(path="tiny:sd3"), cache_root / "q")
+    family = detect_family(source)
+    base = family.load(source)
+    base.extra["t5_precision"] = "bf16"
+    family.prepare_encoders(base)
+    captions = ["a red circle on a blue background", "a green square"]
+    ref = family.encode_text(base, captions, torch.device("cpu"), torch.float32)["prompt_embeds"][:, 77:]
+    # Stated tolerance (relative Frobenius error of the T5 tokens against bf16): int8 2%, fp8 6%.
+    for mode, tol in (("int8", 0.02), ("fp8", 0.06)):
+        bundle = copy.deepcopy(base)
+        bundle.text_encoders[2] = copy.deepcopy(family.load(source).text_encoders[2])
+        bundle.extra["t5_precision"] = mode
+        family.prepare_encoders(bundle)
+        out = family.encode_text(bundle, captions, torch.device("cpu"), torch.float32)["prompt_embeds"][:, 77:]
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < tol, (mode, err)
+        assert storage_bytes(bundle.text_encoders[2]) < 0.8 * storage_bytes(base.text_encoders[2])
+    none = copy.deepcopy(base)
+    none.extra["t5_precision"] = "none"
+    family.prepare_encoders(none)
+    out = family.encode_text(none, captions, torch.device("cpu"), torch.float32)["prompt_embeds"]
+    assert out.shape == (2, 154, 256) and torch.count_nonzero(out[:, 77:]) == 0
+
+
+def test_t5_precision_trains_and_keys_the_cache(images, tmp_path, cache_root, capsys):
+    cache = cache_root / "s5"
+    for mode in ("bf16", "int8"):
+        args = train_args(images, tmp_path / mode, cache, f"model.t5_precision={mode}", model="tiny:sd3")
+        args[0] = "cache"
+        assert main(args) == 0
+        assert "text_cached 4" in capsys.readouterr().out  # each precision has its own entries
+    assert main(train_args(images, tmp_path / "run", cache, "model.t5_precision=int8", model="tiny:sd3")) == 0

@@ -31,6 +31,9 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    t5_precision: Literal["bf16", "int8", "fp8", "nf4", "none"] = Field(
+        "bf16", description="SD3: how T5-XXL is stored while captions are encoded (int8 and fp8 "
+        "halve it, nf4 quarters it on CUDA); none leaves T5 out (zeros), as SD3 allows.")
     max_sequence_length: int = Field(77, ge=1, le=512, description="SD3: T5 tokens per caption "
                                      "(77 as SD3's DreamBooth script, up to 512; 256 in the pipeline).")
     allow_pickle: bool = Field(
@@ -106,7 +109,9 @@ class TrainConfig(_Section):
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-5, gt=0)
-    optimizer: Literal["adafactor", "adamw"] = "adafactor"
+    optimizer: Literal["adafactor", "adamw", "adamw8bit"] = Field(
+        "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
+        "(a quarter of AdamW's state; the write-up's --use_8bit_adam).")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)

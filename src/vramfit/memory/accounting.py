@@ -20,6 +20,14 @@ import torch
 GIB = 2**30
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really stores; quantized tensor subclasses are counted by their parts."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        return sum(tensor_bytes(getattr(t, name)) for name in flatten()[0])
+    return t.numel() * t.element_size()
+
+
 @dataclass
 class PhaseMemory:
     name: str

@@ -50,6 +50,10 @@ class Family(Protocol):
 
     def detect_diffusers(self, model_index: dict) -> bool: ...
 
+    def prepare_encoders(self, bundle: ModelBundle) -> None:
+        """Apply encoder storage settings from bundle.extra (after cache keys are assigned)."""
+        ...
+
     def config_problems(self, cfg: Any) -> list[str]:
         """Settings that make no sense for this family (checked before any weight loads)."""
         ...

@@ -217,7 +217,8 @@ class SD3Family:
         prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 3 else "no-t5"
         joint = bundle.denoiser.config.joint_attention_dim
-        return f"sd3-text:{prints}:{t5}:{self._max_len(bundle, None)}:{joint}"
+        precision = bundle.extra.get("t5_precision", "bf16")
+        return f"sd3-text:{prints}:{t5}:{precision}:{self._max_len(bundle, None)}:{joint}"
 
     @staticmethod
     def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
@@ -275,6 +276,19 @@ class SD3Family:
         return bundle.denoiser(hidden_states=noisy, timestep=timesteps,
                                encoder_hidden_states=text["prompt_embeds"], pooled_projections=text["pooled"],
                                return_dict=False)[0]
+
+    def prepare_encoders(self, bundle: ModelBundle) -> None:
+        """Store T5 as model.t5_precision asks (bundle.extra), or leave it out for "none"."""
+        from vramfit.memory.quantize import quantize_encoder
+
+        mode = bundle.extra.get("t5_precision", "bf16")
+        if len(bundle.text_encoders) < 3:
+            return
+        if mode == "none":
+            bundle.text_encoders = bundle.text_encoders[:2]
+            bundle.tokenizers = bundle.tokenizers[:2]
+        else:
+            quantize_encoder(bundle.text_encoders[2], mode)
 
     def config_problems(self, cfg) -> list[str]:
         """Settings of another family's objective, refused before any weight loads."""

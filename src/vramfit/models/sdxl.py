@@ -79,9 +79,13 @@ class SDXLFamily:
         problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
                     for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale")
                     if name in cfg.train.model_fields_set]
-        if "max_sequence_length" in cfg.model.model_fields_set:
-            problems.append("model.max_sequence_length: applies to SD3's T5 encoder only")
+        for key in ("max_sequence_length", "t5_precision"):
+            if key in cfg.model.model_fields_set:
+                problems.append(f"model.{key}: applies to SD3's T5 encoder only")
         return problems
+
+    def prepare_encoders(self, bundle: ModelBundle) -> None:
+        """Nothing to do: SDXL's CLIP encoders are small enough to run as stored."""
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:

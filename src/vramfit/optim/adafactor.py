@@ -37,9 +37,7 @@ class MatrixAdafactor(Adafactor):
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in optimizer state tensors (for the it-saves tests and the planner)."""
-    total = 0
-    for state in optimizer.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += v.numel() * v.element_size()
-    return total
+    from vramfit.memory.accounting import tensor_bytes
+
+    return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))

@@ -2,7 +2,7 @@
 
 Adafactor is transformers' implementation with a fixed learning rate (relative_step off, no
 parameter scaling), as the 8 GB SSD-1B recipe uses it, with conv kernels factored as matrices
-(optim/adafactor.py: 0.8 GiB less state on SSD-1B); AdamW is torch's, foreach on CPU and
+(optim/adafactor.py: 0.8 GiB less state on SSD-1B); AdamW 8-bit is torchao's; AdamW is torch's, foreach on CPU and
 fused on CUDA where the parameters allow it.
 """
 from __future__ import annotations
@@ -23,6 +23,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> t
 
         return MatrixAdafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False,
                          warmup_init=False, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     fused = all(p.is_cuda for p in params) and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                                                    for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,

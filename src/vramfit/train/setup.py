@@ -81,6 +81,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
             raise ConfigError(problems, f"config for this {family.name} model")
         bundle = family.load(source)
         bundle.extra["max_sequence_length"] = cfg.model.max_sequence_length
+        bundle.extra["t5_precision"] = cfg.model.t5_precision
     data = TrainingData(family, bundle, make_records(result.items, cfg.data, cfg.train.seed), cfg.data,
                         cfg.cache, DiskCache(cache_root(cfg) / "entries"), device)
     # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in fp16);
@@ -91,6 +92,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
             enc.to(torch.float32)
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
+    family.prepare_encoders(bundle)
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
             data.cache_latents(progress)
