@@ -97,3 +97,20 @@ def test_dreambooth_instance_prompt_needs_no_caption_files(tmp_path, cache_root)
                            model="tiny:sd3")) == 0
     run = json.loads((out / "run.json").read_text())
     assert run["items"] == 3 and run["skipped"] == []
+
+
+def test_sd3_dreambooth_example_runs_on_the_tiny_model(images, tmp_path, cache_root):
+    """examples/sd3m_dreambooth_lora.toml as written (8-bit Adam, int8 T5, LoRA), shrunk in size."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "sd3m_dreambooth_lora.toml"
+    out = tmp_path / "run"
+    args = ["train", str(example), "--no-progress"]
+    for s in ("model.path=tiny:sd3", f"data.path={images}", "data.resolution=64", "data.min_size=64",
+              "data.bucket_step=32", f"cache.dir={cache_root / 'l7'}", "train.steps=2", "train.batch_size=1",
+              "train.grad_accum=2", "save.every_steps=0", f"output.dir={out}", "logging.tensorboard=false"):
+        args += ["--set", s]
+    assert main(args) == 0
+    assert _keys(out / "model.safetensors")
+    cfg = (out / "config.toml").read_text()
+    assert 'optimizer = "adamw8bit"' in cfg and 't5_precision = "int8"' in cfg
