@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
     p.add_argument("path", help="single file, diffusers folder, repo id or tiny:<name>")
     p.add_argument("--json", action="store_true", help="print JSON")
+    from vramfit.generate import add_generate_parser
+
+    add_generate_parser(sub)
     p = sub.add_parser("demo", help="fine-tune tiny:ssd1b on generated images (no arguments needed)")
     p.add_argument("--output", type=Path, default=Path("vramfit-demo"), help="folder for the demo run")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
@@ -129,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         diffusers.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args) if args.command in COMMANDS else args.func(args)
     except USER_ERRORS as exc:
         if args.verbose:
             raise
