@@ -67,7 +67,7 @@ def print_summary(result) -> None:
     print(f"\ntrained {len(result.loop.losses)} steps on {len(result.scan.items)} images "
           f"({len(result.scan.problems)} skipped); final loss {last}")
     print("\nmemory by phase:\n" + result.report.table())
-    print(f"\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
+    print("\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
     print(f"memory report, config and logs: {result.output_dir}")
 
 

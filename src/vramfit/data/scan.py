@@ -25,6 +25,8 @@ from typing import Iterator, NamedTuple
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from vramfit.data.fingerprint import file_digest
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 _ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
 _SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # the ones that rotate by 90 or 270 degrees
@@ -135,7 +137,7 @@ def scan_dataset(
                 ok = False
             if not ok:
                 continue
-            digest = _sha256(cand.path)
+            digest = file_digest(cand.path)
             first = seen.setdefault((digest, cand.caption), key)
             if first != key:
                 # Same bytes and same caption: training on both would silently double its weight.
@@ -150,16 +152,6 @@ def _check_inside(path: Path, real_root: Path) -> None:
     target = path.resolve()
     if not target.is_relative_to(real_root):
         raise _Rejected(f"symlink leads outside the dataset folder (to {target})")
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _locate_metadata(metadata: Path, root: Path) -> Path:

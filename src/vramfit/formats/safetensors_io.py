@@ -127,3 +127,35 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def begin_folder(folder: Path) -> Path:
+    """A fresh temporary sibling of `folder` to write a multi-file save into."""
+    import shutil
+
+    tmp = Path(folder).with_name(f".{Path(folder).name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_folder(tmp: Path, folder: Path) -> None:
+    """Put a completed temporary folder in place of `folder`; the old one goes only after."""
+    import shutil
+
+    folder = Path(folder)
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_model_folder(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """A diffusers model subfolder (config.json + weights) with the weights cast to `dtype`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_config(folder)
+    save_atomic({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()},
+                folder / "diffusion_pytorch_model.safetensors")

@@ -11,7 +11,6 @@ Training is rectified flow (train/flow.py) on SD3's shift-3 sigma table.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +19,8 @@ import torch
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.safetensors_io import (
-    CheckpointError, load_prefixed, meta_tensors, read_header, save_atomic, write_text_atomic,
+    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
+    save_model_folder, write_text_atomic,
 )
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
 from vramfit.models.adapter import ModelBundle, Source
@@ -353,15 +353,8 @@ class SD3Family:
         """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""
         import diffusers
 
-        folder = Path(folder)
-        tmp = folder.with_name(f".{folder.name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        transformer = bundle.denoiser
-        (tmp / "transformer").mkdir(parents=True)
-        transformer.save_config(tmp / "transformer")
-        save_atomic({k: v.detach().to("cpu", dtype) for k, v in transformer.state_dict().items()},
-                    tmp / "transformer" / "diffusion_pytorch_model.safetensors")
+        tmp = begin_folder(folder)
+        save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
@@ -384,12 +377,7 @@ class SD3Family:
                  "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
                  "image_encoder": [None, None], "feature_extractor": [None, None]}
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
-        old = folder.with_name(f".{folder.name}.old")
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
-        if old.exists():
-            shutil.rmtree(old)
+        commit_folder(tmp, Path(folder))
 
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:

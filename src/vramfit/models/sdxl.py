@@ -8,7 +8,6 @@ the projected pooled output of bigG, and the 6 size/crop numbers per image.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ import torch
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae, sgm_unet
 from vramfit.formats.safetensors_io import (
-    CheckpointError, load_prefixed, meta_tensors, read_header, save_atomic, write_text_atomic,
+    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
+    save_model_folder, write_text_atomic,
 )
 from vramfit.models.adapter import ModelBundle, Source
 from vramfit.models.sources import require_tokenizers
@@ -109,7 +109,7 @@ class SDXLFamily:
                 CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
 
     def _load_single_file(self, path: Path):
-        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from diffusers import UNet2DConditionModel
 
         header, _ = read_header(path)
         if not self.detect_single_file(set(header)):
@@ -266,15 +266,8 @@ class SDXLFamily:
         import diffusers
         from diffusers import EulerDiscreteScheduler
 
-        folder = Path(folder)
-        tmp = folder.with_name(f".{folder.name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        unet = bundle.denoiser
-        (tmp / "unet").mkdir(parents=True)
-        unet.save_config(tmp / "unet")
-        save_atomic({k: v.detach().to("cpu", dtype) for k, v in unet.state_dict().items()},
-                    tmp / "unet" / "diffusion_pytorch_model.safetensors")
+        tmp = begin_folder(folder)
+        save_model_folder(bundle.denoiser, tmp / "unet", dtype)
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
@@ -292,12 +285,7 @@ class SDXLFamily:
                  "scheduler": ["diffusers", "EulerDiscreteScheduler"],
                  "image_encoder": [None, None], "feature_extractor": [None, None]}
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
-        old = folder.with_name(f".{folder.name}.old")
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
-        if old.exists():
-            shutil.rmtree(old)
+        commit_folder(tmp, Path(folder))
 
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:

@@ -263,7 +263,6 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         write_state(state)  # also at the end, so a finished run can be extended with more steps
         if not result.interrupted:
             saved += save_checkpoint(family, bundle, cfg, None)
-    del optimizer
     free_device_memory(device)
     report = tracker.report
     report.write(out / f"{cfg.save.name}.memory.json")
