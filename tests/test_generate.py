@@ -23,6 +23,16 @@ MODELS = ("tiny:sdxl", "tiny:ssd1b", "tiny:sd3")
 FAST = dict(steps=STEPS, width=SIZE, height=SIZE, device="cpu", dtype=torch.float32)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP's
+    # spin-waits slow them many times over; restored for the tests after this file.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def module_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("generate-cache")
