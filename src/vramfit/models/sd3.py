@@ -24,7 +24,7 @@ from vramfit.formats.safetensors_io import (
 )
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
 from vramfit.models.adapter import ModelBundle, Source
-from vramfit.models.sdxl import SDXLFamily, _build, _count, _merge
+from vramfit.models.sdxl import SDXLFamily, _build, _count, _merge, sample_latent
 from vramfit.models.sources import require_tokenizers
 from vramfit.train import flow
 from vramfit.train.objectives import weighted_mse
@@ -266,10 +266,7 @@ class SD3Family:
 
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor:
-        mean = encoded["mean"].float()
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
-        std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
-        return (mean + std * eps - VAE_SHIFT) * VAE_SCALE
+        return (sample_latent(encoded, generator) - VAE_SHIFT) * VAE_SCALE
 
     def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: dict[str, torch.Tensor]) -> torch.Tensor:

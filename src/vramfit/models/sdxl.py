@@ -216,10 +216,7 @@ class SDXLFamily:
 
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor:
-        mean = encoded["mean"].float()
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
-        std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
-        return (mean + std * eps) * VAE_SCALE
+        return sample_latent(encoded, generator) * VAE_SCALE
 
     def predict(self, bundle: ModelBundle, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: dict[str, torch.Tensor], time_ids: torch.Tensor) -> torch.Tensor:
@@ -306,6 +303,14 @@ class SDXLFamily:
                 "transformer_layers_per_block": config.get("transformer_layers_per_block"),
                 "reverse_transformer_layers_per_block": config.get("reverse_transformer_layers_per_block"),
                 "mid_block_type": config.get("mid_block_type"), "components": comps}
+
+
+def sample_latent(encoded: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    """One draw from a cached latent distribution (mean, log-variance), as diffusers' sample()."""
+    mean = encoded["mean"].float()
+    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
+    std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
+    return mean + std * eps
 
 
 def _count(header: dict, prefix: str) -> dict:
