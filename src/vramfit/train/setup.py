@@ -101,11 +101,8 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
             data.cache_text(progress)
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
-    else:  # live encoding: the encoders that are still needed stay on the device
-        if not cfg.cache.latents:
-            bundle.vae.to(device)
-        for enc in bundle.text_encoders if not cfg.cache.text else []:
-            enc.to(device)
+    elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
+        bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
     return family, bundle, data, result
 
