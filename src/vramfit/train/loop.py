@@ -80,8 +80,10 @@ def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuf
 
 def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer, schedule,
              cfg: TrainConfig, device: torch.device, progress: Progress, generator: torch.Generator,
-             hooks: LoopHooks = LoopHooks(), stop: StopFlag = StopFlag(), shuffle: bool = True) -> LoopResult:
+             hooks: Optional[LoopHooks] = None, stop: Optional[StopFlag] = None,
+             shuffle: bool = True) -> LoopResult:
     """Train `bundle.denoiser` from progress.step to cfg.steps; returns losses and step times."""
+    hooks, stop = hooks or LoopHooks(), stop or StopFlag()  # fresh per call: a set flag never leaks
     unet = bundle.denoiser
     # Inputs follow the frozen base under LoRA (its trainable fp32 matrices cast for themselves).
     base = next((p for p in unet.parameters() if not p.requires_grad), next(unet.parameters()))
