@@ -312,3 +312,21 @@ def test_cli_plain_run_and_errors(module_cache, tmp_path, capsys):
                             str(module_cache)]))
     with pytest.raises(SystemExit):
         parse(["--model", "tiny:ssd1b", "--prompt", "x", "--lora", str(tmp_path / "missing.safetensors")])
+
+
+def test_cli_t5_precision(module_cache, tmp_path, capsys):
+    """--t5 int8 stays close to the T5 as loaded; --t5 none (zero T5 tokens) renders differently."""
+    from PIL import Image
+
+    def render(mode: str) -> np.ndarray:
+        out = tmp_path / mode
+        assert run_generate(parse(["--model", "tiny:sd3", "--prompt", "a cat called Lily", "--steps", str(STEPS),
+                                   "--width", str(SIZE), "--height", str(SIZE), "--t5", mode, "--out", str(out),
+                                   "--cache-dir", str(module_cache), "--no-progress"])) == 0
+        with Image.open(out / "0-0.png") as im:
+            return pixels(im)
+
+    full, int8, none = render("bf16"), render("int8"), render("none")
+    assert np.abs(full.astype(int) - int8.astype(int)).mean() < 2.0  # of 255 levels
+    assert not np.array_equal(full, none)
+    capsys.readouterr()

@@ -108,9 +108,12 @@ def test_sd3_dreambooth_example_runs_on_the_tiny_model(images, tmp_path, cache_r
     args = ["train", str(example), "--no-progress"]
     for s in ("model.path=tiny:sd3", f"data.path={images}", "data.resolution=64", "data.min_size=64",
               "data.bucket_step=32", f"cache.dir={cache_root / 'l7'}", "train.steps=2", "train.batch_size=1",
-              "train.grad_accum=2", "save.every_steps=0", f"output.dir={out}", "logging.tensorboard=false"):
+              "train.grad_accum=2", "save.every_steps=0", "sample.every_steps=1", "sample.steps=2",
+              f"output.dir={out}", "logging.tensorboard=false"):
         args += ["--set", s]
     assert main(args) == 0
     assert _keys(out / "model.safetensors")
     cfg = (out / "config.toml").read_text()
     assert 'optimizer = "adamw8bit"' in cfg and 't5_precision = "int8"' in cfg
+    # the example's sample grids render with its int8 T5 (here at step 1 and at the end)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000001.png", "step-000002.png"]

@@ -415,6 +415,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="model precision (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)")
     p.add_argument("--no-offload", action="store_true",
                    help="keep all models on the GPU (faster, needs memory for all of them at once)")
+    p.add_argument("--t5", default="bf16", choices=["bf16", "int8", "fp8", "nf4", "none"],
+                   help="SD3: how T5-XXL is stored: bf16 (as loaded), int8 or nf4 (quantized, about 1/2 or "
+                   "1/4 of the memory), fp8 (storage only), none (left out: zero embeddings, as SD3 "
+                   "allows); default bf16")
     p.add_argument("--max-sequence-length", type=int, default=None,
                    help=f"SD3: T5 tokens per prompt (default {SD3_MAX_SEQUENCE_LENGTH}, as diffusers' pipeline)")
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -438,7 +442,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _save_png(image, path: Path, info: dict[str, str]) -> None:
+def save_png(image, path: Path, info: dict[str, str]) -> None:
     from PIL.PngImagePlugin import PngInfo
 
     meta = PngInfo()
@@ -467,6 +471,8 @@ def run_generate(args) -> int:
     source = resolve_source(ModelConfig(path=args.model, tokenizers=args.tokenizers), args.cache_dir)
     family = detect_family(source)
     bundle = family.load(source)
+    bundle.extra["t5_precision"] = args.t5
+    family.prepare_encoders(bundle)
     pipe = build_pipeline(bundle)
     pipe.set_progress_bar_config(disable=bool(getattr(args, "no_progress", False)), leave=False)
     common = dict(negative=args.negative, seed=args.seed, steps=args.steps, guidance=args.guidance,
@@ -489,11 +495,11 @@ def run_generate(args) -> int:
     for i, image in enumerate(images):
         seed = args.seed + i
         path = out / f"{i}-{seed}.png"
-        _save_png(image, path, {**settings, "prompt": args.prompt[i // args.count], "seed": str(seed)})
+        save_png(image, path, {**settings, "prompt": args.prompt[i // args.count], "seed": str(seed)})
         paths.append(path)
     if base is not None:
         path = out / "compare.png"
-        _save_png(compare_grid(base, images), path, {**settings, "prompts": " | ".join(args.prompt),
+        save_png(compare_grid(base, images), path, {**settings, "prompts": " | ".join(args.prompt),
                                                       "seeds": f"{args.seed}..{args.seed + len(images) - 1}"})
         paths.append(path)
     for path in paths:

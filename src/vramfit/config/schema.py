@@ -178,12 +178,57 @@ class LoggingConfig(_Section):
     progress: bool = True
 
 
+class PriorConfig(_Section):
+    """DreamBooth prior preservation: class images trained beside the instance images."""
+
+    class_prompt: Optional[str] = Field(
+        None, description="Prompt of the class (e.g. 'a photo of a cat'); setting it turns prior "
+        "preservation on.")
+    class_dir: Optional[str] = Field(
+        None, description="Folder of class images; missing ones are generated there with the base "
+        "model. Default: <output.dir>/class_images.")
+    num_images: int = Field(100, ge=1, description="Class images wanted; only the missing ones are generated.")
+    loss_weight: float = Field(1.0, ge=0, description="Weight of the class images' loss (diffusers: "
+                               "prior_loss_weight).")
+    steps: int = Field(25, ge=1, description="Sampling steps per generated class image.")
+    guidance: Optional[float] = Field(None, ge=0, description="Guidance scale; default: the family's.")
+    negative_prompt: Optional[str] = None
+    seed: int = Field(0, description="Seed of the first generated class image (the next ones count up).")
+
+
+class SampleConfig(_Section):
+    """Sample grids during training: fixed prompts x fixed seeds, every N steps."""
+
+    prompts: list[str] = Field(default_factory=list, description="One grid row per prompt.")
+    seeds: list[int] = Field(default_factory=lambda: [0], description="One grid column per seed.")
+    every_steps: int = Field(0, ge=0, description="Render a grid every N optimizer steps and at the "
+                             "end; 0 turns samples off.")
+    steps: int = Field(20, ge=1, description="Sampling steps.")
+    guidance: Optional[float] = Field(None, ge=0, description="Guidance scale; default: the family's.")
+    negative_prompt: Optional[str] = None
+    width: Optional[int] = Field(None, ge=8, description="Default: data.resolution.")
+    height: Optional[int] = Field(None, ge=8, description="Default: data.resolution.")
+
+    @model_validator(mode="after")
+    def _prompts_when_on(self) -> "SampleConfig":
+        if self.every_steps and not self.prompts:
+            raise ValueError("every_steps is set but prompts is empty; give sample.prompts")
+        if not self.seeds:
+            raise ValueError("seeds is empty; give at least one seed")
+        for side in ("width", "height"):
+            if getattr(self, side) is not None and getattr(self, side) % 8:
+                raise ValueError(f"{side} must be a multiple of 8 (the VAE downsamples by 8)")
+        return self
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     cache: CacheConfig = CacheConfig()
     train: TrainConfig = TrainConfig()
     lora: LoraSettings = LoraSettings()
+    prior: PriorConfig = PriorConfig()
+    sample: SampleConfig = SampleConfig()
     save: SaveConfig = SaveConfig()
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()

@@ -291,6 +291,11 @@ class SD3Family:
         """Settings of another family's objective, refused before any weight loads."""
         problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
                     for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        for side in ("width", "height"):
+            value = getattr(cfg.sample, side) or cfg.data.resolution
+            if cfg.sample.every_steps and value % 16:
+                problems.append(f"sample.{side}: {value} is not a multiple of 16, which SD3 needs "
+                                "(VAE factor 8 x patch size 2)")
         if "lora_kohya" in cfg.save_formats:
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
@@ -315,7 +320,8 @@ class SD3Family:
         noisy, target = flow.flow_inputs(latents, noise, sigmas)
         text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), timesteps.to(device), text)
-        return weighted_mse(pred, target, flow.loss_weighting(scheme, sigmas).to(device))
+        return weighted_mse(pred, target, flow.loss_weighting(scheme, sigmas).to(device),
+                            batch.get("sample_weight"))
 
     # ---- saving ------------------------------------------------------------------------------
     def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -231,7 +231,7 @@ class SDXLFamily:
         text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), timesteps, text, batch["time_ids"].to(device, dtype))
         weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
-        return weighted_mse(pred, noise, weights)
+        return weighted_mse(pred, noise, weights, batch.get("sample_weight"))
 
     # ---- saving ------------------------------------------------------------------------------
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ class Record:
     crop_seed: int
     latent_key: str = ""
     text_key: str = ""
+    prior: bool = False  # a class image of DreamBooth prior preservation (train/prior.py)
 
 
 def make_records(items: list[Item], data_cfg: DataConfig, seed: int) -> list[Record]:
@@ -63,8 +64,11 @@ class TrainingData:
     """Owns the records and produces batches, from the cache or by encoding live."""
 
     def __init__(self, family: Family, bundle: ModelBundle, records: list[Record], data_cfg: DataConfig,
-                 cache_cfg: CacheConfig, cache: DiskCache, device: torch.device):
+                 cache_cfg: CacheConfig, cache: DiskCache, device: torch.device, prior_weight: float = 1.0,
+                 identities: Optional[dict[str, str]] = None):
         self.family, self.bundle, self.records = family, bundle, records
+        self.prior_weight = prior_weight
+        self.identities = identities or {}  # encoder_identity by part, when taken before quantizing
         self.data_cfg, self.cache_cfg, self.cache, self.device = data_cfg, cache_cfg, cache, device
         self.stats = {"latents_cached": 0, "latents_reused": 0, "text_cached": 0, "text_reused": 0}
 
@@ -88,13 +92,13 @@ class TrainingData:
     def assign_keys(self) -> None:
         store = self.cache_cfg.dtype
         if self.cache_cfg.latents:
-            vae_id = self.family.encoder_identity(self.bundle, "vae")
+            vae_id = self.identities.get("vae") or self.family.encoder_identity(self.bundle, "vae")
             for r in self.records:
                 crop = ("random", r.crop_seed) if self.data_cfg.random_crop else ("center",)
                 r.latent_key = latent_key(r.image_digest, r.bucket, crop, vae_id, self.cache_cfg.vae_dtype,
                                           store, self.cache_cfg.vae_tiling)
         if self.cache_cfg.text:
-            text_id = self.family.encoder_identity(self.bundle, "text")
+            text_id = self.identities.get("text") or self.family.encoder_identity(self.bundle, "text")
             for r in self.records:
                 r.text_key = text_key(r.item.caption, text_id, store)
 
@@ -152,22 +156,47 @@ class TrainingData:
         lat = [self._latent(r) for r in records]
         out = {k: torch.stack([e[k] for e in lat]) for k in lat[0]}
         out.update(self._text(records))
+        n_prior = sum(r.prior for r in records)
+        if n_prior:  # loss = mean over instance images + prior_weight * mean over class images
+            n = len(records) - n_prior
+            out["sample_weight"] = torch.tensor([self.prior_weight / n_prior if r.prior else 1.0 / n
+                                                 for r in records])
         return out
 
     def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool) -> Iterator[list[Record]]:
-        """One epoch of same-bucket batches, in a seeded order."""
+        """One epoch of same-bucket batches of instance images, in a seeded order.
+
+        With prior preservation each batch also carries as many class images of its bucket, taken
+        in a seeded order that cycles through them (an epoch is one pass over the instance images).
+        """
         by_bucket: dict[tuple[int, int], list[Record]] = {}
         for r in self.records:
-            by_bucket.setdefault(r.bucket, []).append(r)
+            if not r.prior:
+                by_bucket.setdefault(r.bucket, []).append(r)
         groups = []
         for bucket in sorted(by_bucket):
-            recs = by_bucket[bucket]
-            order = torch.randperm(len(recs), generator=generator).tolist() if shuffle else range(len(recs))
-            recs = [recs[i] for i in order]
+            recs = _ordered(by_bucket[bucket], generator, shuffle)
             groups += [recs[i:i + batch_size] for i in range(0, len(recs), batch_size)]
+        classes = self._class_cycles(generator, shuffle)
         order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else range(len(groups))
         for i in order:
-            yield groups[i]
+            group = groups[i]
+            cycle = classes.get(group[0].bucket)
+            yield group + [next(cycle) for _ in group] if cycle is not None else group
+
+    def _class_cycles(self, generator: torch.Generator, shuffle: bool) -> dict:
+        import itertools
+
+        by_bucket: dict[tuple[int, int], list[Record]] = {}
+        for r in self.records:
+            if r.prior:
+                by_bucket.setdefault(r.bucket, []).append(r)
+        return {b: itertools.cycle(_ordered(by_bucket[b], generator, shuffle)) for b in sorted(by_bucket)}
+
+
+def _ordered(records: list[Record], generator: torch.Generator, shuffle: bool) -> list[Record]:
+    order = torch.randperm(len(records), generator=generator).tolist() if shuffle else range(len(records))
+    return [records[i] for i in order]
 
 
 def _bar(iterable, desc: str, enabled: bool):

@@ -33,6 +33,11 @@ def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.T
     return torch.clamp(snr, max=gamma) / snr
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    per_sample = (pred.float() - target.float()).pow(2).mean(dim=tuple(range(1, pred.ndim)))
-    return (per_sample * weights).mean()
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                 sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the batch of each sample's weighted MSE; `sample_weight` (summing to the
+    batch's total weight, e.g. DreamBooth's instance + prior terms) replaces the plain mean."""
+    per_sample = (pred.float() - target.float()).pow(2).mean(dim=tuple(range(1, pred.ndim))) * weights
+    if sample_weight is None:
+        return per_sample.mean()
+    return (per_sample * sample_weight.to(per_sample.device)).sum()

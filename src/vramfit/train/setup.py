@@ -27,11 +27,13 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
-from vramfit.train.data import DTYPES, TrainingData, free_device_memory, make_records
+from vramfit.data.fingerprint import file_digest
+from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
 from vramfit.train.lora import apply_lora, lora_state
 from vramfit.train.state import Progress, check_compatible, find_state, load_state, read_meta, save_state
 from vramfit.train.logs import RunLogger
+from vramfit.train.samples import SampleGrids
 
 log = logging.getLogger("vramfit")
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,17 +84,26 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
         bundle = family.load(source)
         bundle.extra["max_sequence_length"] = cfg.model.max_sequence_length
         bundle.extra["t5_precision"] = cfg.model.t5_precision
-    data = TrainingData(family, bundle, make_records(result.items, cfg.data, cfg.train.seed), cfg.data,
-                        cfg.cache, DiskCache(cache_root(cfg) / "entries"), device)
-    # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in fp16);
-    # half-precision text encoders are kept on GPUs but widened for the CPU, which lacks fast fp16.
-    bundle.vae.to(DTYPES[cfg.cache.vae_dtype])
-    if device.type == "cpu":
-        for enc in bundle.text_encoders:
-            enc.to(torch.float32)
+        # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in
+        # fp16); half-precision text encoders are kept on GPUs but widened for the CPU, which
+        # lacks fast fp16. T5 is then stored as model.t5_precision asks.
+        bundle.vae.to(DTYPES[cfg.cache.vae_dtype])
+        if device.type == "cpu":
+            for enc in bundle.text_encoders:
+                enc.to(torch.float32)
+        # Cache keys name the encoders as loaded (T5's precision is part of the text key).
+        identities = {part: family.encoder_identity(bundle, part) for part in ("vae", "text")}
+        family.prepare_encoders(bundle)
+    records = make_records(result.items, cfg.data, cfg.train.seed)
+    generated = 0
+    if cfg.prior.class_prompt:
+        with tracker.phase("class_images"):
+            records, generated = _with_class_records(cfg, family, bundle, records, device, progress)
+    data = TrainingData(family, bundle, records, cfg.data, cfg.cache, DiskCache(cache_root(cfg) / "entries"),
+                        device, prior_weight=cfg.prior.loss_weight, identities=identities)
+    data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
-    family.prepare_encoders(bundle)
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
             data.cache_latents(progress)
@@ -105,6 +116,21 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
         bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
     return family, bundle, data, result
+
+
+def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
+                        progress: bool) -> tuple[list[Record], int]:
+    """Instance records plus one record per class image (generated first where missing)."""
+    from vramfit.train import prior
+
+    folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, [r.bucket for r in records],
+                                                          device, progress)
+    free_device_memory(device)
+    extra = [Record(item, bucket, item.sha256 or file_digest(item.path), 0, prior=True)
+             for item, bucket in prior.class_items(cfg, folder, slots)]
+    log.info("prior preservation: %d class images (%d generated now), loss weight %g", len(extra),
+             generated, cfg.prior.loss_weight)
+    return records + extra, generated
 
 
 def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
@@ -231,6 +257,9 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     write_text_atomic(out / "config.toml", dump_config(cfg))
     tracker = MemoryTracker(device)
     family, bundle, data, scanned = prepare(cfg, tracker, device, progress)
+    # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
+    # preparation drew (class images), so the same config starts from the same adapter.
+    torch.manual_seed(cfg.train.seed)
     place_denoiser(bundle, cfg, device)
     optimizer = build_optimizer(bundle.denoiser.parameters(), cfg.train)
     schedule = build_schedule(optimizer, cfg.train)
@@ -248,7 +277,13 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                       on_save=lambda p: saved.extend(save_checkpoint(family, bundle, cfg, p.step)),
                       on_state=write_state)
     logger = RunLogger(cfg, out, progress, device, start)
-    hooks.on_step = logger.step
+    grids = SampleGrids(cfg, family, bundle, device, out / "samples")
+
+    def on_step(step: int, loss: float, lr: float) -> None:
+        logger.step(step, loss, lr)
+        grids.maybe(step)
+
+    hooks.on_step = on_step
     flag = StopFlag()
     with tracker.phase("train") as phase, stop_on_signals(flag):
         result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
@@ -256,6 +291,9 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
     logger.close()
+    if grids.enabled and not result.interrupted:
+        with tracker.phase("samples"):
+            grids.render(state.step)
     with tracker.phase("save"):
         write_state(state)  # also at the end, so a finished run can be extended with more steps
         if not result.interrupted:
@@ -270,7 +308,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
          "interrupted": result.interrupted, "losses": result.losses,
          "nonfinite_steps_skipped": state.nonfinite_skipped,
-         "checkpoints": [str(p) for p in saved]}, indent=2))
+         "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in grids.paths]}, indent=2))
     return RunResult(out, saved, report, result, scanned, data.stats)
 
 

@@ -1,0 +1,135 @@
+"""DreamBooth prior preservation: class images, generated with the base model when missing.
+
+Each class image has a slot: slot i is rendered (when its file is missing) with seed
+`prior.seed + i` at the size of the bucket the slot is given, and the slots are spread over the
+instance images' buckets in proportion to how many instance images each bucket holds (at least
+one per bucket). So every training batch can pair its instance images with class images of the
+same shape and run both through one forward pass, as diffusers' DreamBooth script does, and
+the set of class images depends only on the config, never on how many already existed.
+
+Class images take `prior.class_prompt` as their caption. They are ordinary dataset items
+afterwards: validated by the scanner, cached like the instance images (latents and text), and
+weighted in the loss by `prior.loss_weight` (train.data.TrainingData.batch).
+Cost: one base-model generation per missing image, before caching; nothing while training
+besides the doubled batch.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from vramfit.config.schema import RunConfig
+from vramfit.data.scan import IMAGE_EXTENSIONS, scan_dataset
+
+log = logging.getLogger("vramfit")
+SLOT_NAME = "class-{:05d}.png"
+
+
+def class_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.prior.class_dir).expanduser() if cfg.prior.class_dir else cfg.output_dir / "class_images"
+
+
+def slot_buckets(instance_buckets: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The bucket of each of n class slots: proportional to the instance buckets, >= 1 each.
+
+    Largest-remainder allocation over the buckets in sorted order, so it is deterministic.
+    """
+    counts = Counter(instance_buckets)
+    buckets = sorted(counts)
+    if n < len(buckets):
+        raise ValueError(f"prior.num_images is {n}, but the instance images use {len(buckets)} buckets "
+                         "and each needs at least one class image; raise prior.num_images")
+    total = sum(counts.values())
+    share = {b: 1 + (n - len(buckets)) * counts[b] / total for b in buckets}
+    given = {b: int(share[b]) for b in buckets}
+    for b in sorted(buckets, key=lambda b: (-(share[b] - given[b]), b))[:n - sum(given.values())]:
+        given[b] += 1
+    return [b for b in buckets for _ in range(given[b])]
+
+
+def _existing(folder: Path) -> dict[int, Path]:
+    """Slot index -> file for the class images present (slot files and any others, in name order)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+                   and not p.name.startswith("."))
+    named = {int(p.stem[6:]): p for p in files if p.stem.startswith("class-") and p.stem[6:].isdigit()}
+    others = iter(p for p in files if p not in named.values())
+    slots: dict[int, Path] = dict(named)
+    i = 0
+    for p in others:  # user-supplied class images fill the slots the project's files leave free
+        while i in slots:
+            i += 1
+        slots[i] = p
+    return slots
+
+
+def ensure_class_images(cfg: RunConfig, family, bundle, buckets: list[tuple[int, int]],
+                        device: torch.device, progress: bool) -> tuple[Path, list[tuple[int, int]], int]:
+    """Generate every missing slot's image; returns (folder, slot buckets, images generated)."""
+    folder = class_dir(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    slots = slot_buckets(buckets, cfg.prior.num_images)
+    present = _existing(folder)
+    missing = [i for i in range(len(slots)) if i not in present]
+    if missing:
+        log.info("prior preservation: generating %d class images of %r in %s", len(missing),
+                 cfg.prior.class_prompt, folder)
+        _generate(cfg, family, bundle, folder, [(i, slots[i]) for i in missing], device, progress)
+    return folder, slots, len(missing)
+
+
+def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int, tuple[int, int]]],
+              device: torch.device, progress: bool) -> None:
+    from vramfit.generate import build_pipeline, generate, save_png
+
+    modules = {"vae": bundle.vae, **{f"te{i}": m for i, m in enumerate(bundle.text_encoders)},
+               "denoiser": bundle.denoiser}
+    dtypes = {k: next(m.parameters()).dtype for k, m in modules.items()}
+    pipe = build_pipeline(bundle)
+    pipe.set_progress_bar_config(disable=True)
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    p = cfg.prior
+    try:
+        for i, (w, h) in _bar(todo, progress):
+            image = generate(pipe, [p.class_prompt], negative=p.negative_prompt, seed=p.seed + i,
+                             steps=p.steps, guidance=p.guidance, width=w, height=h, device=device,
+                             dtype=dtype, offload=True, max_sequence_length=cfg.model.max_sequence_length)[0]
+            save_png(image, folder / SLOT_NAME.format(i),
+                     {"prompt": p.class_prompt, "seed": str(p.seed + i), "model": bundle.source.label})
+    finally:  # everything back on the CPU in the precision it had, as training expects it
+        if getattr(pipe, "_vramfit_placed", None) is not None:
+            pipe.remove_all_hooks()
+        for k, m in modules.items():
+            quantized = any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+                            for t in m.parameters())
+            m.to("cpu") if quantized else m.to("cpu", dtypes[k])
+
+
+def _bar(items, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc="class images", leave=False)
+
+
+def class_items(cfg: RunConfig, folder: Path, slots: list[tuple[int, int]]):
+    """The class images as scanned items, each with its slot's bucket."""
+    result = scan_dataset(folder, instance_prompt=cfg.prior.class_prompt, min_size=1,
+                          max_pixels=cfg.data.max_pixels)
+    for problem in result.problems:
+        log.warning("class image %s skipped: %s", problem.path, problem.reason)
+    by_path = {Path(it.path).resolve(): it for it in result.items}
+    out = []
+    for slot, path in sorted(_existing(folder).items()):
+        item = by_path.get(path.resolve())
+        if slot < len(slots) and item is not None:
+            out.append((item, slots[slot]))
+    if len(out) < len(slots):
+        log.warning("prior preservation: %d of %d class images are usable (see the warnings above)",
+                    len(out), len(slots))
+    if not out:
+        raise ValueError(f"prior.class_dir: no usable class images in {folder}")
+    return out

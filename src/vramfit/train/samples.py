@@ -1,0 +1,68 @@
+"""Sample grids during training: the same prompts and seeds every N steps, one PNG per render.
+
+The grid is rendered by a diffusers pipeline over the model being trained (with its LoRA
+active), so what it shows is what an exported checkpoint will give. The VAE and text encoders
+were freed for training; they are read from the source again for each grid (T5 stored as
+model.t5_precision asks) and freed after, and on CUDA each model visits the GPU only while it
+runs (generate.sample_grid), so a grid adds the largest single encoder to the training peak,
+not all of them. Cost: one encoder load plus the renders, every sample.every_steps steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from vramfit.config.schema import RunConfig
+
+log = logging.getLogger("vramfit")
+
+
+class SampleGrids:
+    """Callable with a step number; renders when the step is due. `final` renders regardless."""
+
+    def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path):
+        self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
+        self.folder = folder
+        self.paths: list[Path] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.sample.every_steps and self.cfg.sample.prompts)
+
+    def maybe(self, step: int) -> None:
+        if self.enabled and step % self.cfg.sample.every_steps == 0 and step < self.cfg.train.steps:
+            self.render(step)
+
+    def render(self, step: int) -> Path:
+        from vramfit.generate import build_pipeline, sample_grid, save_png
+        from vramfit.train.data import free_device_memory
+
+        s = self.cfg.sample
+        params = list(self.bundle.denoiser.parameters())  # the encoders follow the frozen base
+        dtype = next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
+        vae, encoders = self.family.load_encoders(self.bundle.source)
+        for m in (vae, *encoders):
+            m.to(dtype)
+        temp = dataclasses.replace(self.bundle, vae=vae, text_encoders=list(encoders),
+                                   tokenizers=list(self.bundle.tokenizers), extra=dict(self.bundle.extra))
+        self.family.prepare_encoders(temp)
+        pipe = build_pipeline(temp)
+        pipe.set_progress_bar_config(disable=True)
+        size = self.cfg.data.resolution
+        try:
+            grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
+                               guidance=s.guidance, width=s.width or size, height=s.height or size,
+                               device=self.device, max_sequence_length=self.cfg.model.max_sequence_length)
+        finally:
+            del pipe, temp, vae, encoders
+            free_device_memory(self.device)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"step-{step:06d}.png"
+        save_png(grid, path, {"step": str(step), "prompts": " | ".join(s.prompts),
+                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps)})
+        self.paths.append(path)
+        log.info("sample grid: %s", path)
+        return path
