@@ -119,11 +119,26 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     precision: Literal["full_bf16", "mixed_bf16", "fp32"] = Field(
         "full_bf16",
-        description="full_bf16: weights, grads and optimizer math in bf16; mixed_bf16: fp32 "
-        "master weights with bf16 autocast; fp32: everything fp32.",
+        description="full_bf16: weights and grads in bf16 (the optimizer computes each update in "
+        "fp32 and writes it back as train.stochastic_rounding says); mixed_bf16: fp32 master "
+        "weights with bf16 autocast; fp32: everything fp32.",
     )
     gradient_checkpointing: bool = True
-    max_grad_norm: float = Field(1.0, ge=0, description="Global gradient clipping; 0 disables.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Gradient clipping; 0 disables. Global norm, except with "
+        "optimizer_in_backward: each tensor is clipped alone to max_grad_norm * "
+        "sqrt(numel / numel of all trainable tensors), its share of the global budget.")
+    stochastic_rounding: bool = Field(
+        True, description="Applies to bf16 weights (full_bf16): optimizer updates, bf16 moments, and "
+        "gradient accumulation into bf16 gradients (grad_accum > 1) are rounded stochastically, "
+        "exact on average, instead of to nearest (which drops updates below bf16's spacing). "
+        "Costs one random draw per value written; no effect on fp32 weights or LoRA matrices.")
+    optimizer_in_backward: bool = Field(
+        False, description="Step each parameter inside backward as soon as its gradient of the last "
+        "micro-batch is complete, and free that gradient at once: no full set of gradients is ever "
+        "held. Works with every optimizer, precision, LoRA and grad_accum (earlier micro-batches "
+        "accumulate as usual); clipping becomes per tensor (see max_grad_norm); a non-finite "
+        "gradient tensor is not applied while the finite ones are.")
     noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
     min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(

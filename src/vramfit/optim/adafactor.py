@@ -1,43 +1,76 @@
-"""Adafactor whose second-moment factors cover conv kernels as whole matrices.
+"""Adafactor with a fixed learning rate, conv kernels factored as whole matrices.
 
-transformers' Adafactor factors a tensor's second moment over its last two dimensions. For a
-conv kernel [out, in, kh, kw] those are the 3x3 kernel dims, so it keeps two fp32 tensors of
-out*in*kh values: for SSD-1B's UNet that is 0.83 GiB of optimizer state, 2/3 of a bf16 copy of
-every conv weight. Viewing each kernel as the [out, in*kh*kw] matrix it acts as (Adafactor's
-paper factors weight matrices) shrinks that to out + in*kh*kw values per kernel, about 0.02 GiB
-for SSD-1B. Tensors of one or two dimensions are updated exactly as transformers does.
-Cost: none; the reshapes are views of the same storage.
+The semantics are those of transformers' Adafactor with relative_step, scale_parameter and
+warmup_init off, as the 8 GB SSD-1B recipe uses it: no first moment (beta1 None), the second
+moment of a matrix kept as a row and a column mean (Shazeer & Stern), beta2 at step t
+1 - t^-0.8, eps1 = 1e-30 added to g^2, the update divided by max(1, RMS(update) / 1.0), and
+decoupled weight decay p <- p - wd * lr * p. Vectors keep a full second moment.
+
+transformers factors a tensor's second moment over its last two dimensions. For a conv kernel
+[out, in, kh, kw] those are the 3x3 kernel dims, so it keeps two fp32 tensors of out*in*kh
+values: for SSD-1B's UNet that is 0.83 GiB of optimizer state, 2/3 of a bf16 copy of every conv
+weight. Here each kernel is viewed as the [out, in*kh*kw] matrix it acts as (Adafactor's paper
+factors weight matrices), which shrinks that to out + in*kh*kw values per kernel, about
+0.02 GiB for SSD-1B. State is fp32 whatever the weight's dtype, as in transformers.
+
+Cost: the reshapes are views; fp32 temporaries of one parameter at a time.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
-from transformers.optimization import Adafactor
+
+from vramfit.optim.base import ParamOptimizer, RoundingGenerators
+
+EPS1 = 1e-30
+CLIP_THRESHOLD = 1.0
+DECAY_RATE = -0.8
 
 
-class MatrixAdafactor(Adafactor):
-    @torch.no_grad()
-    def step(self, closure=None):
-        flattened = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.ndim > 2:
-                    shape = p.shape
-                    grad = p.grad.reshape(shape[0], -1)
-                    p.data = p.data.view(shape[0], -1)
-                    p.grad = grad
-                    flattened.append((p, shape))
-        try:
-            return super().step(closure)
-        finally:
-            for p, shape in flattened:
-                p.data = p.data.view(shape)
-                if p.grad is not None:
-                    p.grad = p.grad.view(shape)
+def _matrix_shape(shape: torch.Size) -> tuple[int, ...]:
+    return (shape[0], math.prod(shape[1:])) if len(shape) > 2 else tuple(shape)
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held in optimizer state tensors (for the it-saves tests and the planner)."""
-    from vramfit.memory.accounting import tensor_bytes
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    return t.norm(2) / (t.numel() ** 0.5)
 
-    return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
-               if torch.is_tensor(v))
+
+class Adafactor(ParamOptimizer):
+    def __init__(self, params, lr: float = 1e-5, weight_decay: float = 0.0,
+                 rounding: Optional[RoundingGenerators] = None):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), rounding)
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        shape = _matrix_shape(p.shape)
+        state = {"step": 0}
+        if len(shape) >= 2:
+            state["exp_avg_sq_row"] = torch.zeros(shape[:-1], device=p.device)
+            state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], device=p.device)
+        else:
+            state["exp_avg_sq"] = torch.zeros(shape, device=p.device)
+        return state
+
+    def _update(self, p32, grad, state, group, finite):
+        shape = p32.shape
+        grad = grad.reshape(_matrix_shape(shape))
+        lr = group["lr"]
+        beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
+        sq = grad.square().add_(EPS1)
+        if "exp_avg_sq_row" in state:
+            row = state["exp_avg_sq_row"].mul(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
+            col = state["exp_avg_sq_col"].mul(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
+            self._store(state["exp_avg_sq_row"], row, finite)
+            self._store(state["exp_avg_sq_col"], col, finite)
+            r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+            update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt()).mul_(grad)
+        else:
+            avg = state["exp_avg_sq"].mul(beta2t).add_(sq, alpha=1.0 - beta2t)
+            self._store(state["exp_avg_sq"], avg, finite)
+            update = avg.rsqrt().mul_(grad)
+        update.div_((_rms(update) / CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
+        new = p32.clone()
+        if group["weight_decay"]:
+            new.add_(new, alpha=-group["weight_decay"] * lr)
+        return new.sub_(update.view(shape))

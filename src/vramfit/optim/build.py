@@ -1,9 +1,11 @@
 """Build the optimizer and learning-rate schedule a TrainConfig asks for.
 
-Adafactor is transformers' implementation with a fixed learning rate (relative_step off, no
-parameter scaling), as the 8 GB SSD-1B recipe uses it, with conv kernels factored as matrices
-(optim/adafactor.py: 0.8 GiB less state on SSD-1B); AdamW 8-bit is torchao's; AdamW is torch's, foreach on CPU and
-fused on CUDA where the parameters allow it.
+Every optimizer is vramfit's own (optim/base.py): Adafactor with a fixed learning rate and conv
+kernels factored as matrices (optim/adafactor.py), AdamW, and AdamW with torchao's 8-bit block-
+quantized moments (optim/adamw.py). All of them step one parameter at a time, so the same object
+serves a normal step and a step inside backward (optim/in_backward.py), and all write bf16
+weights back with stochastic rounding when train.stochastic_rounding is on, from generators
+seeded with train.seed.
 """
 from __future__ import annotations
 
@@ -12,25 +14,22 @@ from typing import Iterable
 import torch
 
 from vramfit.config.schema import TrainConfig
+from vramfit.optim.base import ParamOptimizer, RoundingGenerators
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> ParamOptimizer:
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
+    rounding = RoundingGenerators(cfg.seed) if cfg.stochastic_rounding else None
     if cfg.optimizer == "adafactor":
-        from vramfit.optim.adafactor import MatrixAdafactor
+        from vramfit.optim.adafactor import Adafactor
 
-        return MatrixAdafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False,
-                         warmup_init=False, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw8bit":
-        from torchao.optim import AdamW8bit
+        return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, rounding=rounding)
+    from vramfit.optim.adamw import AdamW, AdamW8bit
 
-        return AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    fused = all(p.is_cuda for p in params) and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                                                   for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused or None)
+    cls = AdamW8bit if cfg.optimizer == "adamw8bit" else AdamW
+    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, rounding=rounding)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig):

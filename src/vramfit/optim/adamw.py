@@ -1,0 +1,67 @@
+"""AdamW, and AdamW with 8-bit block-quantized moments, stepped one parameter at a time.
+
+The math is decoupled weight decay Adam (Loshchilov & Hutter), in fp32 for each parameter:
+
+    p    <- p * (1 - lr * wd)
+    m    <- m + (1 - b1) * (g - m)
+    v    <- b2 * v + (1 - b2) * g^2
+    p    <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+State: `AdamW` keeps m and v in the parameter's dtype (fp32 for fp32 weights, bf16 for bf16
+weights, as torch's AdamW does), written back with stochastic rounding under bf16 so the
+moments' small per-step changes (v moves by 0.1% a step) are not lost to round-to-nearest.
+`AdamW8bit` keeps m and v of every tensor of 4096 values or more (and a multiple of the block)
+as torchao's `OptimState8bit`: one byte per value plus an fp32 scale per 256-value block,
+quantized with the dynamic maps of 8-bit optimizers (Dettmers et al.), a quarter of fp32
+moments; smaller tensors keep moments in the parameter's dtype, as torchao's AdamW8bit does.
+
+Cost: fp32 temporaries of one parameter at a time; for AdamW8bit also a dequantize and a
+quantize (an 8-step search in a 256-entry map) per moment and step.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from vramfit.optim.base import ParamOptimizer, RoundingGenerators, fp32
+
+QUANTIZED_MIN_NUMEL = 4096
+BLOCK = 256
+
+
+class AdamW(ParamOptimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, rounding: Optional[RoundingGenerators] = None):
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must lie in [0, 1): {betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rounding)
+
+    def _moment(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        return {"step": 0, "exp_avg": self._moment(p, True), "exp_avg_sq": self._moment(p, False)}
+
+    def _update(self, p32, grad, state, group, finite):
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        step = state["step"]
+        exp_avg = fp32(state["exp_avg"]).lerp(grad, 1 - beta1)
+        exp_avg_sq = fp32(state["exp_avg_sq"]).mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self._store(state["exp_avg"], exp_avg, finite)
+        self._store(state["exp_avg_sq"], exp_avg_sq, finite)
+        new = p32 * (1 - lr * wd) if wd else p32.clone()
+        step_size = lr / (1 - beta1 ** step)
+        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+        return new.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class AdamW8bit(AdamW):
+    def _moment(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        if p.numel() < QUANTIZED_MIN_NUMEL or p.numel() % BLOCK:
+            return super()._moment(p, signed)
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        return OptimState8bit.zeros(p.shape, signed, BLOCK, p.device, dtype=p.dtype)

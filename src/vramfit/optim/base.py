@@ -1,0 +1,162 @@
+"""The base of vramfit's optimizers: one parameter at a time, fp32 math, stochastic write-back.
+
+Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_update(p32,
+grad32, state, group)`: the new fp32 parameter from fp32 copies of one parameter and its
+gradient, with its state updated. The base turns that into
+
+- `step_param(p, grad, finite=None)`: step one parameter now. The training loop's `step()` calls
+  it for every parameter with a gradient; optim/in_backward.py calls it from a gradient hook
+  while backward still runs. `p` may live on another device than the model's compute (streamed
+  weights keep their home copy in CPU memory): the math, the state and the random generator all
+  follow `p.device`, and `grad` is moved there first. `finite`, a 0-dim bool tensor on any
+  device, makes the step conditional without a host sync: when it is False the parameter and
+  its state keep their values (the step counter still advances).
+- the write-back: a bf16 parameter is written with stochastic rounding (memory/
+  stochastic_rounding.py) when the optimizer has `RoundingGenerators`, so updates smaller than
+  bf16's spacing survive on average; without them, round-to-nearest. fp32 parameters are
+  written as computed. bf16 moments (AdamW's state follows the parameter's dtype) are written
+  back the same way.
+- state_dict()/load_state_dict() that keep every state tensor in its own dtype and carry the
+  rounding generators' states, so a resumed run draws the same random bits as an unbroken one.
+
+Cost: a Python loop over parameters (about ten kernel launches each; torch's fused AdamW is a
+few launches for all of them) and fp32 temporaries of one parameter at a time (a few times its
+element count in 4-byte values), never a full fp32 copy of the model.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vramfit.memory.stochastic_rounding import copy_stochastic_
+
+
+class RoundingGenerators:
+    """One seeded torch.Generator per device, made when a device first needs one."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._by_device: dict[str, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        key = str(torch.device(device))
+        gen = self._by_device.get(key)
+        if gen is None:
+            gen = torch.Generator(device=key).manual_seed(self.seed)
+            self._by_device[key] = gen
+        return gen
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {key: gen.get_state() for key, gen in self._by_device.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        for key, state in states.items():
+            self(torch.device(key)).set_state(state.cpu())
+
+
+class ParamOptimizer(torch.optim.Optimizer):
+    """A torch Optimizer whose step is `step_param` for each parameter (see the module doc)."""
+
+    def __init__(self, params, defaults: dict, rounding: Optional[RoundingGenerators] = None):
+        super().__init__(params, defaults)
+        self.rounding = rounding
+        self._groups_by_param: Optional[dict[int, dict]] = None
+
+    # ---- what a subclass implements -------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        raise NotImplementedError
+
+    def _update(self, p32: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
+                finite: Optional[torch.Tensor]) -> torch.Tensor:
+        """The new fp32 value of the parameter; `state` is updated through `self._store`."""
+        raise NotImplementedError
+
+    # ---- stepping -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_param(p, p.grad)
+        return loss
+
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor, grad: torch.Tensor, finite: Optional[torch.Tensor] = None) -> None:
+        """Update parameter `p` with gradient `grad` now (see the module docstring)."""
+        group = self._group_of(p)
+        state = self.state[p]
+        if not state:
+            state.update(self._init_state(p, group))
+        state["step"] += 1
+        if finite is not None:
+            finite = finite.to(p.device, non_blocking=True)
+        grad = grad.to(p.device, torch.float32, non_blocking=True)
+        new = self._update(p.float(), grad, state, group, finite)
+        self._store(p, new, finite)
+
+    def _store(self, dst: torch.Tensor, value: torch.Tensor, finite: Optional[torch.Tensor]) -> None:
+        """Write the fp32 `value` into `dst` (a parameter or a state tensor), unless not finite."""
+        if getattr(dst, "codes", None) is not None:  # block-quantized state (optim/adamw.py)
+            old = (dst.codes.clone(), dst.scale.clone()) if finite is not None else None
+            dst.copy_(value)  # quantizes
+            if old is not None:
+                dst.codes.copy_(torch.where(finite, dst.codes, old[0]))
+                dst.scale.copy_(torch.where(finite, dst.scale, old[1]))
+            return
+        if finite is not None:
+            value = torch.where(finite, value, dst.float())  # dst's own value rounds to itself
+        if self.rounding is not None and dst.dtype == torch.bfloat16:
+            copy_stochastic_(dst, value, self.rounding(dst.device))
+        else:
+            dst.copy_(value)
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        if self._groups_by_param is None:
+            self._groups_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
+        return self._groups_by_param[id(p)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._groups_by_param = None
+
+    # ---- saving ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        saved = super().state_dict()
+        if self.rounding is not None:
+            saved["rounding_generators"] = self.rounding.state_dict()
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts floating state to each parameter's dtype (an fp32 Adafactor factor
+        of a bf16 weight would come back bf16); put every saved tensor back in its own dtype, on
+        the parameter's device."""
+        saved = dict(state_dict)
+        generators = saved.pop("rounding_generators", None)
+        super().load_state_dict(saved)
+        self._groups_by_param = None
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved["state"].items():
+            live = self.state[params[index]]
+            for key, value in values.items():
+                if torch.is_tensor(value):
+                    live[key] = value.to(params[index].device)
+        if generators is not None and self.rounding is not None:
+            self.rounding.load_state_dict(generators)
+
+
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    """A state tensor's value in float32 (block-quantized state is dequantized)."""
+    return t.dequantize() if getattr(t, "codes", None) is not None else t.float()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held in optimizer state tensors (for the it-saves tests and the planner)."""
+    from vramfit.memory.accounting import tensor_bytes
+
+    return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))
