@@ -17,6 +17,7 @@ import torch
 
 from vramfit.config.schema import TrainConfig
 from vramfit.models.adapter import Family, ModelBundle
+from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train.data import Record, TrainingData
 from vramfit.train.state import Progress
 
@@ -90,53 +91,111 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
     batches = epoch_batches(data, cfg, progress, shuffle)
     params = [p for p in unet.parameters() if p.requires_grad]
+
+    def forward(group: list[Record]) -> torch.Tensor:
+        return micro_step_loss(family, bundle, data.batch(group), cfg, generator, device, dtype)
+
+    grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
+                                round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
+                                max_grad_norm=cfg.max_grad_norm)
     result = LoopResult()
     unet.train()
-    while progress.step < cfg.steps:
-        t0 = time.perf_counter()
-        total = torch.zeros((), device=device)
-        used: list[Record] = []
-        for _ in range(cfg.grad_accum):
-            group = next(batches)
-            used += group
-            loss = micro_step_loss(family, bundle, data.batch(group), cfg, generator, device, dtype)
-            (loss / cfg.grad_accum).backward()
-            total += loss.detach() / cfg.grad_accum
-        # The global gradient norm doubles as the check: it is inf/NaN when any gradient is.
-        if cfg.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        value, finite = float(total), bool(torch.isfinite(norm))  # one host sync per step
-        if math.isfinite(value) and finite:
-            optimizer.step()
-        else:
-            _nonfinite(cfg, progress, value, used)
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        progress.step += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        result.step_seconds.append(time.perf_counter() - t0)
-        result.losses.append(value)
-        _after_step(hooks, progress, value, schedule, cfg)
-        if stop.requested and progress.step < cfg.steps:
-            result.interrupted = stop.requested
-            break
+    try:
+        while progress.step < cfg.steps:
+            t0 = time.perf_counter()
+            if cfg.optimizer_in_backward:
+                value = _step_in_backward(forward, batches, optimizer, grad_hooks, cfg, progress, device)
+            else:
+                value = _step_after_backward(forward, batches, optimizer, params, grad_hooks, cfg, progress, device)
+            schedule.step()
+            progress.step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result.step_seconds.append(time.perf_counter() - t0)
+            result.losses.append(value)
+            _after_step(hooks, progress, value, schedule, cfg)
+            if stop.requested and progress.step < cfg.steps:
+                result.interrupted = stop.requested
+                break
+    finally:
+        if grad_hooks is not None:
+            grad_hooks.remove()
     return result
 
 
-def _nonfinite(cfg: TrainConfig, progress: Progress, value: float, used: list[Record]) -> None:
+def _accumulate(forward, batches: Iterator[list[Record]], grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
+                device: torch.device, check_last: bool) -> tuple[torch.Tensor, list[Record], bool]:
+    """Forward and backward of one optimizer step's micro-batches: (mean loss, records, whether
+    every backward ran). With `check_last` the mean loss is read (one host sync) before the last
+    backward, which is skipped when the loss is not finite."""
+    total = torch.zeros((), device=device)
+    used: list[Record] = []
+    for i in range(cfg.grad_accum):
+        last = i == cfg.grad_accum - 1
+        group = next(batches)
+        used += group
+        loss = forward(group)
+        total += loss.detach() / cfg.grad_accum
+        if last and check_last and not math.isfinite(float(total)):
+            return total, used, False
+        if grad_hooks is not None:
+            grad_hooks.begin(last)
+        (loss / cfg.grad_accum).backward()
+    return total, used, True
+
+
+def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Parameter],
+                         grad_hooks: Optional[BackwardSteps], cfg: TrainConfig, progress: Progress,
+                         device: torch.device) -> float:
+    total, used, _ = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=False)
+    if grad_hooks is not None:
+        grad_hooks.finish()  # stochastically rounded sums become p.grad
+    # The global gradient norm doubles as the check: it is inf/NaN when any gradient is.
+    if cfg.max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    value, finite = float(total), bool(torch.isfinite(norm))  # one host sync per step
+    if math.isfinite(value) and finite:
+        optimizer.step()
+    else:
+        _nonfinite(cfg, progress, value, used)
+    optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+def _step_in_backward(forward, batches, optimizer, grad_hooks: BackwardSteps, cfg: TrainConfig,
+                      progress: Progress, device: torch.device) -> float:
+    """Each parameter steps in its gradient hook during the last backward (optim/in_backward.py).
+    A non-finite loss is caught before that backward, so nothing of the step is applied; a
+    non-finite gradient tensor is held back while the finite ones are applied."""
+    total, used, complete = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=True)
+    value = float(total)
+    if not complete:
+        grad_hooks.discard()
+        optimizer.zero_grad(set_to_none=True)
+        _nonfinite(cfg, progress, value, used)
+        return value
+    held = grad_hooks.finish()  # a second host sync: the count of held-back tensors
+    optimizer.step()  # finds no gradients left; keeps torch's step hooks and the schedule's order check
+    if held:
+        _nonfinite(cfg, progress, value, used, held_back=held)
+    return value
+
+
+def _nonfinite(cfg: TrainConfig, progress: Progress, value: float, used: list[Record], held_back: int = 0) -> None:
     files = ", ".join(r.item.key for r in used)
+    what = (f"{held_back} gradient tensors are not finite and were not applied (the optimizer steps "
+            "in backward, so the finite ones were)" if held_back else
+            f"loss {value} or its gradient is not finite")
     if cfg.nonfinite == "stop":
-        raise NonFiniteLoss(f"step {progress.step + 1}: loss {value} or its gradient is not finite; "
-                            f"the batch held {files}. Nothing of this step was applied "
+        applied = "" if held_back else " Nothing of this step was applied"
+        raise NonFiniteLoss(f"step {progress.step + 1}: {what}; the batch held {files}.{applied} "
                             "(train.nonfinite = \"skip\" skips such steps instead)")
     progress.nonfinite_skipped += 1
     import logging
 
-    logging.getLogger("vramfit").warning("step %d: non-finite loss or gradient, step skipped (batch: %s)",
-                                         progress.step + 1, files)
+    logging.getLogger("vramfit").warning("step %d: %s; step skipped (batch: %s)", progress.step + 1, what, files)
 
 
 def _after_step(hooks: LoopHooks, progress: Progress, value: float, schedule, cfg: TrainConfig) -> None:
