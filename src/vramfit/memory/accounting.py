@@ -37,6 +37,12 @@ class PhaseMemory:
     rss_peak: int = 0
     steps: int = 0
     step_seconds: Optional[float] = None  # median seconds per step, for phases that step
+    images_per_second: Optional[float] = None  # training: images a step (batch x accumulation) / median step
+
+    def set_images_per_step(self, images: int) -> None:
+        """Record throughput from the median step time (set step_seconds first)."""
+        if self.step_seconds:
+            self.images_per_second = images / self.step_seconds
 
 
 @dataclass
@@ -56,13 +62,14 @@ class MemoryReport:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
 
     def table(self) -> str:
-        rows = [f"{'phase':<14}{'GPU alloc':>11}{'GPU resv':>11}{'RSS':>10}{'time':>9}{'s/step':>9}"]
+        rows = [f"{'phase':<14}{'GPU alloc':>11}{'GPU resv':>11}{'RSS':>10}{'time':>9}{'s/step':>9}{'img/s':>9}"]
         for p in self.phases:
             gpu = self.device.startswith("cuda")
             alloc = f"{p.gpu_peak_allocated / GIB:.2f}G" if gpu else "-"
             resv = f"{p.gpu_peak_reserved / GIB:.2f}G" if gpu else "-"
             per = f"{p.step_seconds:.3f}" if p.step_seconds is not None else "-"
-            rows.append(f"{p.name:<14}{alloc:>11}{resv:>11}{p.rss_peak / GIB:>9.2f}G{p.seconds:>8.1f}s{per:>9}")
+            ips = f"{p.images_per_second:.2f}" if p.images_per_second is not None else "-"
+            rows.append(f"{p.name:<14}{alloc:>11}{resv:>11}{p.rss_peak / GIB:>9.2f}G{p.seconds:>8.1f}s{per:>9}{ips:>9}")
         return "\n".join(rows)
 
 
