@@ -101,6 +101,12 @@ class LoraSettings(_Section):
         "the attention/transformer blocks.",
         min_length=1,
     )
+    base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
+        "none", description="How the frozen base's linear weights are stored while the LoRA trains "
+        "(convs, norms and embeddings stay in the training precision): none; int8 (per-channel, "
+        "about half of bf16); fp8 (e4m3 with per-channel scales, about half); nf4 (4-bit "
+        "NormalFloat in blocks of 64, about a quarter). Each costs a small error in the base's "
+        "outputs and one widening of each weight in forward and in backward. train.mode = 'lora' only.")
 
 
 class TrainConfig(_Section):
@@ -256,7 +262,9 @@ class RunConfig(_Section):
             raise ValueError(f"save.formats {wrong} do not apply to train.mode = {self.train.mode!r} "
                              f"(use {list(allowed)})")
         if self.train.mode == "full" and "lora" in self.model_fields_set:
-            raise ValueError("[lora] settings are given but train.mode is 'full'; set train.mode = 'lora'")
+            given = ", ".join(f"lora.{k}" for k in sorted(self.lora.model_fields_set))
+            raise ValueError(f"[lora] settings ({given}) are given but train.mode is 'full'; "
+                             "set train.mode = 'lora'")
         return self
 
     @property

@@ -7,10 +7,29 @@ Modes, each applied to every nn.Linear of the module (embeddings and norms stay 
 - "nf4": bitsandbytes 4-bit NormalFloat (CUDA only); about a quarter of bf16.
 Cost: a small rounding error in the encoder's output (the tests state the tolerance), and for
 fp8 one widening of each weight per forward.
+
+`quantize_base` does the same for the frozen base of a LoRA run (both families): every frozen
+nn.Linear of the denoiser (SDXL/SSD-1B: attention, feed-forward, proj_in/out, time and add
+embeddings; SD3: every linear of the transformer) is replaced by a `QuantizedLinear` holding
+- "int8": torchao Int8Tensor, per-output-channel symmetric, weight-only: ~0.52x of bf16;
+- "fp8": torchao Float8Tensor, e4m3 with a per-row fp32 scale: ~0.52x of bf16;
+- "nf4": torchao NF4Tensor, blocks of 64 with double-quantized (int8) absmax: ~0.26x of bf16.
+Convolutions, norms and embeddings stay in the training precision. Share of the bf16 denoiser
+that is Linear weight (meta-device count from the shipped configs): SDXL 87.0% (4.16 of 4.78
+GiB), SSD-1B 77.1% (1.91 of 2.48 GiB), SD3-M 97.2% (3.78 of 3.88 GiB).
+Cost: rounding error in every base output (relative error per layer about 0.5% int8, 2.5% fp8,
+9% nf4); each weight is widened to the training precision once in forward and once more in
+backward (the widened copy is never kept for backward, so activations hold no weight copies).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
 import torch
+
+from vramfit.memory.accounting import tensor_bytes
 
 MODES = ("bf16", "int8", "fp8", "nf4")
 
@@ -58,7 +77,7 @@ def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-        quantize_(module, Int8WeightOnlyConfig())
+        quantize_(module, Int8WeightOnlyConfig(set_inductor_config=False))
         return module
     if mode == "nf4":
         if not torch.cuda.is_available():
@@ -80,6 +99,122 @@ def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 def storage_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameter and buffer storage, counting quantized tensors by their real storage."""
-    from vramfit.memory.accounting import tensor_bytes
-
     return sum(tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
+
+
+BASE_METHODS = ("int8", "fp8", "nf4")
+NF4_BLOCK = 64  # weights per absmax; torchao's NF4 default, as QLoRA
+
+
+def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Tensor]:
+    """The linear's weight as a torchao quantized tensor, or None when its shape cannot be."""
+    if method == "nf4":
+        from torchao.quantization import to_nf4
+
+        weight = linear.weight.detach().contiguous()
+        if weight.numel() % NF4_BLOCK:
+            return None
+        # The absmax values are themselves int8-quantized in groups; the group must divide them.
+        return to_nf4(weight, NF4_BLOCK, math.gcd(weight.numel() // NF4_BLOCK, 256))
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    # set_inductor_config=False: quantize_ would otherwise change torch.compile's global settings
+    config = (Int8WeightOnlyConfig(set_inductor_config=False) if method == "int8"
+              else Float8WeightOnlyConfig(set_inductor_config=False))
+    quantize_(linear, config)
+    return linear.weight.detach()
+
+
+def dequantize(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor in the precision the weight had before it was quantized."""
+    get_original = getattr(weight, "get_original_weight", None)  # NF4Tensor
+    return get_original() if get_original is not None else weight.dequantize()
+
+
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """y = x W^T + b for a frozen quantized W, widening W again in backward.
+
+    Through F.linear, autograd would keep each layer's widened weight alive until backward: a
+    full-precision copy of the base in the activations. Here only the quantized tensor is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.weight = weight  # a module buffer, alive anyway; not saved through autograd's hooks
+        return torch.nn.functional.linear(x, dequantize(weight), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        # autograd casts the result to the input's dtype (it can differ under autocast)
+        return grad_out @ dequantize(ctx.weight).to(grad_out.dtype), None, None
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A frozen Linear whose weight is a quantized buffer (so optimizers and checks skip it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], method: str):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.method = method
+        self.register_buffer("weight", weight)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"
+
+
+@dataclass
+class BaseQuantization:
+    method: str
+    layers: int  # linears now stored quantized
+    kept: list[str]  # frozen linears left in the training precision (shape not quantizable)
+    bytes_before: int  # of the quantized layers' weights
+    bytes_after: int
+
+
+def frozen_linears(model: torch.nn.Module) -> list[str]:
+    """Names of the nn.Linear modules whose weight is frozen (LoRA's own matrices train)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+
+
+def quantize_base(denoiser: torch.nn.Module, method: str, device: Optional[torch.device] = None,
+                  targets: Optional[Iterable[str]] = None) -> BaseQuantization:
+    """Store the denoiser's frozen linear weights as `method` (see the module docstring).
+
+    Call it after the LoRA adapter is added (peft's layers then wrap a QuantizedLinear) and after
+    the denoiser is in its training dtype. `targets` (default: every frozen linear) names the
+    modules. Each is moved to `device` before it is quantized, so the device never holds more
+    than one full-precision linear at a time; the caller moves the rest of the model.
+    """
+    if method not in BASE_METHODS:
+        raise ValueError(f"unknown base quantization {method!r}; choose one of {BASE_METHODS}")
+    names = frozen_linears(denoiser) if targets is None else list(targets)
+    result = BaseQuantization(method, 0, [], 0, 0)
+    for name in names:
+        linear = denoiser.get_submodule(name)
+        if not isinstance(linear, torch.nn.Linear) or linear.weight.requires_grad:
+            raise ValueError(f"{name} is not a frozen nn.Linear; only frozen linears can be quantized")
+        if device is not None:
+            linear.to(device)
+        before = tensor_bytes(linear.weight)
+        weight = _quantize_weight(linear, method)
+        if weight is None:
+            result.kept.append(name)
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
+        setattr(parent, attr, QuantizedLinear(weight, linear.bias, method))
+        result.layers += 1
+        result.bytes_before += before
+        result.bytes_after += tensor_bytes(weight)
+    return result
+
+
+def linear_weight_share(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of nn.Linear weights, bytes of all parameters and buffers); works on meta tensors."""
+    linear = sum(tensor_bytes(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return linear, storage_bytes(model)

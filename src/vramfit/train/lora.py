@@ -2,13 +2,19 @@
 
 The base weights stay frozen in the training precision (bf16 for full_bf16) and the LoRA
 matrices train in fp32 over them, as the SD3 DreamBooth recipe does. Cost: the LoRA parameters
-and their optimizer state only; the base needs no gradients or optimizer state.
+and their optimizer state only; the base needs no gradients or optimizer state. With
+lora.base_quantization the frozen linears are stored int8/fp8/nf4 (memory/quantize.py) under
+the adapter, which is unchanged: the exported LoRA has the same keys and shapes.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from vramfit.config.schema import LoraSettings
+
+log = logging.getLogger("vramfit")
 
 ALL_LINEAR = "all_linear"
 
@@ -52,3 +58,18 @@ def lora_state(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     return {k: v.detach().to("cpu", torch.float32).contiguous()
             for k, v in get_peft_model_state_dict(denoiser).items()}
+
+
+def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, device: torch.device):
+    """Store the adapted denoiser's frozen linears as settings.base_quantization asks, then move
+    the whole model to `device` (each linear arrives there quantized). None when "none"."""
+    if settings.base_quantization == "none":
+        return None
+    from vramfit.memory.quantize import quantize_base
+
+    summary = quantize_base(denoiser, settings.base_quantization, device)
+    denoiser.to(device)
+    log.info("frozen base: %d linear layers stored %s (%.1f MiB -> %.1f MiB)%s", summary.layers,
+             summary.method, summary.bytes_before / 2**20, summary.bytes_after / 2**20,
+             f"; {len(summary.kept)} kept unquantized (shape)" if summary.kept else "")
+    return summary

@@ -30,7 +30,7 @@ from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.data.fingerprint import file_digest
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
-from vramfit.train.lora import apply_lora, lora_state
+from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
 from vramfit.train.state import Progress, check_compatible, find_state, load_state, read_meta, save_state
 from vramfit.train.logs import RunLogger
 from vramfit.train.samples import SampleGrids
@@ -135,11 +135,14 @@ def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], d
 
 def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
     unet = bundle.denoiser
-    unet.to(device, torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
+    # A quantized base is cast where it lies and reaches the device one linear at a time, quantized.
+    quantized = cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"
+    unet.to(None if quantized else device, torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
     unet.requires_grad_(True)
     if cfg.train.mode == "lora":
         targets = apply_lora(unet, cfg.lora)
         log.info("LoRA rank %d on %d modules", cfg.lora.rank, len(targets))
+        quantize_frozen_base(unet, cfg.lora, device)
     if cfg.train.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     else:
