@@ -100,3 +100,45 @@ def test_t5_precision_trains_and_keys_the_cache(images, tmp_path, cache_root, ca
         assert main(args) == 0
         assert "text_cached 4" in capsys.readouterr().out  # each precision has its own entries
     assert main(train_args(images, tmp_path / "run", cache, "model.t5_precision=int8", model="tiny:sd3")) == 0
+
+
+def test_text_encoders_as_files_of_their_own(images, tmp_path, cache_root, capsys):
+    """sd3_medium.safetensors holds transformer and VAE only; ComfyUI keeps clip_l, clip_g and
+    t5xxl in files of their own (bare HF keys, or with a wrapper prefix). Given with model.clip_l /
+    clip_g / t5 they are the same encoders as in the full file: the text cache is reused and the
+    losses are identical."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cache = cache_root / "s-split"
+    full_out = tmp_path / "full"
+    assert main(train_args(images, full_out, cache, "save.name=m", model="tiny:sd3")) == 0
+    full = next((cache / "tiny").glob("tiny-sd3-*/tiny-sd3.safetensors"))
+    state = load_file(str(full))
+    parts = {"clip_l": "text_encoders.clip_l.transformer.", "clip_g": "text_encoders.clip_g.transformer.",
+             "t5": "text_encoders.t5xxl.transformer."}
+    split = tmp_path / "split"
+    split.mkdir()
+    core = {k: v for k, v in state.items() if not k.startswith("text_encoders.")}
+    save_file(core, str(split / "sd3_core.safetensors"))
+    wrappers = {"clip_l": "", "clip_g": "transformer.", "t5": ""}  # both layouts seen in the wild
+    for part, prefix in parts.items():
+        save_file({wrappers[part] + k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                  str(split / f"{part}.safetensors"))
+    for tok in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        shutil.copytree(full.parent / tok, split / tok)
+
+    out = tmp_path / "out"
+    base = train_args(images, out, cache, "save.name=m", model=str(split / "sd3_core.safetensors"))
+    assert main(base) != 0  # without the encoder files the message says what to give
+    assert "model.clip_l" in capsys.readouterr().err
+    sets = [f"model.{p}={split / f'{p}.safetensors'}" for p in parts]
+    assert main(base + [a for s in sets for a in ("--set", s)]) == 0
+    run = json.loads((out / "run.json").read_text())
+    ref = json.loads((full_out / "run.json").read_text())
+    assert run["cache"]["text_cached"] == 0 and run["cache"]["text_reused"] == ref["cache"]["text_cached"]
+    assert run["losses"] == ref["losses"]
+    assert main(train_args(images, out, cache, f"model.t5={split / 'missing.safetensors'}",
+                           model="tiny:sd3")) != 0
+    assert "model.t5" in capsys.readouterr().err

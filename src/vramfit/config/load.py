@@ -120,6 +120,10 @@ def check_paths(data: dict, *, need_data: bool) -> list[str]:
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
                 "like org/name (or tiny:sdxl, tiny:ssd1b, tiny:sd3)"
             )
+    for part in ("clip_l", "clip_g", "t5"):
+        enc = _text(model.get(part))
+        if enc and not Path(enc).expanduser().is_file():
+            problems.append(f"model.{part}: {enc} is not a file")
     tok = _text(model.get("tokenizers"))
     if tok and not Path(tok).expanduser().is_dir():
         problems.append(f"model.tokenizers: {tok} is not a folder")

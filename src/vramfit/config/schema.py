@@ -31,6 +31,12 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    clip_l: Optional[str] = Field(
+        None, description="SD3 single file: CLIP-L text encoder as a file of its own (e.g. ComfyUI's "
+        "clip_l.safetensors), for files without it (sd3_medium.safetensors) or to replace it.")
+    clip_g: Optional[str] = Field(None, description="SD3 single file: CLIP-G text encoder file (clip_g.safetensors).")
+    t5: Optional[str] = Field(None, description="SD3 single file: T5-XXL encoder file, fp16 or fp8 "
+                              "(t5xxl_fp16.safetensors, t5xxl_fp8_e4m3fn.safetensors).")
     t5_precision: Literal["bf16", "int8", "fp8", "nf4", "none"] = Field(
         "bf16", description="SD3: how T5-XXL is stored while captions are encoded (int8 and fp8 "
         "halve it, nf4 quarters it on CUDA); none leaves T5 out (zeros), as SD3 allows.")

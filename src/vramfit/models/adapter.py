@@ -21,6 +21,11 @@ class Source:
     path: Path
     tokenizers: Optional[Path] = None
     label: str = ""  # what the user wrote, for messages and metadata
+    # Text encoders given as files of their own (SD3 single files): (("clip_l", path), ...)
+    encoder_files: tuple[tuple[str, Path], ...] = ()
+
+    def encoder_file(self, part: str) -> Optional[Path]:
+        return dict(self.encoder_files).get(part)
 
 
 @dataclass

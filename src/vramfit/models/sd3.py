@@ -96,7 +96,7 @@ class SD3Family:
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
         if source.kind == "single_file":
-            transformer, vae, encoders = self._load_single_file(source.path)
+            transformer, vae, encoders = self._load_single_file(source.path, source)
             scheduler = self._scheduler(None)
         else:
             transformer, vae, encoders = self._load_diffusers(source.path)
@@ -127,7 +127,7 @@ class SD3Family:
             tokenizers.append(T5TokenizerFast.from_pretrained(folder / "tokenizer_3"))
         return tokenizers
 
-    def _load_single_file(self, path: Path):
+    def _load_single_file(self, path: Path, source: Optional[Source] = None):
         from diffusers import SD3Transformer2DModel
 
         header, _ = read_header(path)
@@ -136,29 +136,39 @@ class SD3Family:
         config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         state = sai_to_diffusers_mmdit(load_prefixed(path, TRANSFORMER))
         transformer = _build(SD3Transformer2DModel, config, state, "transformer", path)
-        vae, encoders = self._single_file_encoders(path, header)
+        vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
-    def _single_file_encoders(self, path: Path, header: dict):
+    def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None):
+        """VAE from the file; each text encoder from its own file when one is given
+        (model.clip_l / clip_g / t5), else from the single file."""
         from diffusers import AutoencoderKL
 
-        for prefix, what in ((VAE, "VAE"), (CLIP_L, "CLIP-L text encoder"), (CLIP_G, "CLIP-G text encoder")):
-            if not any(k.startswith(prefix) for k in header):
+        files = {part: source.encoder_file(part) for part in ("clip_l", "clip_g", "t5")} if source else {}
+        for prefix, what, part in ((VAE, "VAE", None), (CLIP_L, "CLIP-L text encoder", "clip_l"),
+                                   (CLIP_G, "CLIP-G text encoder", "clip_g")):
+            if not files.get(part) and not any(k.startswith(prefix) for k in header):
+                hint = f"give it as a file of its own with model.{part}, or use " if part else "use "
                 raise CheckpointError(
-                    f"{path}: the file has no {what} ({prefix}* keys); vramfit needs an SD3 file with "
-                    "the text encoders (e.g. sd3_medium_incl_clips.safetensors or "
-                    "sd3_medium_incl_clips_t5xxlfp8.safetensors) or a diffusers folder")
+                    f"{path}: the file has no {what} ({prefix}* keys); {hint}an SD3 file with the "
+                    "text encoders (e.g. sd3_medium_incl_clips.safetensors) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
         vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE", path)
-        clip_l = load_prefixed(path, CLIP_L)
+
+        def part_state(part: str, prefix: str) -> tuple[dict, Path]:
+            own = files.get(part)
+            return (encoder_file_state(own, prefix), own) if own else (load_prefixed(path, prefix), path)
+
+        clip_l, where = part_state("clip_l", CLIP_L)
         if not any(k.endswith("text_projection.weight") for k in clip_l):
             clip_l["text_projection.weight"] = _identity_projection(clip_l)
-        enc1 = _SDXL._clip(clip_l, "quick_gelu", True, path)
-        enc2 = _SDXL._clip(load_prefixed(path, CLIP_G), "gelu", True, path)
+        enc1 = _SDXL._clip(clip_l, "quick_gelu", True, where)
+        clip_g, where = part_state("clip_g", CLIP_G)
+        enc2 = _SDXL._clip(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
-        if any(k.startswith(T5) for k in header):
-            encoders.append(self._t5(load_prefixed(path, T5), path))
+        if files.get("t5") or any(k.startswith(T5) for k in header):
+            encoders.append(self._t5(*part_state("t5", T5)))
         return vae, encoders
 
     def _t5(self, state: dict[str, torch.Tensor], path: Path):
@@ -204,7 +214,7 @@ class SD3Family:
         """VAE and text encoders again, for saving after they were freed for training."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
-            return self._single_file_encoders(source.path, header)
+            return self._single_file_encoders(source.path, header, source)
         _, vae, encoders = self._load_diffusers(source.path)
         return vae, encoders
 
@@ -291,6 +301,9 @@ class SD3Family:
         """Settings of another family's objective, refused before any weight loads."""
         problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
                     for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        if Path(cfg.model.path).expanduser().is_dir():
+            problems += [f"model.{key}: separate text encoder files apply to single files; a diffusers "
+                         "folder brings its own" for key in ("clip_l", "clip_g", "t5") if getattr(cfg.model, key)]
         for side in ("width", "height"):
             value = getattr(cfg.sample, side) or cfg.data.resolution
             if cfg.sample.every_steps and value % 16:
@@ -411,3 +424,17 @@ def _identity_projection(clip_state: dict[str, torch.Tensor]) -> torch.Tensor:
     if emb is None:
         raise CheckpointError("CLIP-L state has no embeddings.token_embedding.weight")
     return torch.eye(emb.shape[1], dtype=emb.dtype)
+
+
+def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
+    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
+    header, _ = read_header(path)
+    for candidate in (prefix, "transformer.", ""):
+        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
+            return load_prefixed(path, candidate)
+    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
+                          "shared.* keys)")
+
+
+ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}

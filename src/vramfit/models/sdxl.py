@@ -82,6 +82,10 @@ class SDXLFamily:
         for key in ("max_sequence_length", "t5_precision"):
             if key in cfg.model.model_fields_set:
                 problems.append(f"model.{key}: applies to SD3's T5 encoder only")
+        for key in ("clip_l", "clip_g", "t5"):
+            if getattr(cfg.model, key):
+                problems.append(f"model.{key}: separate text encoder files are read for SD3 single "
+                                "files only")
         return problems
 
     def prepare_encoders(self, bundle: ModelBundle) -> None:

@@ -6,6 +6,8 @@ when online, taken from the local Hugging Face cache when offline), or tiny:<nam
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 from typing import Optional
@@ -35,6 +37,16 @@ def default_cache_root() -> Path:
 
 
 def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
+    source = _resolve(cfg, cache_root)
+    files = tuple((part, Path(getattr(cfg, part)).expanduser()) for part in ENCODER_PARTS
+                  if getattr(cfg, part, None))
+    return dataclasses.replace(source, encoder_files=files) if files else source
+
+
+ENCODER_PARTS = ("clip_l", "clip_g", "t5")
+
+
+def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
     text = cfg.path
     cache_root = cache_root or default_cache_root()
     tokenizers = Path(cfg.tokenizers).expanduser() if cfg.tokenizers else None
