@@ -24,6 +24,7 @@ from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
 from vramfit.formats.safetensors_io import write_text_atomic
 from vramfit.memory.accounting import MemoryReport, MemoryTracker
+from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
@@ -142,6 +143,8 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
     if cfg.train.mode == "lora":
         targets = apply_lora(unet, cfg.lora)
         log.info("LoRA rank %d on %d modules", cfg.lora.rank, len(targets))
+        if cfg.train.precision == "full_bf16":  # fp32 adapters multiplied in bf16, as under autocast
+            lora_in_base_dtype(unet)
         quantize_frozen_base(unet, cfg.lora, device)
     if cfg.train.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
