@@ -25,7 +25,8 @@ def _model(dtype=torch.float32):
     torch.manual_seed(0)
     nn = torch.nn
     return nn.Sequential(nn.Conv2d(8, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.SiLU(),
-                         nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.SiLU(), nn.Conv2d(32, 32, 3, stride=2, padding=1),
+                         nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.SiLU(),
+                         nn.Conv2d(32, 32, 3, stride=2, padding=1),
                          nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.SiLU(), nn.Linear(64, 8)).to(dtype)
 
 
@@ -204,7 +205,8 @@ def test_cli_bf16_with_stochastic_rounding_resumes_exactly(images, tmp_path, cac
     full = tmp_path / "full"
     assert main(train_args(images, full, cache_root / "ibr", *sets)) == 0
     part = tmp_path / "part"
-    assert main(train_args(images, part, cache_root / "ibr", *sets) + ["--resume", str(full / "state/step-000002")]) == 0
+    resume = ["--resume", str(full / "state/step-000002")]
+    assert main(train_args(images, part, cache_root / "ibr", *sets) + resume) == 0
     assert _losses(part) == _losses(full)[2:]
     a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

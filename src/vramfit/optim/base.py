@@ -1,8 +1,8 @@
 """The base of vramfit's optimizers: one parameter at a time, fp32 math, stochastic write-back.
 
-Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_update(p32,
-grad32, state, group)`: the new fp32 parameter from fp32 copies of one parameter and its
-gradient, with its state updated. The base turns that into
+Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_init_state` and
+`_update(p32, grad32, state, group, finite)`: the new fp32 parameter from fp32 copies of one
+parameter and its gradient, with its state updated. The base turns that into
 
 - `step_param(p, grad, finite=None)`: step one parameter now. The training loop's `step()` calls
   it for every parameter with a gradient; optim/in_backward.py calls it from a gradient hook
@@ -69,7 +69,9 @@ class ParamOptimizer(torch.optim.Optimizer):
 
     def _update(self, p32: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
                 finite: Optional[torch.Tensor]) -> torch.Tensor:
-        """The new fp32 value of the parameter; `state` is updated through `self._store`."""
+        """The new fp32 value of the parameter, as a new tensor; `p32` is read only (for an fp32
+        parameter it is the parameter itself) and each state tensor is written through
+        `self._store(state[key], new_value, finite)`."""
         raise NotImplementedError
 
     # ---- stepping -------------------------------------------------------------------------
@@ -93,9 +95,12 @@ class ParamOptimizer(torch.optim.Optimizer):
         if not state:
             state.update(self._init_state(p, group))
         state["step"] += 1
+        # A copy to the GPU may be asynchronous; one to the CPU must not be (the CPU math would
+        # read it before it lands).
+        async_copy = p.device.type == "cuda"
         if finite is not None:
-            finite = finite.to(p.device, non_blocking=True)
-        grad = grad.to(p.device, torch.float32, non_blocking=True)
+            finite = finite.to(p.device, non_blocking=async_copy)
+        grad = grad.to(p.device, torch.float32, non_blocking=async_copy)
         new = self._update(p.float(), grad, state, group, finite)
         self._store(p, new, finite)
 
