@@ -198,6 +198,27 @@ class OutputConfig(_Section):
     dir: str = "output"
 
 
+class MemoryConfig(_Section):
+    """How the denoiser's weights and activations are placed (memory/offload.py)."""
+
+    stream_weights: bool = Field(
+        False, description="Keep the weights of the denoiser's blocks (SDXL family: down/mid/up "
+        "blocks; SD3: transformer blocks) in pinned CPU memory and copy each block to the GPU just "
+        "before it runs, forward and backward, on a side stream. Saves the blocks' weights (and, "
+        "for a full fine-tune, their gradients and optimizer state, which live and step on the "
+        "CPU) from the GPU; costs two host-to-GPU copies of the streamed weights per step (three "
+        "with gradient checkpointing), one GPU-to-host copy of their gradients, and an optimizer "
+        "step on the CPU. LoRA matrices stay on the GPU.")
+    stream_unit_mib: float = Field(
+        256.0, gt=0, description="With stream_weights: a block holding more than this many MiB of "
+        "streamed weights is split into its sub-modules, so at most about two such units are on "
+        "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
+    offload_activations: bool = Field(
+        False, description="Keep the tensors saved for backward (with gradient checkpointing: the "
+        "checkpointed blocks' inputs) in pinned CPU memory instead of on the GPU; costs one copy "
+        "to the host in forward and one back in backward for each saved tensor.")
+
+
 class LoggingConfig(_Section):
     tensorboard: bool = True
     wandb: bool = False
@@ -259,6 +280,7 @@ class RunConfig(_Section):
     save: SaveConfig = SaveConfig()
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()
+    memory: MemoryConfig = MemoryConfig()
 
     @model_validator(mode="after")
     def _formats_fit_the_mode(self) -> "RunConfig":

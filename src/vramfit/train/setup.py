@@ -25,6 +25,7 @@ from vramfit.data.scan import ScanResult, scan_dataset
 from vramfit.formats.safetensors_io import write_text_atomic
 from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.lora_compute import lora_in_base_dtype
+from vramfit.memory.offload import stream_weights
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
@@ -134,11 +135,15 @@ def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], d
     return records + extra, generated
 
 
-def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
+def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
+    """Cast, adapt and place the denoiser; returns the WeightStreamer when memory.stream_weights
+    or offload_activations is on (else None)."""
     unet = bundle.denoiser
-    # A quantized base is cast where it lies and reaches the device one linear at a time, quantized.
+    # A quantized base is cast where it lies and reaches the device one linear at a time, quantized;
+    # streamed blocks never go to the device whole (stream_weights moves the rest there).
     quantized = cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"
-    unet.to(None if quantized else device, torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
+    unet.to(None if quantized or cfg.memory.stream_weights else device,
+            torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
     unet.requires_grad_(True)
     if cfg.train.mode == "lora":
         targets = apply_lora(unet, cfg.lora)
@@ -150,6 +155,11 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device) -> None:
         unet.enable_gradient_checkpointing()
     else:
         unet.disable_gradient_checkpointing()
+    streamer = stream_weights(unet, device, cfg.memory, stream_trainable=cfg.train.mode == "full")
+    if streamer is not None and streamer.units:
+        log.info("streaming %.1f MiB of block weights in %d units", streamer.streamed_bytes() / 2**20,
+                 len(streamer.units))
+    return streamer
 
 
 def assert_finite(model: torch.nn.Module) -> None:

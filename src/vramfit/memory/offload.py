@@ -1,0 +1,456 @@
+"""Streamed weights: the denoiser's blocks live in CPU memory and visit the GPU only while used.
+
+What is streamed. The blocks of the denoiser (SDXL family: `down_blocks`, `mid_block`,
+`up_blocks`; SD3: each of `transformer_blocks`), split into their sub-modules where a block
+holds more than `max_unit_bytes`, are the *units*. Of each unit the frozen weights are streamed,
+and with `stream_trainable` (a full fine-tune) the trained ones too; LoRA matrices, embeddings,
+conv_in/out and the final norms stay resident on the device.
+
+Where a weight is. Between uses every streamed parameter's `.data` is its *home*: a pinned CPU
+tensor (a plain CPU tensor on CPU-only runs). So `state_dict()`, checkpoint and state saving,
+`lora_state` and the optimizer all see the real, current weights with no context to enter, and
+an optimizer updates a streamed weight where it lives. When a module of a unit is called (its
+forward pre-hook; also when gradient checkpointing recomputes it in backward), the unit's
+weights are copied into one device buffer per dtype and `.data` points into it; the copy of the
+unit that usually comes next (learned from the previous pass, forward and backward separately)
+is started at once on a side CUDA stream, so it overlaps the current unit's compute. At most
+`capacity` units (2: the current one and the one prefetched) are on the device; the least
+recently used goes first, and after every forward and every backward all of them go. A unit's
+tensors that autograd saves for backward are saved as references (unit, offset, shape, strides)
+and fetched again when backward needs them, so without checkpointing the weights do not stay on
+the device from forward to backward either.
+
+Gradients of streamed weights (full fine-tune). A post-accumulate-grad hook (registered before
+any other, so it sees the gradient first) moves each gradient to pinned CPU memory on the side
+stream and frees the device copy. When backward ends they are handed to the home parameters
+through autograd's own accumulation (a small backward into the CPU leaves), so `p.grad` is a
+CPU tensor summed exactly as autograd sums micro-batches, and every other post-accumulate-grad
+hook (accumulation with stochastic rounding, the optimizer step in backward) runs on the CPU
+parameter as it would on a device one. The loop's clipping and `optimizer.step()` then run on
+the CPU for these parameters.
+
+Activation offload (`offload_activations`): every other tensor saved for backward in the
+denoiser's forward (under gradient checkpointing that is the checkpointed blocks' inputs) is
+copied to pinned CPU memory and back when backward needs it; a tensor saved by several ops is
+copied once.
+
+Costs: per step the streamed weights cross PCIe once in forward, once more in backward (twice
+with checkpointing: recompute and gradient), and for a full fine-tune their gradients once
+back; the optimizer step of the streamed weights runs on the CPU; host memory holds the
+weights, their gradients and optimizer state, pinned. Under mixed_bf16 without checkpointing the
+bf16 casts autocast makes of the weights are saved as they are (on the device). On CPU-only
+runs every step still copies into separate compute tensors, so tests see the mechanism work.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vramfit.config.schema import MemoryConfig
+from vramfit.memory.accounting import tensor_bytes
+
+BLOCK_CONTAINERS = ("down_blocks", "mid_block", "up_blocks", "transformer_blocks")
+
+
+@dataclass
+class StreamStats:
+    """Counters of the compute-side copies (bytes in device buffers held by the streamer)."""
+
+    fetches: int = 0
+    fetched_bytes: int = 0
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    grads_moved: int = 0
+    offloaded_bytes: int = 0
+
+
+@dataclass
+class _Unit:
+    index: int
+    name: str
+    params: list[nn.Parameter]
+    homes: list[torch.Tensor]
+    nbytes: int
+    buffers: Optional[dict[torch.dtype, torch.Tensor]] = None
+    views: Optional[list[torch.Tensor]] = None
+    ready: Optional[object] = None  # CUDA event of the copy
+    streams: set = field(default_factory=set)  # streams the buffers were recorded on
+    bound: bool = False
+
+
+@dataclass(frozen=True)
+class _WeightRef:
+    unit: int
+    dtype: torch.dtype
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+@dataclass
+class _Offloaded:
+    host: torch.Tensor
+    device: torch.device
+
+
+def block_modules(denoiser: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The denoiser's blocks, in the order they are registered."""
+    found = []
+    for attr in BLOCK_CONTAINERS:
+        module = getattr(denoiser, attr, None)
+        if isinstance(module, nn.ModuleList):
+            found += [(f"{attr}.{i}", block) for i, block in enumerate(module)]
+        elif isinstance(module, nn.Module):
+            found.append((attr, module))
+    return found
+
+
+def _is_plain(p: torch.Tensor) -> bool:
+    # Quantized weights (tensor subclasses, memory/quantize.py) stay where they are.
+    return type(p.data) is torch.Tensor
+
+
+def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:
+    """`module` as one unit, or its children's units when it streams more than `limit` bytes.
+    Parameters held directly by a split module stay resident."""
+    size = sum(tensor_bytes(p) for p in module.parameters() if streamed(p))
+    if size == 0:
+        return []
+    children = list(module.named_children())
+    if size <= limit or not children:
+        return [(name, module)]
+    units = []
+    for child_name, child in children:
+        units += split_units(f"{name}.{child_name}", child, limit, streamed)
+    return units
+
+
+class WeightStreamer:
+    """Streams the weights of a denoiser's blocks (see the module docstring). Build it with
+    `stream_weights`; it lives as long as the hooks it puts on the model (`detach` removes them
+    and leaves every weight on the device)."""
+
+    def __init__(self, denoiser: nn.Module, device: torch.device, *, stream: bool, stream_trainable: bool,
+                 max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
+        self.model, self.device = denoiser, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.capacity = max(2, capacity)
+        self.offload_activations = offload_activations
+        self.stats = StreamStats()
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+
+        def streamed(p: nn.Parameter) -> bool:
+            return stream and _is_plain(p) and (stream_trainable or not p.requires_grad)
+
+        named = []
+        for block_name, block in block_modules(denoiser):
+            named += split_units(block_name, block, max_unit_bytes, streamed)
+        self.units: list[_Unit] = []
+        self._handles = []
+        seen: set[int] = set()
+        for name, module in named:
+            params = [p for p in module.parameters() if streamed(p) and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            homes = [self._to_home(p.data) for p in params]
+            for p, home in zip(params, homes):
+                p.data = home
+            unit = _Unit(len(self.units), name, params, homes, sum(tensor_bytes(h) for h in homes))
+            self.units.append(unit)
+            self._hook_calls(module, unit, {id(p) for p in params})
+        self._move_resident(seen)
+        self._resident_storages = {p.untyped_storage().data_ptr() for p in denoiser.parameters()
+                                   if id(p) not in seen}
+        self._lru: list[_Unit] = []  # resident units, least recently used first
+        self._by_storage: dict[int, tuple[_Unit, torch.dtype]] = {}
+        self._current: Optional[_Unit] = None
+        self._next: dict[str, dict[Optional[int], int]] = {"fwd": {}, "bwd": {}}
+        self._prev: dict[str, Optional[int]] = {"fwd": None, "bwd": None}
+        self._task: Optional[int] = None  # autograd graph task whose end is awaited
+        self._saving = None  # the saved-tensor hooks of a running forward
+        self._offloaded: dict[tuple, tuple] = {}
+        self._stash: dict[nn.Parameter, Optional[torch.Tensor]] = {}
+        self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._delivering = False
+        self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
+        for p in self.trainable:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._handles.append(denoiser.register_forward_pre_hook(self._forward_begins))
+        self._handles.append(denoiser.register_forward_hook(self._forward_ends, always_call=True))
+
+    # ---- placement ---------------------------------------------------------------------------
+
+    def _to_home(self, t: torch.Tensor) -> torch.Tensor:
+        home = t.detach().to("cpu").contiguous()
+        if self.cuda:
+            home = home.pin_memory()
+        elif home.data_ptr() == t.data_ptr():
+            home = home.clone()  # never share storage with what the caller handed in
+        return home
+
+    def _move_resident(self, streamed_ids: set[int]) -> None:
+        for module in self.model.modules():
+            for _, p in module.named_parameters(recurse=False):
+                if id(p) not in streamed_ids and p.device != self.device:
+                    p.data = p.data.to(self.device)
+            for name, b in module.named_buffers(recurse=False):
+                if b.device != self.device:
+                    setattr(module, name, b.to(self.device))
+
+    def _hook_calls(self, module: nn.Module, unit: _Unit, ids: set[int]) -> None:
+        # Every sub-module that holds a streamed weight fetches its unit when called: gradient
+        # checkpointing recomputes a block's pieces without calling the block itself.
+        for sub in module.modules():
+            if any(id(p) in ids for p in sub.parameters(recurse=False)):
+                self._handles.append(sub.register_forward_pre_hook(partial(self._called, unit)))
+
+    def detach(self) -> None:
+        """Remove the hooks and put every streamed weight on the device (stops streaming)."""
+        self.release_all()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for unit in self.units:
+            for p in unit.params:
+                p.data = p.data.to(self.device)
+
+    # ---- fetch and release -------------------------------------------------------------------
+
+    def _called(self, unit: _Unit, module, args) -> None:
+        if self._current is not unit or not unit.bound:
+            self.use(unit)
+
+    def use(self, unit: _Unit) -> None:
+        """Make `unit`'s weights the compute copies now and start copying the next unit."""
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+        if phase == "bwd":
+            self._expect_end_of_backward()
+        prev = self._prev[phase]
+        if prev != unit.index:
+            self._next[phase][prev] = unit.index
+            self._prev[phase] = unit.index
+        if unit.buffers is None:
+            self._fetch(unit)
+        self._bind(unit)
+        self._lru.remove(unit)
+        self._lru.append(unit)
+        if self._current is not None and self._current is not unit and self._current.bound:
+            self._unbind(self._current)
+        self._current = unit
+        upcoming = self._next[phase].get(unit.index)
+        if upcoming is not None and upcoming != unit.index:
+            self._prefetch(self.units[upcoming])
+
+    def _prefetch(self, unit: _Unit) -> None:
+        if unit.buffers is None:
+            self._fetch(unit)
+        self._lru.remove(unit)
+        self._lru.insert(max(0, len(self._lru) - 1), unit)  # behind the current unit only
+
+    def _fetch(self, unit: _Unit) -> None:
+        while len(self._lru) >= self.capacity:
+            victim = next((u for u in self._lru if u is not self._current), None)
+            if victim is None:
+                break
+            self._evict(victim)
+        self._rehome(unit)
+        layout: dict[torch.dtype, int] = {}
+        for h in unit.homes:
+            layout[h.dtype] = layout.get(h.dtype, 0) + h.numel()
+        with torch.cuda.stream(self.side) if self.cuda else nullcontext():
+            buffers = {dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in layout.items()}
+            offsets = dict.fromkeys(layout, 0)
+            views = []
+            for h in unit.homes:
+                view = buffers[h.dtype].narrow(0, offsets[h.dtype], h.numel()).view(h.shape)
+                view.copy_(h, non_blocking=self.cuda)
+                offsets[h.dtype] += h.numel()
+                views.append(view)
+            if self.cuda:
+                unit.ready = torch.cuda.Event()
+                unit.ready.record(self.side)
+        unit.buffers, unit.views, unit.streams = buffers, views, set()
+        for dtype, buf in buffers.items():
+            self._by_storage[buf.untyped_storage().data_ptr()] = (unit, dtype)
+        self._lru.append(unit)
+        self.stats.fetches += 1
+        self.stats.fetched_bytes += unit.nbytes
+        self.stats.device_bytes += unit.nbytes
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.stats.device_bytes)
+
+    def _rehome(self, unit: _Unit) -> None:
+        # Something outside moved or replaced a weight between uses (Module.to, a load with
+        # assign): that tensor is the value now; it goes back to CPU memory.
+        for i, p in enumerate(unit.params):
+            if p.data_ptr() != unit.homes[i].data_ptr():
+                unit.homes[i] = self._to_home(p.data)
+                p.data = unit.homes[i]
+
+    def _bind(self, unit: _Unit) -> None:
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            if stream not in unit.streams:
+                # The compute stream waits for the copy; the allocator keeps the buffers until
+                # the work queued on this stream that uses them is done.
+                stream.wait_event(unit.ready)
+                for buf in unit.buffers.values():
+                    buf.record_stream(stream)
+                unit.streams.add(stream)
+        if not unit.bound:
+            for p, view in zip(unit.params, unit.views):
+                p.data = view
+            unit.bound = True
+
+    def _unbind(self, unit: _Unit) -> None:
+        for p, home in zip(unit.params, unit.homes):
+            p.data = home
+        unit.bound = False
+
+    def _evict(self, unit: _Unit) -> None:
+        if unit.bound:
+            self._unbind(unit)
+        for buf in unit.buffers.values():
+            self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
+        unit.buffers = unit.views = unit.ready = None
+        unit.streams = set()
+        self._lru.remove(unit)
+        if self._current is unit:
+            self._current = None
+        self.stats.device_bytes -= unit.nbytes
+
+    def release_all(self) -> None:
+        """Every streamed weight back at its home; no compute copy is held."""
+        for unit in list(self._lru):
+            self._evict(unit)
+        self._current = None
+
+    # ---- forward and backward boundaries -----------------------------------------------------
+
+    def _forward_begins(self, module, args) -> None:
+        self._prev["fwd"] = None
+        if not torch.is_grad_enabled():
+            return
+        for p in self.trainable:  # autograd must not add a device gradient to a CPU one
+            if p not in self._stash:
+                self._stash[p] = p.grad
+            p.grad = None
+        self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saving.__enter__()
+        first = self._next["fwd"].get(None)
+        if first is not None:
+            self._prefetch(self.units[first])
+
+    def _forward_ends(self, module, args, output) -> None:
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+        self._offloaded.clear()
+        self.release_all()
+
+    def _expect_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._prev["bwd"] = None
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self._task = None
+        self.release_all()
+        self._deliver_grads()
+
+    # ---- saved tensors ----------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without one storage
+            return t
+        hit = self._by_storage.get(ptr)
+        if hit is not None and hit[1] == t.dtype:
+            return _WeightRef(hit[0].index, t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        if not self.offload_activations or t.device != self.device or ptr in self._resident_storages:
+            return t
+        return self._offload(t, ptr)
+
+    def _offload(self, t: torch.Tensor, ptr: int) -> _Offloaded:
+        key = (ptr, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype, t._version)
+        hit = self._offloaded.get(key)
+        if hit is not None and hit[0]() is not None:
+            return hit[1]
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.cuda)
+        host.copy_(t, non_blocking=self.cuda)  # on the compute stream: ordered before any reuse of t
+        packed = _Offloaded(host, t.device)
+        self._offloaded[key] = (weakref.ref(t), packed)
+        self.stats.offloaded_bytes += tensor_bytes(host)
+        return packed
+
+    def _unpack(self, packed):
+        if isinstance(packed, _WeightRef):
+            unit = self.units[packed.unit]
+            self.use(unit)
+            return unit.buffers[packed.dtype].as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _Offloaded):
+            return packed.host.to(packed.device, non_blocking=self.cuda)
+        return packed
+
+    # ---- gradients of streamed weights --------------------------------------------------------
+
+    @torch.no_grad()
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if self._delivering or p.grad is None:
+            return
+        self._expect_end_of_backward()
+        grad, p.grad = p.grad, None
+        host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                host.copy_(grad, non_blocking=True)
+            grad.record_stream(self.side)  # its memory is reused only after the copy
+        else:
+            host.copy_(grad)
+        self._moved.append((p, host))
+        self.stats.grads_moved += 1
+
+    def _deliver_grads(self) -> None:
+        """Hand the moved gradients to the home parameters through autograd's accumulation."""
+        if self.cuda:
+            self.side.synchronize()
+        for p, grad in self._stash.items():
+            p.grad = grad
+        self._stash.clear()
+        moved, self._moved = self._moved, []
+        if not moved:
+            return
+        self._delivering = True
+        try:
+            torch.autograd.backward([p for p, _ in moved], [g for _, g in moved])
+        finally:
+            self._delivering = False
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    def streamed_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    def device_copies(self) -> list[torch.Tensor]:
+        """The compute-side buffers held now (empty between uses)."""
+        return [b for u in self.units if u.buffers for b in u.buffers.values()]
+
+
+def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
+                   stream_trainable: bool) -> Optional[WeightStreamer]:
+    """Apply settings.stream_weights / offload_activations to `denoiser` (see the module
+    docstring); None when both are off. Call after LoRA is added and before the optimizer is
+    built; the weights that are not streamed are moved to `device` here."""
+    if not (settings.stream_weights or settings.offload_activations):
+        return None
+    return WeightStreamer(denoiser, device, stream=settings.stream_weights, stream_trainable=stream_trainable,
+                          max_unit_bytes=int(settings.stream_unit_mib * 2**20),
+                          offload_activations=settings.offload_activations)

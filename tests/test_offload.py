@@ -1,0 +1,144 @@
+"""Streamed weights and activation offload (memory/offload.py): same result, it saves, resume.
+
+On CPU the compute device is the home device, so the checks look at storages: a streamed
+weight must be computed with from a compute copy (never its home tensor), between uses no
+compute copy may exist, and at most two units may be on the "device" at once.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config.load import load_config
+from vramfit.memory.accounting import MemoryTracker, tensor_bytes
+from vramfit.memory.offload import block_modules
+from vramfit.train.loop import micro_step_loss
+from vramfit.train.setup import place_denoiser, prepare
+
+STREAM = ("memory.stream_weights=true",)
+CASES = {  # name: (model, overrides); each compared with the same run unstreamed
+    "ssd1b-full-ckpt-accum-offload": ("tiny:ssd1b", ("train.grad_accum=2", "train.stochastic_rounding=false",
+                                                     "memory.offload_activations=true", "memory.stream_unit_mib=0.05")),
+    "ssd1b-lora-nockpt": ("tiny:ssd1b", ("train.mode=lora", "train.lr=1e-2", "train.gradient_checkpointing=false")),
+    "sd3-full-nockpt": ("tiny:sd3", ("train.precision=fp32", "train.gradient_checkpointing=false")),
+    "sd3-lora-ckpt-offload": ("tiny:sd3", ("train.mode=lora", "train.lr=1e-2", "memory.offload_activations=true")),
+}
+
+
+def _run(images, out, cache, model: str, *sets: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    assert main(train_args(images, out, cache, "train.steps=3", "save.name=m", *sets, model=model)) == 0
+    return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_result_streamed_or_not(images, tmp_path, cache_root, case):
+    """CLI runs: losses and saved weights equal to 1e-6 (streaming copies exactly; on CPU only the
+    order of float sums could differ, and it does not)."""
+    model, sets = CASES[case]
+    ref_losses, ref = _run(images, tmp_path / "off", cache_root / "off", model, *sets)
+    losses, got = _run(images, tmp_path / "on", cache_root / "off", model, *sets, *STREAM)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key].float(), ref[key].float(), rtol=1e-6, atol=1e-6, msg=key)
+    assert "stream_weights = true" in (tmp_path / "on" / "config.toml").read_text()
+
+
+def test_resume_while_streamed(images, tmp_path, cache_root):
+    sets = ("train.steps=4", "save.state_every_steps=2", "save.name=m", *STREAM)
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(train_args(images, full, cache_root / "off", *sets, model="tiny:sd3")) == 0
+    state = load_file(str(full / "state" / "step-000002" / "weights.safetensors"))
+    assert any(k.startswith("transformer_blocks.") for k in state)  # the streamed weights were saved
+    args = train_args(images, part, cache_root / "off", *sets, model="tiny:sd3")
+    assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
+    ref = json.loads((full / "run.json").read_text())["losses"]
+    assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
+    a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class HomeGuard(TorchDispatchMode):
+    """Records every op that reads a streamed weight's home tensor, except the streamer's own
+    copies out of it: compute must only ever see the compute copies."""
+
+    def __init__(self, streamer):
+        super().__init__()
+        self.homes = {h.untyped_storage().data_ptr() for u in streamer.units for h in u.homes}
+        self.bad: list[str] = []
+
+    def _home(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.homes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(self._home(t) for t in tree_leaves((args, kwargs))):
+            fetch = func is torch.ops.aten.copy_.default and self._home(args[1]) and not self._home(args[0])
+            if not fetch:
+                self.bad.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _compute_side_bytes(streamer) -> int:
+    """Bytes of the streamed parameters' storages that are not their home tensors."""
+    total = 0
+    for unit in streamer.units:
+        for p, home in zip(unit.params, unit.homes):
+            if p.untyped_storage().data_ptr() != home.untyped_storage().data_ptr():
+                total += tensor_bytes(p)
+    return total
+
+
+@pytest.mark.parametrize("model,unit_mib,sets", [
+    ("tiny:ssd1b", 1.0, ("train.precision=fp32",)),
+    ("tiny:sd3", 0.05, ("train.precision=fp32", "train.gradient_checkpointing=false", "train.mode=lora")),
+])
+def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, model, unit_mib, sets):
+    """Blocks above memory.stream_unit_mib are split; no compute copy exists between uses; at
+    most two units' copies during a step; compute never reads a home tensor (HomeGuard)."""
+    args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, f"memory.stream_unit_mib={unit_mib}",
+                      *sets, model=model)
+    cfg = load_config(None, args[3::2])
+    device = torch.device("cpu")
+    family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
+    streamer = place_denoiser(bundle, cfg, device)
+    units = streamer.units
+    leaves = [not list(bundle.denoiser.get_submodule(u.name).children()) for u in units]
+    assert len(units) > 4 and all(u.nbytes <= unit_mib * 2**20 or leaf for u, leaf in zip(units, leaves))
+    blocks = [b for _, b in block_modules(bundle.denoiser)]
+    wanted = {id(p) for b in blocks for p in b.parameters() if cfg.train.mode == "full" or not p.requires_grad}
+    assert sorted(id(p) for u in units for p in u.params) == sorted(wanted)  # each streamed weight once
+    largest = max(u.nbytes for u in units)
+    # between uses: no compute copy exists, every streamed parameter is its home tensor
+    assert _compute_side_bytes(streamer) == 0 and streamer.device_copies() == []
+    seen_inside = []
+    probe = bundle.denoiser.get_submodule(units[len(units) // 2].name)
+    handle = probe.register_forward_hook(lambda *a: seen_inside.append(_compute_side_bytes(streamer)))
+    generator = torch.Generator().manual_seed(0)
+    group = next(data.batches(1, torch.Generator().manual_seed(0), False))
+    bundle.denoiser.train()
+    with HomeGuard(streamer) as guard:
+        loss = micro_step_loss(family, bundle, data.batch(group), cfg.train, generator, device, torch.float32)
+        loss.backward()
+    handle.remove()
+    assert guard.bad == []
+    assert seen_inside and seen_inside[0] > 0  # inside a unit's forward its weights are compute copies
+    assert _compute_side_bytes(streamer) == 0 and streamer.device_copies() == []
+    stats = streamer.stats
+    # the peak of compute-side bytes is two units, far below all streamed weights
+    assert 0 < stats.peak_device_bytes <= 2 * largest < streamer.streamed_bytes() / 2
+    # backward fetched weights again (recompute under checkpointing, saved references without);
+    # a full fine-tune needs every weight in backward, so all of them came twice
+    assert stats.fetched_bytes > streamer.streamed_bytes()
+    if cfg.train.mode == "full":
+        assert stats.fetched_bytes >= 2 * streamer.streamed_bytes() - 2 * largest
+    trainable = [p for u in units for p in u.params if p.requires_grad]
+    assert stats.grads_moved == len(trainable)
+    assert all(p.grad is not None and p.grad.data_ptr() != 0 for p in trainable)
