@@ -23,12 +23,17 @@ from vramfit.train.loop import micro_step_loss
 from vramfit.train.setup import place_denoiser, prepare
 
 STREAM = ("memory.stream_weights=true",)
-CASES = {  # name: (model, overrides); each compared with the same run unstreamed
-    "ssd1b-full-ckpt-accum-offload": ("tiny:ssd1b", ("train.grad_accum=2", "train.stochastic_rounding=false",
-                                                     "memory.offload_activations=true", "memory.stream_unit_mib=0.05")),
-    "ssd1b-lora-nockpt": ("tiny:ssd1b", ("train.mode=lora", "train.lr=1e-2", "train.gradient_checkpointing=false")),
-    "sd3-full-nockpt": ("tiny:sd3", ("train.precision=fp32", "train.gradient_checkpointing=false")),
-    "sd3-lora-ckpt-offload": ("tiny:sd3", ("train.mode=lora", "train.lr=1e-2", "memory.offload_activations=true")),
+OFFLOAD = ("memory.offload_activations=true",)
+CASES = {  # name: (model, settings of both runs, settings of the run compared with the plain one)
+    "ssd1b-full-ckpt-accum": ("tiny:ssd1b", ("train.grad_accum=2", "train.stochastic_rounding=false"),
+                              (*STREAM, *OFFLOAD, "memory.stream_unit_mib=0.05")),
+    "ssd1b-lora-nockpt": ("tiny:ssd1b", ("train.mode=lora", "train.lr=1e-2", "train.gradient_checkpointing=false"),
+                          STREAM),
+    "sd3-full-nockpt": ("tiny:sd3", ("train.precision=fp32", "train.gradient_checkpointing=false"), (*STREAM, *OFFLOAD)),
+    "sd3-lora-ckpt-offload-only": ("tiny:sd3", ("train.mode=lora", "train.lr=1e-2"), OFFLOAD),
+    # the gradients reach the CPU homes through autograd, so the optimizer step in backward sees them
+    "sd3-full-ckpt-in-backward": ("tiny:sd3", ("train.optimizer_in_backward=true", "train.stochastic_rounding=false"),
+                                  STREAM),
 }
 
 
@@ -41,14 +46,15 @@ def _run(images, out, cache, model: str, *sets: str) -> tuple[list[float], dict[
 def test_same_result_streamed_or_not(images, tmp_path, cache_root, case):
     """CLI runs: losses and saved weights equal to 1e-6 (streaming copies exactly; on CPU only the
     order of float sums could differ, and it does not)."""
-    model, sets = CASES[case]
+    model, sets, on = CASES[case]
     ref_losses, ref = _run(images, tmp_path / "off", cache_root / "off", model, *sets)
-    losses, got = _run(images, tmp_path / "on", cache_root / "off", model, *sets, *STREAM)
+    losses, got = _run(images, tmp_path / "on", cache_root / "off", model, *sets, *on)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert ref.keys() == got.keys()
     for key in ref:
         torch.testing.assert_close(got[key].float(), ref[key].float(), rtol=1e-6, atol=1e-6, msg=key)
-    assert "stream_weights = true" in (tmp_path / "on" / "config.toml").read_text()
+    written = (tmp_path / "on" / "config.toml").read_text()
+    assert all("{} = {}".format(*item.split(".", 1)[1].split("=")) in written for item in on)
 
 
 def test_resume_while_streamed(images, tmp_path, cache_root):
@@ -96,15 +102,16 @@ def _compute_side_bytes(streamer) -> int:
     return total
 
 
-@pytest.mark.parametrize("model,unit_mib,sets", [
-    ("tiny:ssd1b", 1.0, ("train.precision=fp32",)),
-    ("tiny:sd3", 0.05, ("train.precision=fp32", "train.gradient_checkpointing=false", "train.mode=lora")),
+@pytest.mark.parametrize("model,unit_mib,offload,sets", [
+    ("tiny:ssd1b", 1.0, True, ("train.precision=fp32",)),
+    ("tiny:sd3", 0.05, False, ("train.precision=fp32", "train.gradient_checkpointing=false", "train.mode=lora")),
 ])
-def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, model, unit_mib, sets):
+def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, model, unit_mib, offload, sets):
     """Blocks above memory.stream_unit_mib are split; no compute copy exists between uses; at
-    most two units' copies during a step; compute never reads a home tensor (HomeGuard)."""
+    most two units' copies during a step; compute never reads a home tensor (HomeGuard); with
+    offload_activations no saved activation stays on the compute side."""
     args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, f"memory.stream_unit_mib={unit_mib}",
-                      *sets, model=model)
+                      f"memory.offload_activations={str(offload).lower()}", *sets, model=model)
     cfg = load_config(None, args[3::2])
     device = torch.device("cpu")
     family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
@@ -139,6 +146,10 @@ def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, m
     assert stats.fetched_bytes > streamer.streamed_bytes()
     if cfg.train.mode == "full":
         assert stats.fetched_bytes >= 2 * streamer.streamed_bytes() - 2 * largest
+    if offload:  # the checkpointed blocks' inputs and the rest saved outside checkpoints went to the host
+        assert stats.offloaded_bytes > 0 and stats.kept_bytes == 0
+    else:
+        assert stats.offloaded_bytes == 0 and stats.kept_bytes > 0
     trainable = [p for u in units for p in u.params if p.requires_grad]
     assert stats.grads_moved == len(trainable)
     assert all(p.grad is not None and p.grad.data_ptr() != 0 for p in trainable)

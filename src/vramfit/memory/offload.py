@@ -67,7 +67,8 @@ class StreamStats:
     device_bytes: int = 0
     peak_device_bytes: int = 0
     grads_moved: int = 0
-    offloaded_bytes: int = 0
+    offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
+    kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
 
 
 @dataclass
@@ -138,8 +139,11 @@ class WeightStreamer:
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, stream: bool, stream_trainable: bool,
                  max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
-        self.model, self.device = denoiser, torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare alike
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.model, self.device = denoiser, device
+        self.cuda = device.type == "cuda"
         self.capacity = max(2, capacity)
         self.offload_activations = offload_activations
         self.stats = StreamStats()
@@ -374,7 +378,10 @@ class WeightStreamer:
         hit = self._by_storage.get(ptr)
         if hit is not None and hit[1] == t.dtype:
             return _WeightRef(hit[0].index, t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-        if not self.offload_activations or t.device != self.device or ptr in self._resident_storages:
+        if ptr in self._resident_storages:
+            return t
+        if not self.offload_activations or t.device != self.device:
+            self.stats.kept_bytes += tensor_bytes(t)
             return t
         return self._offload(t, ptr)
 
