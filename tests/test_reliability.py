@@ -315,3 +315,19 @@ def test_every_kind_of_odd_image_trains_or_is_named(tmp_path, cache_root, caplog
     assert run["items"] == 6  # cmyk, rgba, palette, gray, 16-bit and the EXIF-rotated one
     for name in skipped:
         assert name in caplog.text
+
+
+def test_resume_refuses_other_base_storage_and_reads_old_states(tmp_path):
+    """A state from an int8-base run does not continue with a bf16 base; a state written before
+    a setting existed counts as that setting's default."""
+    from vramfit.config.schema import RunConfig
+    from vramfit.train.state import ResumeError, check_compatible
+
+    lora = {"train": {"mode": "lora"}}
+    saved = RunConfig.model_validate({**lora, "lora": {"base_quantization": "int8"}}).model_dump(mode="json")
+    now = RunConfig.model_validate(lora).model_dump(mode="json")
+    with pytest.raises(ResumeError, match="lora.base_quantization: saved 'int8', now 'none'"):
+        check_compatible(saved, now, tmp_path)
+    old = RunConfig.model_validate(lora).model_dump(mode="json")
+    del old["lora"]["base_quantization"], old["prior"]
+    check_compatible(old, now, tmp_path)

@@ -25,7 +25,8 @@ STATE_VERSION = 1
 # Settings that must match for a resumed run to continue the same run. Steps may grow.
 _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"), ("data", "random_crop"),
                ("train", "batch_size"), ("train", "grad_accum"), ("train", "optimizer"),
-               ("train", "precision"), ("train", "seed"), ("train", "lr_scheduler")]
+               ("train", "precision"), ("train", "seed"), ("train", "lr_scheduler"),
+               ("lora", "base_quantization"), ("lora", "targets"), ("prior", "class_prompt")]
 
 
 class ResumeError(ValueError):
@@ -128,8 +129,11 @@ def read_meta(path: Path) -> dict:
 
 
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    diffs = [f"{s}.{k}: saved {saved[s][k]!r}, now {current[s][k]!r}" for s, k in _MUST_MATCH
-             if saved.get(s, {}).get(k) != current.get(s, {}).get(k)]
+    from vramfit.config.schema import RunConfig
+
+    default = RunConfig().model_dump(mode="json")  # what a state saved before a key existed meant
+    diffs = [f"{s}.{k}: saved {saved.get(s, {}).get(k, default[s][k])!r}, now {current[s][k]!r}"
+             for s, k in _MUST_MATCH if saved.get(s, {}).get(k, default[s][k]) != current.get(s, {}).get(k)]
     if diffs:
         raise ResumeError(f"{path} was saved by a run with other settings; resuming would not continue "
                           "it. Use the same config (train.steps may grow) or start a new run:\n  "
