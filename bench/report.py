@@ -1,0 +1,200 @@
+"""Render bench/run.py's JSON as a markdown table (seed recipes and vramfit side by side, each
+row's distance from its target) and a PNG plot; optionally put the table into docs/benchmarks.md
+between the markers `<!-- bench:begin -->` and `<!-- bench:end -->`, leaving the rest of the file
+(the earlier measured sections) as it is.
+
+Targets (issue 5): every memory-saving configuration's median step time <= 0.5x the seed
+recipe's for the same workload at equal or lower peak allocated memory; the fastest
+configuration <= 0.7x the stock "fast" configuration's step time.
+
+usage: python bench/report.py DIR_OR_JSON... [--md docs/benchmarks.md] [--plot docs/bench/benchmarks.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+GIB = 2**30
+MEMORY_TARGET, FAST_TARGET = 0.5, 0.7
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+ORDER = ["ssd1b", "sdxl", "sd3_lora512", "sd3_lora1024", "sd3_full"]
+
+
+def load(paths: list[Path]) -> list[dict]:
+    files = []
+    for p in paths:
+        files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+    merged: dict[str, dict] = {}
+    for f in files:  # one workload may have been run in several commands: rows of later files win
+        g = json.loads(f.read_text())
+        if "rows" not in g or "workload" not in g:
+            continue
+        old = merged.setdefault(g["workload"], dict(g, rows=[]))
+        if not old.get("flops", {}).get("train_tflop"):
+            old["flops"] = g.get("flops", {})
+        if g.get("commit") not in str(old.get("commit")).split(", "):
+            old["commit"] = f"{old.get('commit')}, {g.get('commit')}"
+        new = {(r["side"], r["case"]): r for r in g["rows"]}
+        old["rows"] = [new.pop((r["side"], r["case"]), r) for r in old["rows"]] + list(new.values())
+    for g in merged.values():
+        g["rows"].sort(key=lambda r: (r["side"] != "seed", r.get("role") == "fastest"))
+    return sorted(merged.values(), key=lambda g: ORDER.index(g["workload"]) if g["workload"] in ORDER else 99)
+
+
+def reference(group: dict, role: str) -> Optional[dict]:
+    return next((r for r in group["rows"] if r.get("role") == role and r.get("status") == "ok"), None)
+
+
+def target_check(row: dict, group: dict) -> tuple[str, str]:
+    """(step time against its reference, how far from the target) for one row."""
+    seed, fast = reference(group, "seed_ref"), reference(group, "fast_ref")
+    if row.get("status") != "ok":
+        return "", ""
+    if row["role"] == "fastest":
+        if not fast:
+            return "", "no stock fast row"
+        ratio = row["step_s"] / fast["step_s"]
+        verdict = "met" if ratio <= FAST_TARGET else f"missed: {ratio:.2f}x > {FAST_TARGET}x"
+        return f"{ratio:.2f}x fast", verdict
+    if not seed:
+        return "", "no seed row"
+    ratio = row["step_s"] / seed["step_s"]
+    if row["side"] == "seed":
+        return f"{ratio:.2f}x seed", ""
+    misses = [f"{ratio:.2f}x > {MEMORY_TARGET}x"] if ratio > MEMORY_TARGET else []
+    peak = ""
+    if row.get("peak_allocated") is not None and seed.get("peak_allocated") is not None:
+        over = (row["peak_allocated"] - seed["peak_allocated"]) / GIB
+        peak = f"peak {over:+.2f} GiB"
+        misses += [peak] if over > 0 else []
+    verdict = f"missed: {', '.join(misses)}" if misses else "met" + (f" ({peak})" if peak else "")
+    return f"{ratio:.2f}x seed", verdict
+
+
+def gib(x) -> str:
+    return f"{x / GIB:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def fmt(x, spec: str, scale: float = 1.0) -> str:
+    return format(x * scale, spec) if isinstance(x, (int, float)) else "-"
+
+
+def render_group(group: dict) -> str:
+    flops = group.get("flops", {})
+    tflop = f"{flops['train_tflop']:.4g} TFLOP a step (forward {flops['fwd_tflop']:.4g})" if "train_tflop" in flops \
+        else "FLOPs not counted"
+    where = group.get("gpu") or "CPU, tiny models (not a measurement of speed)"
+    lines = [f"### {group['title']}", "",
+             f"{where}; vramfit `{group.get('commit', '?')}`, torch {group.get('torch', '?')}, {group.get('date', '')}; "
+             f"{group['steps']} steps per case, median after the first; {tflop}.", "",
+             "| side | configuration | peak alloc GiB | peak resv GiB | step s | img/s | MFU | vs reference | target | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in group["rows"]:
+        ratio, target = target_check(row, group)
+        note = row.get("note", "") if row.get("status") != "ok" or row["side"] == "seed" else ""
+        if row.get("status") != "ok":
+            note = f"{row.get('status')}: {note}"
+        note = " ".join(str(note).split())[:160].replace("|", "/")
+        lines.append(f"| {row['side']} | {row['label']} | {gib(row.get('peak_allocated'))} | "
+                     f"{gib(row.get('peak_reserved'))} | {fmt(row.get('step_s'), '.3f')} | "
+                     f"{fmt(row.get('images_per_s'), '.2f')} | {fmt(row.get('mfu'), '.1f', 100)}{'%' if row.get('mfu') else ''} | "
+                     f"{ratio} | {target} | {note} |")
+    return "\n".join(lines)
+
+
+def render_tables(groups: list[dict]) -> str:
+    peak = {g.get("peak_tflops") for g in groups}
+    head = ("MFU: model FLOPs of one training step (forward and backward, counted with "
+            "`torch.utils.flop_counter.FlopCounterMode` on the meta device; the denoiser only: recomputation "
+            "under gradient checkpointing and the seed's live VAE encoding not counted) / step time / "
+            f"{', '.join(f'{p:g}' for p in peak)} TFLOP/s "
+            "(H200 SXM dense bf16 specification; seed-baselines.md divides by a measured ~790, so its "
+            "percentages are 1.25x these). Peaks: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
+            "over the training phase (vramfit: its memory report's train phase; seeds: after the model and "
+            "optimizer are built). Each case ran in a fresh process, produced by `python bench/run.py GROUP --out DIR`.")
+    targets = (f"Targets (issue 5): each memory-saving configuration's median step <= {MEMORY_TARGET}x the seed "
+               "recipe's (the first seed row of its workload) at equal or lower peak allocated memory (\"peak\": "
+               f"its peak minus the seed's); the fastest configuration <= {FAST_TARGET}x the stock fast step.")
+    return "\n\n".join([head, targets] + [render_group(g) for g in groups])
+
+
+def plot(groups: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 0.45 * sum(len(g["rows"]) for g in groups) + 1.2 * len(groups)),
+                             squeeze=False)
+    colours = {"seed_ref": "0.35", "fast_ref": "0.6", "seed_other": "0.8", "memory_saving": "tab:blue",
+               "fastest": "tab:orange"}
+    for (ax_t, ax_m), g in zip(axes, groups):
+        rows = [r for r in g["rows"] if r.get("status") == "ok"]
+        labels = [f"{r['side']}: {r['label']}" for r in rows]
+        cols = [colours.get(r["role"], "0.5") for r in rows]
+        ax_t.barh(labels, [r["step_s"] for r in rows], color=cols)
+        ax_m.barh(labels, [(r.get("peak_allocated") or 0) / GIB for r in rows], color=cols)
+        seed = reference(g, "seed_ref")
+        if seed:
+            ax_t.axvline(seed["step_s"] * MEMORY_TARGET, ls="--", c="tab:blue", lw=1, label="0.5x seed")
+            if seed.get("peak_allocated"):
+                ax_m.axvline(seed["peak_allocated"] / GIB, ls="--", c="0.35", lw=1, label="seed peak")
+        fast = reference(g, "fast_ref")
+        if fast:
+            ax_t.axvline(fast["step_s"] * FAST_TARGET, ls=":", c="tab:orange", lw=1, label="0.7x fast")
+        ax_t.set_title(f"{g['title']}: median step (s)", fontsize=9)
+        ax_m.set_title("peak allocated (GiB)", fontsize=9)
+        ax_m.set_yticks([])
+        for ax in (ax_t, ax_m):
+            ax.invert_yaxis()
+            ax.tick_params(labelsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def update_markdown(md: Path, body: str, image: Optional[Path]) -> None:
+    """Replace the text between the markers (or put it after the first paragraph after the title)."""
+    text = md.read_text() if md.exists() else "# Benchmarks\n"
+    if image is not None:
+        rel = image.resolve().relative_to(md.resolve().parent) if image.resolve().is_relative_to(md.resolve().parent) \
+            else image
+        body += f"\n\n![step time and peak memory per configuration]({rel.as_posix()})"
+    block = f"{BEGIN}\n## Seed recipes and vramfit, side by side (bench/run.py)\n\n{body}\n{END}"
+    if BEGIN in text and END in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        text = text[:start] + block + text[end:]
+    else:
+        head, sep, rest = text.partition("\n## ")
+        text = head.rstrip("\n") + "\n\n" + block + "\n\n" + (sep.lstrip("\n") + rest if sep else "")
+    md.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("inputs", type=Path, nargs="+", help="folders of bench/run.py JSON, or JSON files")
+    ap.add_argument("--md", type=Path, help="markdown file to put the table into (between the bench markers)")
+    ap.add_argument("--plot", type=Path, help="PNG to draw (needs matplotlib)")
+    args = ap.parse_args(argv)
+    groups = load(args.inputs)
+    if not groups:
+        raise SystemExit("no bench JSON found in " + ", ".join(map(str, args.inputs)))
+    body = render_tables(groups)
+    drew = plot(groups, args.plot) if args.plot else False
+    if args.md:
+        update_markdown(args.md, body, args.plot if drew else None)
+        print(f"wrote the table into {args.md}")
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()

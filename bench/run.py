@@ -1,0 +1,307 @@
+"""The GPU bench of issue 5: seed recipes and vramfit's own training path, side by side.
+
+For each reference workload it runs, each in a fresh process so that peaks do not mix:
+  - the FLOP count of one training step (bench/seeds.py WORKLOAD flops, on the meta device);
+  - the seed recipe and the stock "fast" configuration made with stock parts (bench/seeds.py);
+  - `python -m vramfit train` on the real architecture with random weights (bench/build.py) and
+    a synthetic dataset that vramfit caches itself, once per memory configuration vramfit has:
+    the recipe, the recipe with each memory option that exists in RunConfig when the bench runs
+    (optimizer inside backward, streamed weights, activation offload, quantized LoRA base; a case
+    whose key is absent is listed as skipped), and the fastest configuration (no memory limit).
+Per row: peak allocated/reserved in the training phase, median step time (first step left out),
+images/s and model FLOP utilization. One JSON per workload under --out (rows of earlier runs of
+other cases are kept, so a workload can be split over several commands); bench/report.py renders
+them. Not run in CI.
+
+usage: python bench/run.py {ssd1b,sdxl,sd3_lora512,sd3_lora1024,sd3_full,all} --out DIR [--tiny]
+           [--cases NAME,...] [--steps N] [--work DIR] [--peak-tflops X]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from build import ROOT, ensure_model, log, make_images, run_train, train_phase
+from seeds import SEED_CASES, TINY_RES, WORKLOADS
+
+# Peak dense bf16 matrix rate used for model FLOP utilization, in TFLOP/s. 989 is NVIDIA's
+# specification for the H200 SXM (1,979 is the 2:4-sparse figure); the conventional MFU
+# denominator. seed-baselines.md divides by about 790 (what dense bf16 matmuls measured on the
+# same GPU), so its percentages are 989/790 = 1.25x the ones computed here. --peak-tflops changes it.
+H200_DENSE_BF16_TFLOPS = 989.0
+TINY_MODELS = {"ssd1b": "tiny:ssd1b", "sdxl": "tiny:sdxl", "sd3m": "tiny:sd3"}
+
+
+@dataclass
+class Case:
+    """One vramfit configuration: --set overrides on top of the workload's recipe."""
+
+    name: str
+    label: str
+    sets: list[str]
+    requires: list[str] = field(default_factory=list)  # config keys that must exist in RunConfig
+    role: str = "memory_saving"  # or "fastest": no memory limit, compared with the stock fast
+
+
+FULL_CASES = [
+    Case("recipe", "recipe", []),
+    Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
+         ["train.optimizer_in_backward"]),
+    Case("stream", "recipe + streamed weights", ["memory.stream_weights=true"], ["memory.stream_weights"]),
+    Case("stream_inbwd", "recipe + streamed weights + optimizer in backward",
+         ["memory.stream_weights=true", "train.optimizer_in_backward=true"],
+         ["memory.stream_weights", "train.optimizer_in_backward"]),
+    Case("stream_offload", "recipe + streamed weights + offloaded activations",
+         ["memory.stream_weights=true", "memory.offload_activations=true"],
+         ["memory.stream_weights", "memory.offload_activations"]),
+    Case("rtn", "recipe, round-to-nearest bf16 updates (no stochastic rounding)", ["train.stochastic_rounding=false"],
+         ["train.stochastic_rounding"]),
+    Case("fastest", "fastest: mixed bf16, AdamW, no checkpointing",
+         ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.gradient_checkpointing=false",
+          "train.max_grad_norm=0"], role="fastest"),
+]
+LORA_CASES = [
+    Case("recipe", "recipe", []),
+    *[Case(f"base_{q}", f"recipe + {q} base", [f"lora.base_quantization={q}"], ["lora.base_quantization"])
+      for q in ("int8", "fp8", "nf4")],
+    Case("stream", "recipe + streamed base", ["memory.stream_weights=true"], ["memory.stream_weights"]),
+    Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
+         ["train.optimizer_in_backward"]),
+    Case("fastest", "fastest: bf16 base, AdamW, no checkpointing",
+         ["train.optimizer=adamw", "train.gradient_checkpointing=false", "train.max_grad_norm=0"], role="fastest"),
+]
+# Work a run may do besides training that would only cost bench time, switched off where the key exists.
+OFF_DURING_BENCH = ["sample.every_steps=0"]
+SEED_LABELS = {"seed": "seed recipe", "fused": "seed + Adafactor inside backward", "fast": "stock fast",
+               "cached": "seed with latents cached"}
+
+
+def recipe(workload: str, ckpt: str, images: Path, work: Path, steps: int, tiny: bool) -> tuple[Optional[Path], list[str]]:
+    """(config file, overrides) of the workload's recipe as vramfit runs it: the shipped example
+    where there is one, batch as the seed, no accumulation, square images, everything cached."""
+    w = WORKLOADS[workload]
+    res = TINY_RES if tiny else w["res"]
+    sets = [f"model.path={ckpt}", f"data.path={images}", f"data.resolution={res}", f"data.min_size={res}",
+            "data.max_aspect=1.0", f"cache.dir={work / 'cache'}", f"train.steps={steps}",
+            f"train.batch_size={w['batch']}", "train.grad_accum=1", "save.every_steps=0"]
+    if tiny:
+        sets.append("train.device=cpu")
+    sets += [s for s in OFF_DURING_BENCH if key_exists(s.partition("=")[0])]
+    if w["kind"] == "unet":
+        return ROOT / "examples" / "ssd1b_full_8gb.toml", sets
+    if w["mode"] == "lora":
+        return ROOT / "examples" / "sd3m_dreambooth_lora.toml", sets
+    # SD3-M full fine-tune: no write-up; the SSD-1B recipe's choices (bf16, Adafactor, checkpointing)
+    return None, sets + ["train.mode=full", "train.optimizer=adafactor", "train.lr=4e-7",
+                         "train.precision=full_bf16", "train.gradient_checkpointing=true", "train.max_grad_norm=0",
+                         "data.instance_prompt=a photo of sks dog"]
+
+
+def key_exists(dotted: str) -> bool:
+    """Whether a config key (section.key) exists in vramfit's RunConfig as installed now."""
+    from vramfit.config.schema import RunConfig
+
+    model = RunConfig
+    for part in dotted.split("."):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return False
+        model = fields[part].annotation
+    return True
+
+
+def config_problem(config: Optional[Path], sets: list[str]) -> Optional[str]:
+    from vramfit.config import ConfigError, load_config
+
+    try:
+        load_config(config, sets)
+    except ConfigError as exc:
+        return "; ".join(exc.problems)
+    return None
+
+
+def run_seed(workload: str, case: str, args) -> dict:
+    """bench/seeds.py in a fresh process; its RESULT line, or an error."""
+    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), workload, case, "--steps", str(args.steps)]
+    cmd += ["--tiny"] if args.tiny else []
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=True, cwd=ROOT, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"error": (proc.stdout[-1500:] + proc.stderr[-2500:]).strip() or f"exit {proc.returncode}"}
+
+
+def seed_row(workload: str, case: str, res: dict) -> dict:
+    cases = SEED_CASES[workload]
+    role = "seed_ref" if case == cases[0] else "fast_ref" if case == "fast" else "seed_other"
+    row = dict(side="seed", case=case, label=SEED_LABELS[case], role=role)
+    if "error" in res:
+        return dict(row, status="failed", note=res["error"][-600:])
+    return dict(row, status="ok", peak_allocated=res["peak_allocated"], peak_reserved=res["peak_reserved"],
+                step_s=res["step_s"], step_times=res["step_times"], images_per_step=res["images_per_step"],
+                note=res["optimizer"])
+
+
+def vramfit_row(case: Case, report: dict, images_per_step: int) -> dict:
+    row = dict(side="vramfit", case=case.name, label=case.label, role=case.role, sets=case.sets,
+               command=report.get("command"), wall_s=report.get("wall_seconds"))
+    train = train_phase(report)
+    if report.get("error") or train is None:
+        return dict(row, status="failed", note=str(report.get("error", "no train phase in the report"))[-1500:])
+    gpu = str(report.get("device", "")).startswith("cuda")
+    return dict(row, status="ok", peak_allocated=train["gpu_peak_allocated"] if gpu else None,
+                peak_reserved=train["gpu_peak_reserved"] if gpu else None,
+                step_s=round(train["step_seconds"], 4), images_per_step=images_per_step,
+                reported_images_per_s=train.get("images_per_second"), phases=report["phases"])
+
+
+def add_rates(row: dict, flops: dict, peak_tflops: float, cuda: bool) -> dict:
+    """images/s and model FLOP utilization (counted FLOPs of one step / step time / peak rate)."""
+    if row.get("status") != "ok" or not row.get("step_s"):
+        return row
+    row["images_per_s"] = round(row["images_per_step"] / row["step_s"], 3)
+    tflop = flops.get("train_tflop")
+    row["mfu"] = round(tflop / row["step_s"] / peak_tflops, 4) if tflop and cuda else None
+    return row
+
+
+class GroupRun:
+    """One workload: its JSON (merged with rows of earlier runs), written after every case."""
+
+    def __init__(self, workload: str, args):
+        self.w, self.args = workload, args
+        self.path = args.out / f"{workload}.json"
+        old = json.loads(self.path.read_text()) if self.path.exists() else {}
+        keep = old.get("tiny") == args.tiny and old.get("rows")
+        self.rows: list[dict] = [r for r in old.get("rows", [])] if keep else []
+        self.data = dict(workload=workload, **WORKLOADS[workload], tiny=args.tiny, steps=args.steps,
+                         peak_tflops=args.peak_tflops, **environment(args.tiny))
+
+    def selected(self, name: str) -> bool:
+        return not self.args.cases or name in self.args.cases
+
+    def put(self, row: dict) -> None:
+        row = add_rates(row, self.data.get("flops", {}), self.args.peak_tflops, not self.args.tiny and
+                        self.data.get("gpu") is not None)
+        self.rows = [r for r in self.rows if (r["side"], r["case"]) != (row["side"], row["case"])] + [row]
+        self.write()
+        brief = {k: row.get(k) for k in ("status", "step_s", "images_per_s", "mfu", "peak_allocated")}
+        log(f"{self.w} {row['side']} {row['case']}: {brief}" + (f" ({row.get('note', '')[:300]})"
+                                                                 if row["status"] != "ok" else ""))
+
+    def write(self) -> None:
+        order = {"seed": 0, "vramfit": 1}
+        self.data["rows"] = sorted(self.rows, key=lambda r: order[r["side"]])
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+
+def gpu_name() -> Optional[str]:
+    """The GPU's name from nvidia-smi: this process never creates a CUDA context of its own."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def environment(tiny: bool) -> dict:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=ROOT).stdout
+    return dict(commit=commit.strip() + ("+dirty" if dirty.strip() else ""), torch=torch.__version__,
+                gpu=None if tiny else gpu_name(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def run_workload(workload: str, args) -> Path:
+    w = WORKLOADS[workload]
+    group = GroupRun(workload, args)
+    log(f"== {workload}: {w['title']}{' (tiny, CPU)' if args.tiny else ''}")
+    ckpt = TINY_MODELS[w["layout"]] if args.tiny else str(ensure_model(w["layout"], args.work))
+    res = TINY_RES if args.tiny else w["res"]
+    n_images = max(4, 2 * w["batch"])
+    images = make_images(args.work / f"images{res}x{n_images}", n_images, res)
+    flops = run_seed(workload, "flops", args)
+    if "error" in flops:
+        log(f"FLOP count failed: {flops['error'][-500:]}")
+    else:
+        log(f"one training step: {flops['train_tflop']:.4g} TFLOP (forward {flops['fwd_tflop']:.4g}), "
+            f"counted on {flops['counted_on']}")
+    group.data["flops"] = flops
+    if not args.tiny and not group.data["gpu"]:
+        group.data["gpu"] = flops.get("gpu")  # no nvidia-smi: the name CUDA gave the counting process
+    for case in SEED_CASES[workload]:
+        if group.selected(case):
+            log(f"{workload} seed {case} ...")
+            group.put(seed_row(workload, case, run_seed(workload, case, args)))
+    config, base = recipe(workload, ckpt, images, args.work, args.steps, args.tiny)
+    for case in (LORA_CASES if w["mode"] == "lora" else FULL_CASES):
+        if group.selected(case.name):
+            group.put(run_vramfit_case(workload, case, config, base, args))
+    group.write()
+    return group.path
+
+
+def run_vramfit_case(workload: str, case: Case, config: Optional[Path], base: list[str], args) -> dict:
+    skipped = dict(side="vramfit", case=case.name, label=case.label, role=case.role, sets=case.sets,
+                   status="skipped")
+    missing = [k for k in case.requires if not key_exists(k)]
+    if missing:
+        return dict(skipped, note="not in this vramfit: " + ", ".join(missing))
+    sets = base + case.sets
+    problem = config_problem(config, sets)
+    if problem:
+        return dict(skipped, note="config refused: " + problem)
+    log(f"{workload} vramfit {case.name} ...")
+    run_dir = args.work / "runs" / f"{workload}-{case.name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    report = run_train(config, sets, run_dir, timeout=args.timeout, echo=args.verbose)
+    if not args.keep_runs:  # states and checkpoints of a full fine-tune are many GB each
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return vramfit_row(case, report, WORKLOADS[workload]["batch"])
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("group", choices=[*WORKLOADS, "all"])
+    ap.add_argument("--out", type=Path, required=True, help="folder for <workload>.json")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU, in seconds (a smoke test)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vramfit-bench-run"),
+                    help="models, images, cache and run folders (reused on a warm machine)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per case; the first is left out of the median")
+    ap.add_argument("--cases", type=lambda s: set(s.split(",")), default=None,
+                    help="only these case names (seed: seed,fused,fast,cached; vramfit: recipe,inbwd,stream,...)")
+    ap.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS,
+                    help=f"the GPU's peak dense bf16 rate for MFU (default {H200_DENSE_BF16_TFLOPS:g}, H200 spec)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per case before it counts as failed")
+    ap.add_argument("--keep-runs", action="store_true", help="keep vramfit's output folders")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each vramfit run's output")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    paths = [run_workload(w, args) for w in (WORKLOADS if args.group == "all" else [args.group])]
+    from report import render_tables
+
+    print(render_tables([json.loads(p.read_text()) for p in paths]))
+    log(f"done in {time.time() - t0:.0f} s; JSON in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
