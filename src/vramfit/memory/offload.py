@@ -44,6 +44,7 @@ runs every step still copies into separate compute tensors, so tests see the mec
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -134,8 +135,7 @@ def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tupl
 
 class WeightStreamer:
     """Streams the weights of a denoiser's blocks (see the module docstring). Build it with
-    `stream_weights`; it lives as long as the hooks it puts on the model (`detach` removes them
-    and leaves every weight on the device)."""
+    `stream_weights`; it lives as long as the hooks it puts on the model."""
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, stream: bool, stream_trainable: bool,
                  max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
@@ -181,6 +181,7 @@ class WeightStreamer:
         self._stash: dict[nn.Parameter, Optional[torch.Tensor]] = {}
         self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._delivering = False
+        self._freeing: deque = deque()  # CUDA events: compute done with an evicted unit's buffers
         self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
         for p in self.trainable:
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -212,16 +213,6 @@ class WeightStreamer:
         for sub in module.modules():
             if any(id(p) in ids for p in sub.parameters(recurse=False)):
                 self._handles.append(sub.register_forward_pre_hook(partial(self._called, unit)))
-
-    def detach(self) -> None:
-        """Remove the hooks and put every streamed weight on the device (stops streaming)."""
-        self.release_all()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for unit in self.units:
-            for p in unit.params:
-                p.data = p.data.to(self.device)
 
     # ---- fetch and release -------------------------------------------------------------------
 
@@ -262,6 +253,10 @@ class WeightStreamer:
             if victim is None:
                 break
             self._evict(victim)
+        # The CPU runs ahead of the GPU: without a limit it would allocate the copies of many units
+        # whose predecessors' buffers the GPU still uses. Wait until all but the newest are free.
+        while len(self._freeing) > 1:
+            self._freeing.popleft().synchronize()
         self._rehome(unit)
         layout: dict[torch.dtype, int] = {}
         for h in unit.homes:
@@ -320,6 +315,10 @@ class WeightStreamer:
             self._unbind(unit)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
+        if unit.streams:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._freeing.append(done)
         unit.buffers = unit.views = unit.ready = None
         unit.streams = set()
         self._lru.remove(unit)
