@@ -206,9 +206,9 @@ class MemoryConfig(_Section):
         "blocks; SD3: transformer blocks) in pinned CPU memory and copy each block to the GPU just "
         "before it runs, forward and backward, on a side stream. Saves the blocks' weights (and, "
         "for a full fine-tune, their gradients and optimizer state, which live and step on the "
-        "CPU) from the GPU; costs two host-to-GPU copies of the streamed weights per step (three "
-        "with gradient checkpointing), one GPU-to-host copy of their gradients, and an optimizer "
-        "step on the CPU. LoRA matrices stay on the GPU.")
+        "CPU) from the GPU; costs about two host-to-GPU copies of the streamed weights per step "
+        "(forward and backward), one GPU-to-host copy of their gradients, and an optimizer step on "
+        "the CPU. LoRA matrices stay on the GPU.")
     stream_unit_mib: float = Field(
         256.0, gt=0, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "

@@ -20,8 +20,8 @@ tensors that autograd saves for backward are saved as references (unit, offset, 
 and fetched again when backward needs them, so without checkpointing the weights do not stay on
 the device from forward to backward either.
 
-Gradients of streamed weights (full fine-tune). A post-accumulate-grad hook (registered before
-any other, so it sees the gradient first) moves each gradient to pinned CPU memory on the side
+Gradients of streamed weights (full fine-tune). A post-accumulate-grad hook (registered when the
+streamer is built, before the loop's own hooks, so it sees the gradient first) moves each gradient to pinned CPU memory on the side
 stream and frees the device copy. When backward ends they are handed to the home parameters
 through autograd's own accumulation (a small backward into the CPU leaves), so `p.grad` is a
 CPU tensor summed exactly as autograd sums micro-batches, and every other post-accumulate-grad
@@ -34,10 +34,13 @@ denoiser's forward (under gradient checkpointing that is the checkpointed blocks
 copied to pinned CPU memory and back when backward needs it; a tensor saved by several ops is
 copied once.
 
-Costs: per step the streamed weights cross PCIe once in forward, once more in backward (twice
-with checkpointing: recompute and gradient), and for a full fine-tune their gradients once
-back; the optimizer step of the streamed weights runs on the CPU; host memory holds the
-weights, their gradients and optimizer state, pinned. Under mixed_bf16 without checkpointing the
+Costs: per step the streamed weights cross PCIe about twice (forward, and backward's recompute
+under checkpointing or its re-fetch of saved weights without), and for a full fine-tune their
+gradients once back; the optimizer step of the streamed weights runs on the CPU after backward,
+not overlapped with the GPU; host memory holds the weights, their gradients and optimizer
+state, pinned. On the device: at most three units' copies (the current one, the next, and one
+the GPU may still be reading), the resident weights, and the streamed gradients only until
+their copy to the host is done. Under mixed_bf16 without checkpointing the
 bf16 casts autocast makes of the weights are saved as they are (on the device). On CPU-only
 runs every step still copies into separate compute tensors, so tests see the mechanism work.
 """
