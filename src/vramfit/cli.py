@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue from the newest state in output.dir/state (latest) or a state folder")
+    p = sub.add_parser("plan", help="predict each phase's peak GPU memory; with --vram (or "
+                       "memory.vram_budget) choose the fastest settings that fit")
+    _add_config_args(p)
+    p.add_argument("--vram", metavar="SIZE", help="GPU memory to plan for, e.g. 8GiB or 7.5GB")
     p = sub.add_parser("cache", help="only scan the dataset and fill the latent and text cache")
     _add_config_args(p)
     p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
@@ -69,6 +73,16 @@ def print_summary(result) -> None:
     print("\nmemory by phase:\n" + result.report.table())
     print("\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
     print(f"memory report, config and logs: {result.output_dir}")
+
+
+def cmd_plan(args) -> int:
+    from vramfit.memory.model_facts import read_facts
+    from vramfit.memory.planner import budget_of, plan_report
+    from vramfit.train.setup import cache_root
+
+    cfg = load_config(args.config, args.overrides, need_data=False)
+    print(plan_report(cfg, read_facts(cfg, cache_root(cfg)), budget_of(cfg, args.vram)))
+    return 0
 
 
 def cmd_cache(args) -> int:
@@ -116,7 +130,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "cache": cmd_cache, "inspect": cmd_inspect, "demo": cmd_demo}
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "inspect": cmd_inspect, "demo": cmd_demo}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -9,7 +9,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text) -> int:
+    """Bytes of a size such as "8GiB", "7.5GB", "512 MiB" or "8000000000" (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 8GiB, 7.5GB, 6144MiB or a number of bytes "
+                         f"(units: {', '.join(u for u in _SIZE_UNITS if u)}, case-insensitive)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return size
 
 
 class _Section(BaseModel):
@@ -217,6 +235,23 @@ class MemoryConfig(_Section):
         False, description="Keep the tensors saved for backward (with gradient checkpointing: the "
         "checkpointed blocks' inputs) in pinned CPU memory instead of on the GPU; costs one copy "
         "to the host in forward and one back in backward for each saved tensor.")
+    vram_budget: Optional[str] = Field(
+        None, description="GPU memory the run may use, e.g. \"8GiB\", \"7.5GB\", \"6144MiB\" or a "
+        "number of bytes. vramfit then predicts each phase's peak (memory/planner.py) and chooses the "
+        "fastest combination of the memory settings you did not set yourself that fits with a margin; "
+        "`vramfit plan` shows the choice. Settings you set are never changed.")
+    fit_probe: bool = Field(
+        True, description="On CUDA, before the cache is filled, run two training steps of a stand-in "
+        "denoiser (same architecture and placement, throwaway weights) on a batch of the largest "
+        "bucket and stop with a clear message when its measured peak exceeds vram_budget or the GPU. "
+        "Costs a few seconds; skipped on CPU.")
+
+    @field_validator("vram_budget")
+    @classmethod
+    def _budget_parses(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_size(value)
+        return value
 
 
 class LoggingConfig(_Section):

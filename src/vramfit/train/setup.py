@@ -26,6 +26,8 @@ from vramfit.formats.safetensors_io import write_text_atomic
 from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
+from vramfit.memory.planner import budget_of, fit_to_budget
+from vramfit.memory.spill import SpillWatch
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
@@ -74,8 +76,10 @@ def scan(cfg: RunConfig) -> ScanResult:
     return result
 
 
-def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool):
-    """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan)."""
+def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool, fit_probe: bool = False):
+    """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
+    With `fit_probe`, memory/probe.py measures training at the largest bucket before anything
+    is cached."""
     result = scan(cfg)
     with tracker.phase("load"):
         source = resolve_source(cfg.model, cache_root(cfg))
@@ -106,6 +110,10 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
+    if fit_probe:
+        from vramfit.memory.probe import fit_probe as probe
+
+        probe(family, bundle, cfg, device, [r.bucket for r in records])
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
             data.cache_latents(progress)
@@ -266,13 +274,14 @@ def check_resumable(cfg: RunConfig, resume: Optional[str]) -> None:
 
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
     device = pick_device(cfg.train.device)
+    cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
     check_resumable(cfg, resume)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.toml", dump_config(cfg))
     tracker = MemoryTracker(device)
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress)
+    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, fit_probe=True)
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
@@ -295,8 +304,12 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     logger = RunLogger(cfg, out, progress, device, start)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples")
 
+    spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
+
     def on_step(step: int, loss: float, lr: float) -> None:
         logger.step(step, loss, lr)
+        if spill is not None:
+            spill.step_done()
         grids.maybe(step)
 
     hooks.on_step = on_step

@@ -1,0 +1,186 @@
+"""What the memory planner knows about a model, read without loading any weights.
+
+From a checkpoint's safetensors header(s) (a single file, each component folder of a diffusers
+folder, or the tiny:* file): the family, the denoiser's config (the denoiser is rebuilt on the
+meta device, so every parameter, buffer and nn.Linear is known exactly), the VAE's parameter
+count, and per text encoder its size, stored dtype and projection weights. `facts_for_layout`
+gives the same for a released layout from the shipped configs, for planning without the file.
+Cost: header reads and one meta-device construction (about a second for SDXL's UNet).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from vramfit.config.schema import RunConfig
+
+
+# ---- what the checkpoint holds -------------------------------------------------------------------
+
+@dataclass
+class EncoderFacts:
+    """One text encoder as its header describes it."""
+
+    name: str
+    kind: str  # "clip" | "t5"
+    params: int
+    stored_bytes: int  # as stored in the file
+    linear_numel: int  # elements of its 2-D projection weights (what quantization stores)
+    linear_rows: int  # their output rows (one scale each)
+    largest_linear: int
+    layers: int
+    hidden: int
+
+
+@dataclass
+class ModelFacts:
+    """What the planner knows about a model: its family, the denoiser on the meta device, the
+    VAE's size and each text encoder's."""
+
+    family: str
+    config: dict
+    denoiser: torch.nn.Module  # meta device, float32
+    vae_params: int
+    vae_tile: int
+    encoders: list[EncoderFacts] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Files:
+    denoiser_prefix: str
+    denoiser_sub: str
+    vae_prefix: str
+    encoders: tuple[tuple[str, str, str, str], ...]  # (name, single-file prefix, diffusers folder, kind)
+
+
+def _family_files() -> dict[str, _Files]:
+    from vramfit.models import sd3, sdxl
+
+    return {
+        "sdxl": _Files(sdxl.UNET, "unet", sdxl.VAE, (("CLIP-L", sdxl.CLIP_L, "text_encoder", "clip"),
+                                                     ("bigG", sdxl.CLIP_G, "text_encoder_2", "clip"))),
+        "sd3": _Files(sd3.TRANSFORMER, "transformer", sd3.VAE,
+                      (("CLIP-L", sd3.CLIP_L, "text_encoder", "clip"), ("CLIP-G", sd3.CLIP_G, "text_encoder_2", "clip"),
+                       ("T5", sd3.T5, "text_encoder_3", "t5"))),
+    }
+
+
+def _denoiser_class(family: str):
+    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+
+    return {"sdxl": UNet2DConditionModel, "sd3": SD3Transformer2DModel}[family]
+
+
+def _config_from_header(family: str, header: dict, prefix: str) -> dict:
+    from vramfit.formats.safetensors_io import meta_tensors
+    from vramfit.formats.sd3_mmdit import sd3_config_from_keys
+    from vramfit.formats.sgm_unet import unet_config_from_sgm
+
+    reader = {"sdxl": unet_config_from_sgm, "sd3": sd3_config_from_keys}[family]
+    return reader(meta_tensors(header, prefix))
+
+
+_ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_NOT_LINEAR = ("embed", "shared", "relative_attention_bias", "position")
+
+
+def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optional[EncoderFacts]:
+    """Sizes of one encoder from the header entries under `prefix`; None when it is absent."""
+    entries = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
+    if not entries:
+        return None
+    params = stored = linear = rows = largest = hidden = 0
+    layers: set[str] = set()
+    for key, info in entries.items():
+        n = math.prod(info["shape"])
+        params += n
+        stored += n * _ELEMENT_SIZE.get(info["dtype"], 4)
+        parts = key.split(".")
+        for marker in ("layers", "block", "resblocks"):
+            if marker in parts and parts.index(marker) + 1 < len(parts):
+                layers.add(parts[parts.index(marker) + 1])
+        if len(info["shape"]) == 2 and key.endswith("weight") and not any(m in key for m in _NOT_LINEAR):
+            linear += n
+            rows += info["shape"][0]
+            largest = max(largest, n)
+        if any(m in key for m in ("token_embedding.weight", "shared.weight")):
+            hidden = info["shape"][1]
+    return EncoderFacts(name, kind, params, stored, linear, rows, largest, len(layers), hidden)
+
+
+def _headers(folder: Path) -> dict:
+    from vramfit.formats.safetensors_io import read_header
+
+    merged: dict = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        merged.update(read_header(f)[0])
+    return merged
+
+
+def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
+    """Everything the planner needs from cfg.model, from headers and configs only."""
+    from vramfit.formats.safetensors_io import read_header
+    from vramfit.models.registry import detect_family
+    from vramfit.models.sources import resolve_source
+
+    source = resolve_source(cfg.model, cache_root)
+    family = detect_family(source, cfg.model.family).name
+    files = _family_files()[family]
+    encoders: list[EncoderFacts] = []
+    if source.kind == "single_file":
+        header = read_header(source.path)[0]
+        config = _config_from_header(family, header, files.denoiser_prefix)
+        vae_params = sum(math.prod(v["shape"]) for k, v in header.items() if k.startswith(files.vae_prefix))
+        found = [encoder_facts(n, kind, header, prefix) for n, prefix, _, kind in files.encoders]
+        vae_tile = 1024
+    else:
+        config = json.loads((source.path / files.denoiser_sub / "config.json").read_text())
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+        vae_params = sum(math.prod(v["shape"]) for v in _headers(source.path / "vae").values())
+        vae_cfg = source.path / "vae" / "config.json"
+        vae_tile = int(json.loads(vae_cfg.read_text()).get("sample_size", 1024)) if vae_cfg.is_file() else 1024
+        found = [encoder_facts(n, kind, _headers(source.path / sub)) if (source.path / sub).is_dir() else None
+                 for n, _, sub, kind in files.encoders]
+    encoders = [e for e in found if e is not None]
+    cls = _denoiser_class(family)
+    with torch.device("meta"):
+        denoiser = cls.from_config(config)
+    return ModelFacts(family, dict(denoiser.config), denoiser, vae_params, vae_tile, encoders)
+
+
+# T5 v1.1 XXL, the encoder of SD3's `t5xxl` files (model-facts.md: 4,762,310,656 parameters)
+T5_XXL = {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu", "num_heads": 64,
+          "num_layers": 24, "vocab_size": 32128, "is_encoder_decoder": False, "tie_word_embeddings": False}
+_LAYOUTS = {"sdxl": ("sdxl", "sdxl_unet", "sdxl_vae", ("clip_l", "clip_g")),
+            "ssd1b": ("sdxl", "ssd1b_unet", "sdxl_vae", ("clip_l", "clip_g")),
+            "sd3m": ("sd3", "sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g"))}
+
+
+def facts_for_layout(layout: str, *, t5: bool = False) -> ModelFacts:
+    """ModelFacts of a released layout from the shipped configs, as the single files store it
+    (CLIPs fp16, T5 fp8), for planning without the checkpoint at hand (tests, bench/plan_check.py)."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from vramfit.models.tiny import shipped_config
+
+    family, denoiser_cfg, vae_cfg, clips = _LAYOUTS[layout]
+    with torch.device("meta"):
+        denoiser = _denoiser_class(family)(**shipped_config(denoiser_cfg))
+        vae = AutoencoderKL(**shipped_config(vae_cfg))
+        models = [(n, "clip", "F16", CLIPTextModelWithProjection(CLIPTextConfig(**shipped_config(n)))) for n in clips]
+        if t5:
+            models.append(("T5", "t5", "F8_E4M3", T5EncoderModel(T5Config(**T5_XXL))))
+    encoders = []
+    for name, kind, dtype, model in models:
+        header = {k: {"dtype": dtype, "shape": list(v.shape)} for k, v in model.state_dict().items()
+                  if k != "encoder.embed_tokens.weight"}
+        encoders.append(encoder_facts(name, kind, header))
+    return ModelFacts(family, dict(denoiser.config), denoiser, sum(p.numel() for p in vae.parameters()),
+                      int(vae.config.sample_size), encoders)

@@ -1,0 +1,600 @@
+"""Predict the peak GPU memory of each phase of a run without loading weights; choose settings
+for a budget. What is read: memory/model_facts.py (headers and configs, no tensor data).
+
+Each phase (bytes allocated; n = a tensor's element count):
+- cache_latents: the VAE in cache.vae_dtype + VAE_BYTES_PER_PIXEL x the largest bucket's pixels
+  (one image at a time; with tiling at most a tile of the VAE's sample_size on a side).
+- cache_text: the largest encoder as the GPU holds it (CLIPs as stored; T5 widened to bf16, then
+  stored per model.t5_precision) + its widened largest linear when quantized + the hidden states
+  of a chunk of captions + TEXT_WORKSPACE. Encoders visit the GPU one at a time.
+- train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
+  streamed: what is outside the blocks plus the two largest stream units), optimizer state S and
+  gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x n of the largest
+  trained tensor), activations A (saved + work) and WORKSPACE. The peak is the largest of: the
+  end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
+  work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
+  step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
+  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T.
+- save: W + S + SAVE_WORKSPACE (the optimizer still lives while the state is written).
+
+Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
+gradient checkpointing the inputs of the checkpointed modules (SDXL family: each resnet and
+transformer block, the layers around them; SD3: each joint block's image + text tokens x width)
+x `saved`, plus the largest block's tokens x channels x `work` (its recompute); without it, every
+resnet's and block's input x `all_resnet` / `all_block`. Offloaded activations keep only `work`.
+
+Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
+reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
+- VAE_BYTES_PER_PIXEL fp32 3125: cache_latents at 1024x1024, SSD-1B 3.331 GiB and SD3-M 3.364 GiB,
+  minus the fp32 VAE (0.312 GiB), over 1,048,576 px; bf16 1550: the seed's bf16 encode, 1.67 GiB.
+- TEXT_WORKSPACE 48 MiB: SSD-1B cache_text 1.363 GiB = bigG fp16 1.294 GiB + hidden states + 48 MiB
+  (SD3-M with T5 bf16, 8.92 GiB, and int8, 4.69 GiB, then follow from the byte counts).
+- STEP_TEMP_BYTES 20 (Adafactor) / 24 (AdamW): counted in optim/adafactor.py and adamw.py (five or
+  six fp32 copies); checked by SSD-1B train, accumulation 1: 5.583 GiB = 2.48 W + 2.48 G + 0.55 T...
+- SDXL family saved 0.8, work 58: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
+  all_resnet 8, all_block 44: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
+  checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
+- SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
+  1024 batch 1 (4.604 GiB); all_block 35: the seed's SD3-M LoRA without checkpointing (9.57 GiB).
+- WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
+
+Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
+(the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
+Cost: building the denoiser on the meta device (about a second for SDXL), reading headers.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from vramfit.config.schema import RunConfig, parse_size
+from vramfit.memory.model_facts import EncoderFacts, ModelFacts
+from vramfit.memory.quantize import NF4_BLOCK
+from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
+
+GIB = 2**30
+MIB = 2**20
+MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error and fragmentation
+
+VAE_BYTES_PER_PIXEL = {"fp32": 3125, "bf16": 1550}
+TEXT_WORKSPACE = 48 * MIB
+TEXT_CHUNK = 64  # captions per encode call (train/data.py)
+STEP_TEMP_BYTES = {"adafactor": 20, "adamw": 24, "adamw8bit": 24}
+IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
+WORKSPACE = 64 * MIB
+SAVE_WORKSPACE = 100 * MIB
+
+
+@dataclass(frozen=True)
+class ActivationConstants:
+    saved: float  # bytes per saved element (2 = one bf16 copy)
+    work: float  # bytes per element of the largest block's tokens x channels, recompute
+    all_resnet: float  # without checkpointing, bytes per element of a resnet's input
+    all_block: float  # ... of a transformer block's input
+
+
+_CONSTANTS = {
+    "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0),
+    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=35.0),
+}
+
+
+@dataclass
+class ActivationShape:
+    """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
+    inputs of every resnet / transformer block (for the no-checkpointing case)."""
+    saved: int = 0
+    work: int = 0
+    resnet_inputs: int = 0
+    block_inputs: int = 0
+
+
+def _per_layer(value, level: int, layers: int) -> list[int]:
+    v = value[level] if isinstance(value, (list, tuple)) else value
+    return list(v) if isinstance(v, (list, tuple)) else [int(v)] * layers
+
+
+def sdxl_activations(config: dict, latent_h: int, latent_w: int, text_tokens: int) -> ActivationShape:
+    """The SDXL-family UNet: each resnet and transformer block is checkpointed (diffusers);
+    per Transformer2DModel its norm, proj_in and proj_out save about 3 more inputs."""
+    chans = list(config["block_out_channels"])
+    lpb = int(config["layers_per_block"])
+    down_types = config["down_block_types"]
+    depths = config["transformer_layers_per_block"]
+    reverse = config.get("reverse_transformer_layers_per_block")
+    px = latent_h * latent_w
+    out = ActivationShape()
+
+    def add(kind: str, channels: int, level: int, depth: int = 0) -> None:
+        elems = channels * px // 4**level
+        if kind == "resnet":
+            out.saved += elems
+            out.resnet_inputs += elems
+            out.work = max(out.work, elems)
+        elif depth:
+            out.saved += (depth + 3) * elems  # the text states are one shared tensor
+            out.block_inputs += depth * elems + 3 * elems
+            out.work = max(out.work, elems)
+        else:  # a down/upsampler's conv input
+            out.saved += elems
+    for level, ch in enumerate(chans):
+        attn = down_types[level].startswith("CrossAttn")
+        for i, d in enumerate(_per_layer(depths, level, lpb)):
+            add("resnet", chans[level - 1] if i == 0 and level else ch, level)
+            if attn:
+                add("block", ch, level, d)
+        if level < len(chans) - 1:
+            add("sampler", ch, level)
+    top = len(chans) - 1
+    if config.get("mid_block_type") == "UNetMidBlock2DCrossAttn":
+        add("resnet", chans[top], top)
+        add("block", chans[top], top, _per_layer(depths, top, 1)[-1])
+    add("resnet", chans[top], top)
+    for j, level in enumerate(reversed(range(len(chans)))):
+        ch = chans[level]
+        attn = config["up_block_types"][j].startswith("CrossAttn")
+        layer_depths = (_per_layer(reverse, j, lpb + 1) if reverse else
+                        list(reversed(_per_layer(depths, level, lpb))) + [_per_layer(depths, level, lpb)[0]])
+        for d in layer_depths[:lpb + 1]:
+            add("resnet", 2 * ch, level)  # the skip connection is concatenated on
+            if attn:
+                add("block", ch, level, d)
+        if level > 0:
+            add("sampler", 4 * ch, level)  # the conv after the 2x upsample sees 4x the pixels
+    return out
+
+
+def sd3_activations(config: dict, latent_h: int, latent_w: int, text_tokens: int) -> ActivationShape:
+    """SD3's MMDiT: each joint block is checkpointed; its inputs are the image tokens, the text
+    tokens and the conditioning vector, all `caption_projection_dim` wide."""
+    width = int(config["caption_projection_dim"])
+    patch = int(config["patch_size"])
+    tokens = (latent_h // patch) * (latent_w // patch) + text_tokens
+    layers = int(config["num_layers"])
+    per_block = tokens * width
+    return ActivationShape(saved=layers * (per_block + width), work=per_block, resnet_inputs=0,
+                           block_inputs=layers * per_block)
+
+
+_ACTIVATIONS: dict[str, Callable[..., ActivationShape]] = {"sdxl": sdxl_activations, "sd3": sd3_activations}
+
+
+# ---- bytes of each term -----------------------------------------------------------------------------
+
+def quantized_linear_bytes(out_features: int, in_features: int, method: str) -> Optional[int]:
+    """Bytes of one frozen linear weight stored by memory/quantize.py (torchao layouts); None
+    when the shape cannot be quantized (nf4 needs whole blocks of 64)."""
+    n = out_features * in_features
+    if method == "int8":  # int8 values, an fp32 scale and an int8 zero point per row
+        return n + 5 * out_features
+    if method == "fp8":  # e4m3 values and an fp32 scale per row
+        return n + 4 * out_features
+    if n % NF4_BLOCK:
+        return None
+    blocks = n // NF4_BLOCK  # 4-bit codes, an int8 absmax per block, bf16 factors per group of them
+    return n // 2 + blocks + 2 * (blocks // math.gcd(blocks, 256)) + 2 + 32
+
+
+def state_bytes(optimizer: str, numel: int, shape: tuple, dtype_bytes: int) -> int:
+    """Optimizer state of one trained tensor, exactly as optim/ allocates it."""
+    if optimizer == "adafactor":  # fp32; a matrix (conv kernels as [out, rest]) keeps a row and a column
+        if len(shape) >= 2:
+            return 4 * (shape[0] + math.prod(shape[1:]))
+        return 4 * numel
+    if optimizer == "adamw8bit" and numel >= ADAM8_MIN_NUMEL and numel % ADAM8_BLOCK == 0:
+        return 2 * (numel + 4 * (numel // ADAM8_BLOCK) + 4 * 256)  # codes, block scales, the 256-entry map
+    return 2 * numel * dtype_bytes  # AdamW: two moments in the parameter's dtype
+
+
+@dataclass
+class _Tensor:
+    name: str
+    shape: tuple
+    numel: int
+    dtype_bytes: int
+    trained: bool
+    streamed: bool = False
+
+
+def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
+    from vramfit.train.lora import target_modules
+
+    out = []
+    for name in target_modules(facts.denoiser, cfg.lora):
+        lin = facts.denoiser.get_submodule(name)
+        r = cfg.lora.rank
+        out.append(_Tensor(f"{name}.lora_A", (r, lin.in_features), r * lin.in_features, 4, True))
+        out.append(_Tensor(f"{name}.lora_B", (lin.out_features, r), r * lin.out_features, 4, True))
+    return out
+
+
+def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], int]:
+    """The denoiser's tensors as the run places them, and the bytes of the two stream units
+    that can be on the device at once."""
+    from vramfit.memory.offload import block_modules, split_units
+
+    dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
+    lora = cfg.train.mode == "lora"
+    method = cfg.lora.base_quantization if lora else "none"
+    quantized: dict[int, int] = {}
+    if method != "none":
+        for m in facts.denoiser.modules():
+            if isinstance(m, torch.nn.Linear):
+                size = quantized_linear_bytes(m.out_features, m.in_features, method)
+                if size is not None:
+                    quantized[id(m.weight)] = size
+    streamed_ids: set[int] = set()
+    unit_sizes: list[int] = []
+    if cfg.memory.stream_weights:
+        limit = int(cfg.memory.stream_unit_mib * MIB * 4 / dtype_bytes)  # meta tensors are fp32
+        for block_name, block in block_modules(facts.denoiser):
+            for _, unit in split_units(block_name, block, limit, lambda p: id(p) not in quantized):
+                ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
+                streamed_ids.update(ids)
+                unit_sizes.append(sum(p.numel() for p in unit.parameters() if id(p) in ids) * dtype_bytes)
+    tensors = []
+    for name, p in facts.denoiser.named_parameters():
+        size = quantized.get(id(p))
+        if size is not None:
+            tensors.append(_Tensor(name, tuple(p.shape), size, 1, False))
+            continue
+        tensors.append(_Tensor(name, tuple(p.shape), p.numel(), dtype_bytes, not lora, id(p) in streamed_ids))
+    for name, b in facts.denoiser.named_buffers():
+        if b.is_floating_point():
+            tensors.append(_Tensor(name, tuple(b.shape), b.numel(), dtype_bytes, False))
+    if lora:
+        tensors += _lora_tensors(facts, cfg)
+    return tensors, sum(sorted(unit_sizes)[-2:])
+
+
+@dataclass
+class PhaseEstimate:
+    name: str
+    peak: int
+    parts: dict[str, int]
+
+
+@dataclass
+class Prediction:
+    phases: list[PhaseEstimate]
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    def phase(self, name: str) -> Optional[PhaseEstimate]:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def table(self) -> str:
+        rows = [f"{'phase':<14}{'predicted':>11}   terms"]
+        for p in self.phases:
+            terms = ", ".join(f"{k} {_size(v)}" for k, v in p.parts.items() if v)
+            rows.append(f"{p.name:<14}{_size(p.peak):>11}   {terms}")
+        return "\n".join(rows)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f}G" if n >= GIB // 10 else f"{n / MIB:.1f}M"
+
+
+def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
+    from vramfit.data.buckets import make_buckets
+
+    return max(make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect),
+               key=lambda b: b[0] * b[1])
+
+
+def _vae_phase(facts: ModelFacts, cfg: RunConfig, pixels: int, side: tuple[int, int]) -> dict[str, int]:
+    if cfg.cache.vae_tiling:
+        pixels = min(side[0], facts.vae_tile) * min(side[1], facts.vae_tile)
+    dtype = cfg.cache.vae_dtype
+    return {"vae": facts.vae_params * (4 if dtype == "fp32" else 2),
+            "activations": VAE_BYTES_PER_PIXEL[dtype] * pixels}
+
+
+def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
+    """(bytes on the GPU, bytes of its widened largest linear while it runs)."""
+    stored = max(enc.stored_bytes, 2 * enc.params) if enc.kind == "t5" else enc.stored_bytes  # fp8 T5 is widened
+    if enc.kind != "t5" or t5_precision == "bf16":
+        return (2 * enc.params if enc.kind == "t5" else stored), 0
+    rest = 2 * (enc.params - enc.linear_numel)
+    linear = {"int8": enc.linear_numel + 5 * enc.linear_rows, "fp8": enc.linear_numel + 4 * enc.linear_rows,
+              "nf4": enc.linear_numel // 2 + enc.linear_numel // NF4_BLOCK * 4}[t5_precision]
+    return rest + linear, 2 * enc.largest_linear
+
+
+def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, int]:
+    best: dict[str, int] = {}
+    for enc in facts.encoders:
+        if enc.kind == "t5" and cfg.model.t5_precision == "none":
+            continue
+        weights, widened = encoder_bytes(enc, cfg.model.t5_precision)
+        tokens = 77 if enc.kind == "clip" else cfg.model.max_sequence_length
+        hidden = (enc.layers + 1 if enc.kind == "clip" else 4) * captions * tokens * enc.hidden * 2
+        parts = {f"{enc.name}": weights, "widened linear": widened, "hidden states": hidden,
+                 "workspace": TEXT_WORKSPACE}
+        if sum(parts.values()) > sum(best.values()):
+            best = parts
+    return best
+
+
+def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
+    """Activation bytes at the training peak: {"saved": ..., "work": ...}."""
+    k = _CONSTANTS[facts.family]
+    text_tokens = 77 + (cfg.model.max_sequence_length if facts.family == "sd3" else 0)
+    shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, text_tokens)
+    scale = cfg.train.batch_size * (2.0 if cfg.train.precision == "fp32" else 1.0)
+    work = k.work * shape.work * scale
+    if cfg.train.gradient_checkpointing:
+        saved = 0.0 if cfg.memory.offload_activations else k.saved * shape.saved * scale
+        return {"saved": int(saved), "work": int(work)}
+    if cfg.memory.offload_activations:
+        return {"saved": 0, "work": int(work)}
+    every = k.all_resnet * shape.resnet_inputs + k.all_block * shape.block_inputs
+    return {"saved": int(every * scale), "work": 0}
+
+
+def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
+    """Bytes on the device while training, exact where vramfit allocates them itself: weights
+    (incl. buffers, LoRA, quantized linears and two stream units), optimizer state, all
+    gradients, the bf16 copies autocast makes, and the largest trained tensor (bytes, elements)."""
+    tensors, units = _denoiser_tensors(facts, cfg)
+    on_device = [x for x in tensors if not x.streamed]
+    trained = [x for x in on_device if x.trained]
+    largest = max(trained, key=lambda x: x.numel, default=_Tensor("", (), 0, 0, True))
+    return {"weights": units + sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
+            "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
+            "gradients": sum(x.numel * x.dtype_bytes for x in trained),
+            "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
+            if cfg.train.precision == "mixed_bf16" else 0,
+            "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel}
+
+
+def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
+    t = cfg.train
+    terms = device_terms(facts, cfg)
+    grads = terms["gradients"]
+    temps = STEP_TEMP_BYTES[t.optimizer] * terms["largest numel"]
+    act = _activations(facts, cfg, side)
+    base = {"weights": terms["weights"], "optimizer state": terms["optimizer state"]}
+    if not cfg.cache.latents:
+        base.update(_vae_phase(facts, cfg, side[0] * side[1], side))
+    if not cfg.cache.text:
+        base["text encoder"] = max((encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders), default=0)
+    base["workspace"] = WORKSPACE
+    accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
+    # autocast's bf16 copies of the fp32 weights live until forward ends
+    candidates = [{"gradients": accumulated, **act, "autocast copies": terms["autocast copies"]}]
+    if t.optimizer_in_backward:
+        candidates.append({"gradients": max(accumulated, terms["largest bytes"]), **act,
+                           "step temporaries": int(IN_BACKWARD_TEMP_SHARE * temps)})
+    else:
+        # the gradients grow while the saved activations are freed
+        held = act["saved"] if t.grad_accum > 1 else 0
+        candidates.append({"gradients": grads, "saved": held, "work": act["work"]})
+        candidates.append({"gradients": grads, "step temporaries": temps})
+    return {**base, **max(candidates, key=lambda c: sum(c.values()))}
+
+
+def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:
+    """Predicted peak GPU allocation of each phase `cfg` runs (see the module docstring)."""
+    side = largest_bucket(cfg)
+    phases = []
+    if cfg.cache.latents:
+        parts = _vae_phase(facts, cfg, side[0] * side[1], side)
+        phases.append(PhaseEstimate("cache_latents", sum(parts.values()), parts))
+    if cfg.cache.text:
+        parts = _text_phase(facts, cfg, min(captions, TEXT_CHUNK))
+        phases.append(PhaseEstimate("cache_text", sum(parts.values()), parts))
+    parts = _train_phase(facts, cfg, side)
+    phases.append(PhaseEstimate("train", sum(parts.values()), parts))
+    keep = ("weights", "optimizer state")
+    parts = {k: v for k, v in parts.items() if k in keep}
+    parts["workspace"] = SAVE_WORKSPACE
+    phases.append(PhaseEstimate("save", sum(parts.values()), parts))
+    return Prediction(phases)
+
+
+# ---- choosing settings for a budget ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Knob:
+    """A memory setting the planner may choose: options fastest first, a rank each, the phase group
+    it acts on. Ranks are powers of two, so sorting combinations by their sum follows the ladder
+    no checkpointing > checkpointing > + step in backward > + offloaded activations > + quantized
+    base (LoRA) > + streamed weights: a rung is taken only when no mix of the earlier ones fits."""
+
+    key: str  # section.name
+    options: tuple
+    costs: tuple
+    group: str  # "cache_latents" | "cache_text" | "train"
+
+
+KNOBS = (
+    Knob("train.gradient_checkpointing", (False, True), (0, 1), "train"),
+    Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
+    Knob("memory.offload_activations", (False, True), (0, 4), "train"),
+    Knob("lora.base_quantization", ("none", "int8", "nf4"), (0, 8, 16), "train"),
+    Knob("memory.stream_weights", (False, True), (0, 32), "train"),
+    Knob("cache.vae_dtype", ("fp32", "bf16"), (0, 1), "cache_latents"),
+    Knob("cache.vae_tiling", (False, True), (0, 2), "cache_latents"),
+    Knob("model.t5_precision", ("bf16", "int8", "nf4"), (0, 1, 2), "cache_text"),  # never "none" by itself
+)
+
+
+class PlanError(ValueError):
+    """No combination of the free settings fits the budget; the message says what would."""
+
+
+@dataclass
+class Choice:
+    config: RunConfig
+    budget: int
+    chosen: dict[str, object]  # key -> value the planner set (including ones equal to the default)
+    reasons: list[str]
+    before: Prediction
+    after: Prediction
+
+
+def setting(cfg: RunConfig, key: str):
+    """The value of "section.name" in cfg."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
+    """`cfg` with `values` ({"section.key": value}) set, other settings untouched."""
+    sections: dict[str, dict] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return cfg.model_copy(update={s: getattr(cfg, s).model_copy(update=v) for s, v in sections.items()})
+
+
+def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
+    if knob.key == "lora.base_quantization":
+        return cfg.train.mode == "lora"
+    if knob.key == "model.t5_precision":
+        return any(e.kind == "t5" for e in facts.encoders)
+    return True
+
+
+def free_knobs(cfg: RunConfig, facts: ModelFacts) -> list[Knob]:
+    """The knobs the user did not set (pydantic's model_fields_set of each section)."""
+    return [k for k in KNOBS if _applies(k, cfg, facts)
+            and k.key.split(".")[1] not in getattr(cfg, k.key.split(".")[0]).model_fields_set]
+
+
+def _combinations(knobs: list[Knob]) -> list[dict[str, object]]:
+    """Every assignment of `knobs`, cheapest (fastest) first."""
+    combos = itertools.product(*[range(len(k.options)) for k in knobs])
+    ranked = sorted(combos, key=lambda idx: (sum(k.costs[i] for k, i in zip(knobs, idx)), idx))
+    return [{k.key: k.options[i] for k, i in zip(knobs, idx)} for idx in ranked]
+
+
+def _group_of(knob: Knob, cfg: RunConfig) -> str:
+    # Encoders that stay live during training put their settings into the training group.
+    if knob.group == "cache_latents" and not cfg.cache.latents:
+        return "train"
+    if knob.group == "cache_text" and not cfg.cache.text:
+        return "train"
+    return knob.group
+
+
+def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
+    """(values, prediction) of the fastest fitting assignment, or (None, (peak, phase, values)) of
+    the smallest prediction of the first phase group that cannot fit. Groups are searched in
+    phase order: each phase's settings affect only that phase (live encoders join training)."""
+    values: dict[str, object] = {}
+    smallest: Optional[tuple[int, str, dict]] = None
+    for group in ("cache_latents", "cache_text", "train"):
+        mine = [k for k in knobs if _group_of(k, cfg) == group]
+        found = None
+        for combo in _combinations(mine):
+            trial = with_values(cfg, {**values, **combo})
+            if combo.get("memory.offload_activations") and combo.get("train.gradient_checkpointing") is False:
+                continue  # offloading every activation of a step is slower than recomputing them
+            pred = predict(facts, trial, captions)
+            fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name == "save")]
+            worst = max(fits, key=lambda p: p.peak, default=None)
+            if worst is None or worst.peak <= usable:
+                found = combo
+                break
+            if smallest is None or worst.peak < smallest[0]:
+                smallest = (worst.peak, worst.name, {**values, **combo})
+        if found is None:
+            return None, smallest
+        values.update(found)
+        smallest = None
+    return values, predict(facts, with_values(cfg, values), captions)
+
+
+def _describe(values: dict[str, object]) -> str:
+    return ", ".join(f"{k} = {json.dumps(v)}" for k, v in values.items()) or "the settings as written"
+
+
+def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_CHUNK) -> Choice:
+    """The fastest combination of the settings the user left free whose every phase is predicted
+    to fit in budget x (1 - MARGIN); raises PlanError naming the smallest prediction otherwise."""
+    usable = int(budget * (1 - MARGIN))
+    knobs = free_knobs(cfg, facts)
+    values, pred = _search(cfg, facts, knobs, usable, captions)
+    if values is None:
+        peak, phase, tried = pred
+        need = peak / (1 - MARGIN)
+        lines = [f"nothing fits in {budget / GIB:.2f} GiB ({usable / GIB:.2f} GiB after the {MARGIN:.0%} margin): "
+                 f"the smallest prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)}; "
+                 f"it needs a budget of at least {need / GIB:.2f} GiB"]
+        fixed = [k for k in KNOBS if _applies(k, cfg, facts) and k not in knobs]
+        if fixed:
+            freed, _ = _search(cfg, facts, knobs + fixed, usable, captions)
+            if freed is not None:
+                keys = [k.key for k in fixed if setting(cfg, k.key) != freed[k.key]]
+                lines.append(f"your own setting of {', '.join(keys)} makes it impossible: the planner would "
+                             f"fit it with {_describe({k: freed[k] for k in keys})}")
+        if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
+            lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
+        raise PlanError("; ".join(lines))
+    reasons = []
+    for knob in knobs:
+        value = values[knob.key]
+        if value == knob.options[0]:
+            reasons.append(f"{knob.key} = {json.dumps(value)}: the fastest option fits")
+            continue
+        fastest = with_values(cfg, {**values, knob.key: knob.options[0]})
+        over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
+        reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {over.name} "
+                       f"phase is predicted at {over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
+    for knob in KNOBS:
+        if _applies(knob, cfg, facts) and knob not in knobs:
+            reasons.append(f"{knob.key} = {json.dumps(setting(cfg, knob.key))}: set by you, kept")
+    return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
+
+
+def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
+    """Bytes of the budget: `override` (the command line's --vram) or memory.vram_budget."""
+    return parse_size(override or cfg.memory.vram_budget) if (override or cfg.memory.vram_budget) else None
+
+
+def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str:
+    """What `vramfit plan` prints: the predicted peaks as written, and with a budget the choice,
+    why, and the peaks after it (raises PlanError when nothing fits)."""
+    side = largest_bucket(cfg)
+    lines = [f"{facts.family} model, largest bucket {side[0]}x{side[1]}, batch {cfg.train.batch_size}; "
+             "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
+             predict(facts, cfg).table()]
+    if budget is None:
+        return "\n".join(lines)
+    choice = choose(cfg, budget, facts)
+    changed = {k: v for k, v in choice.chosen.items() if v != setting(cfg, k)}
+    lines += ["", f"budget {budget / GIB:.2f} GiB ({budget * (1 - MARGIN) / GIB:.2f} GiB usable after the "
+              f"{MARGIN:.0%} margin); chosen:"]
+    lines += [f"  {r}" for r in choice.reasons]
+    lines += ["", "with the choice:", choice.after.table(), ""]
+    lines.append("changes: " + (" ".join(f"--set {k}={json.dumps(v)}" for k, v in changed.items()) if changed else
+                                "none (the config as written fits)"))
+    return "\n".join(lines)
+
+
+def fit_to_budget(cfg: RunConfig, cache_root=None) -> RunConfig:
+    """`cfg` with the planner's choice applied when memory.vram_budget is set (and logged);
+    before any weight loads. Raises PlanError when nothing fits."""
+    import logging
+
+    from vramfit.memory.model_facts import read_facts
+
+    budget = budget_of(cfg)
+    if budget is None:
+        return cfg
+    choice = choose(cfg, budget, read_facts(cfg, cache_root))
+    log = logging.getLogger("vramfit")
+    log.info("memory.vram_budget %.2f GiB: predicted peak %.2f GiB (%s)", budget / GIB, choice.after.peak / GIB,
+             ", ".join(f"{p.name} {p.peak / GIB:.2f}" for p in choice.after.phases))
+    for reason in choice.reasons:
+        log.info("  %s", reason)
+    return choice.config

@@ -1,0 +1,174 @@
+"""Fit probe: before the cache is filled, measure two real training steps and stop early when
+the run cannot fit.
+
+A stand-in denoiser of the same architecture is built with throwaway (zero) weights, placed
+exactly as the run will place it (train/setup.py place_denoiser: precision, LoRA, quantized
+base, checkpointing, streaming, offload) and trained for two optimizer steps of up to two
+micro-batches each by the training loop itself, on a synthetic batch of the largest bucket's
+shapes. Two steps, because the optimizer state exists only from the first step on and the
+second step's backward is the real peak; two micro-batches, because the accumulated gradients
+live through the next backward. Memory does not depend on weight values, so the peak equals the
+run's; the real weights are never touched, so nothing has to be put back: the stand-in, its
+optimizer and their device memory are dropped afterwards.
+
+Cost: the stand-in in host memory (the denoiser's size in its training precision, beside the
+real one) and four micro-steps, a few seconds on a GPU. Only acts on CUDA (memory.fit_probe);
+on the CPU it is skipped, unless a measuring function is passed in (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from vramfit.config.schema import RunConfig
+
+log = logging.getLogger("vramfit")
+GIB = 2**30
+Measure = Callable[[Callable[[], object]], int]  # runs the steps, returns their peak bytes
+
+
+class FitProbeError(ValueError):
+    """The probe's measured peak does not fit; the message says by how much and what to change."""
+
+
+def _sdxl_batch(config: dict, batch: int, side: tuple[int, int], cfg: RunConfig) -> dict[str, torch.Tensor]:
+    w, h = side
+    pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+    return {"mean": torch.zeros(batch, config["in_channels"], h // 8, w // 8),
+            "logvar": torch.full((batch, config["in_channels"], h // 8, w // 8), -10.0),
+            "prompt_embeds": torch.zeros(batch, 77, config["cross_attention_dim"]),
+            "pooled": torch.zeros(batch, pooled),
+            "time_ids": torch.tensor([[h, w, 0, 0, h, w]] * batch, dtype=torch.float32)}
+
+
+def _sd3_batch(config: dict, batch: int, side: tuple[int, int], cfg: RunConfig) -> dict[str, torch.Tensor]:
+    w, h = side
+    return {"mean": torch.zeros(batch, config["in_channels"], h // 8, w // 8),
+            "logvar": torch.full((batch, config["in_channels"], h // 8, w // 8), -10.0),
+            "prompt_embeds": torch.zeros(batch, 77 + cfg.model.max_sequence_length, config["joint_attention_dim"]),
+            "pooled": torch.zeros(batch, config["pooled_projection_dim"])}
+
+
+SYNTHETIC_BATCHES = {"sdxl": _sdxl_batch, "sd3": _sd3_batch}
+
+
+class _SyntheticData:
+    """What the training loop asks of TrainingData, answered with one synthetic batch."""
+
+    def __init__(self, batch: dict[str, torch.Tensor], size: int):
+        self._batch, self._size = batch, size
+
+    def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool) -> Iterator[list]:
+        return iter([[None] * self._size] * 64)
+
+    def batch(self, records: list) -> dict[str, torch.Tensor]:
+        return self._batch
+
+
+def stand_in(bundle, dtype: torch.dtype):
+    """A copy of `bundle` whose denoiser has the same architecture and zero weights, on the CPU."""
+    from accelerate import init_empty_weights
+
+    real = bundle.denoiser
+    with init_empty_weights(include_buffers=False):
+        model = type(real).from_config(real.config)
+    model = model.to(dtype).to_empty(device="cpu")
+    real_buffers = dict(real.named_buffers())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, b in model.named_buffers():
+            b.copy_(real_buffers[name])  # fixed tables (positional embeddings), small
+    return dataclasses.replace(bundle, denoiser=model, vae=None, text_encoders=[])
+
+
+def cuda_peak(device: torch.device) -> Measure:
+    def measure(run: Callable[[], object]) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return measure
+
+
+def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tuple[int, int]) -> Callable[[], object]:
+    """The probe's work: place a stand-in and train it two steps; returns the callable that
+    runs the steps (placement happens first, outside the measured part)."""
+    from vramfit.optim.build import build_optimizer, build_schedule
+    from vramfit.train.loop import run_loop
+    from vramfit.train.setup import place_denoiser
+    from vramfit.train.state import Progress
+
+    train = cfg.train.model_copy(update={"steps": 2, "grad_accum": min(cfg.train.grad_accum, 2),
+                                         "warmup_steps": 0, "nonfinite": "skip"})
+    dtype = torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32
+    twin = stand_in(bundle, dtype)
+    place_denoiser(twin, cfg, device)
+    optimizer = build_optimizer(twin.denoiser.parameters(), train)
+    schedule = build_schedule(optimizer, train)
+    batch = SYNTHETIC_BATCHES[family.name](dict(twin.denoiser.config), cfg.train.batch_size, bucket, cfg)
+    data = _SyntheticData(batch, cfg.train.batch_size)
+
+    def run():  # the LoopResult of the two steps
+        return run_loop(family, twin, data, optimizer, schedule, train, device, Progress(),
+                 torch.Generator().manual_seed(0), shuffle=False)
+    return run
+
+
+def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: list[tuple[int, int]],
+              *, limit: Optional[int] = None, measure: Optional[Measure] = None) -> Optional[int]:
+    """Measure the training peak at the largest bucket; raise FitProbeError when it exceeds
+    `limit` (default: memory.vram_budget, else the GPU's total). Returns the peak, or None when
+    skipped (memory.fit_probe off, or no CUDA and no `measure` given)."""
+    from vramfit.memory.planner import budget_of
+
+    if not cfg.memory.fit_probe or not buckets:
+        return None
+    if measure is None:
+        if device.type != "cuda":
+            log.debug("fit probe skipped: it measures CUDA memory and the device is %s", device)
+            return None
+        measure = cuda_peak(device)
+    if limit is None:
+        limit = budget_of(cfg) or torch.cuda.get_device_properties(device).total_memory
+    bucket = max(buckets, key=lambda b: b[0] * b[1])
+    what = f"{cfg.train.batch_size} x {bucket[0]}x{bucket[1]}"
+    try:
+        peak = measure(probe_steps(family, bundle, cfg, device, bucket))
+        failed = None
+    except torch.cuda.OutOfMemoryError as exc:
+        peak, failed = limit + 1, exc
+    finally:
+        from vramfit.train.data import free_device_memory
+
+        free_device_memory(device)
+    if peak > limit:
+        measured = "ran out of GPU memory" if failed else f"peaked at {peak / GIB:.2f} GiB"
+        raise FitProbeError(
+            f"fit probe: two training steps at the largest bucket ({what}) {measured}, more than the "
+            f"{limit / GIB:.2f} GiB {'budget' if cfg.memory.vram_budget else 'of the GPU'}; nothing was "
+            f"cached. {_suggestion(cfg, limit)}")
+    log.info("fit probe: two training steps at %s peaked at %.2f GiB of %.2f GiB", what, peak / GIB, limit / GIB)
+    return peak
+
+
+def _suggestion(cfg: RunConfig, limit: int) -> str:
+    from vramfit.memory.model_facts import read_facts
+    from vramfit.memory.planner import PlanError, choose, setting
+
+    try:
+        choice = choose(cfg, limit, read_facts(cfg))
+    except PlanError as exc:
+        return f"The planner finds no setting that fits either: {exc}"
+    except Exception as exc:  # the probe's message matters more than the planner's
+        return f"(no planner suggestion: {exc})"
+    changed = {k: v for k, v in choice.chosen.items() if v != setting(cfg, k)}
+    if not changed:
+        return ("The planner predicts these settings fit, so its prediction is off here: lower "
+                "train.batch_size or data.resolution, or turn on memory.stream_weights.")
+    settings = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changed.items())
+    return f"The planner suggests: {settings} (or set memory.vram_budget to let it choose)."

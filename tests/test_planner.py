@@ -1,0 +1,199 @@
+"""The memory planner: predicted bytes against the tensors a real placement allocates (tiny models,
+CPU), the settings it chooses for fixed budgets on the full-size layouts, its error when nothing
+fits, explicit settings kept, `vramfit plan`, and `vramfit train` with a budget."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SIZE, train_args
+from vramfit.cli import main
+from vramfit.config.schema import RunConfig
+from vramfit.memory.accounting import tensor_bytes
+from vramfit.memory.model_facts import facts_for_layout, read_facts
+from vramfit.memory.planner import GIB, MARGIN, PlanError, choose, device_terms
+from vramfit.memory.probe import SYNTHETIC_BATCHES
+from vramfit.models.registry import detect_family
+from vramfit.models.sources import resolve_source
+from vramfit.optim.base import state_bytes
+from vramfit.optim.build import build_optimizer
+from vramfit.train.setup import place_denoiser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cfg(**sections) -> RunConfig:
+    return RunConfig.model_validate(sections)
+
+
+def _placed(cfg: RunConfig):
+    source = resolve_source(cfg.model)
+    family = detect_family(source)
+    bundle = family.load(source)
+    streamer = place_denoiser(bundle, cfg, torch.device("cpu"))
+    return family, bundle, streamer
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    return sum(tensor_bytes(t) for t in [*model.parameters(), *model.buffers()])
+
+
+CASES = [
+    ("tiny:ssd1b", {"optimizer": "adafactor"}, {}),
+    ("tiny:ssd1b", {"optimizer": "adamw", "precision": "fp32"}, {}),
+    ("tiny:sdxl", {"optimizer": "adamw", "mode": "lora"}, {"base_quantization": "nf4", "rank": 2}),
+    ("tiny:sd3", {"optimizer": "adamw8bit", "mode": "lora"}, {"base_quantization": "int8", "targets": ["all_linear"]}),
+    ("tiny:sd3", {"optimizer": "adafactor", "mode": "full"}, {}),
+]
+
+
+@pytest.mark.parametrize("model,train,lora", CASES)
+def test_weights_gradients_and_state_are_predicted_to_the_byte(model, train, lora):
+    sections = {"model": {"path": model}, "data": {"resolution": SIZE}, "train": train}
+    if lora:
+        sections["lora"] = lora
+    cfg = _cfg(**sections)
+    predicted = device_terms(read_facts(cfg), cfg)
+    family, bundle, _ = _placed(cfg)
+    unet = bundle.denoiser
+    assert predicted["weights"] == _held_bytes(unet)
+    batch = SYNTHETIC_BATCHES[family.name](dict(unet.config), 1, (SIZE, SIZE), cfg)
+    dtype = next(p for p in unet.parameters() if not p.requires_grad or train.get("mode") != "lora").dtype
+    family.training_loss(bundle, batch, cfg.train, torch.Generator().manual_seed(0), torch.device("cpu"),
+                         dtype).backward()
+    trained = [p for p in unet.parameters() if p.requires_grad]
+    assert predicted["gradients"] == sum(tensor_bytes(p.grad) for p in trained)
+    optimizer = build_optimizer(trained, cfg.train)
+    optimizer.step()
+    assert predicted["optimizer state"] == state_bytes(optimizer)
+    assert predicted["largest numel"] == max(p.numel() for p in trained)
+
+
+def test_streamed_weights_leave_two_units_on_the_device():
+    cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE},
+               memory={"stream_weights": True, "stream_unit_mib": 0.05})
+    predicted = device_terms(read_facts(cfg), cfg)
+    _, bundle, streamer = _placed(cfg)
+    units = sorted(u.nbytes for u in streamer.units)
+    assert len(units) > 2  # the small unit size split the blocks
+    resident = _held_bytes(bundle.denoiser) - streamer.streamed_bytes()
+    assert predicted["weights"] == resident + sum(units[-2:])
+    full = device_terms(read_facts(cfg), _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}))
+    assert predicted["weights"] < full["weights"] and predicted["gradients"] < full["gradients"]
+
+
+# ---- choices on the full-size layouts ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ssd1b():
+    return facts_for_layout("ssd1b")
+
+
+@pytest.fixture(scope="module")
+def sd3m():
+    return facts_for_layout("sd3m", t5=True)
+
+
+FULL_1024 = {"data": {"resolution": 1024}, "train": {"optimizer": "adafactor"}}
+SD3_LORA = {"data": {"resolution": 512, "max_aspect": 1.0},
+            "train": {"mode": "lora", "batch_size": 4, "grad_accum": 4, "optimizer": "adamw8bit"}}
+
+
+def _choose(facts, sections, gib: float):
+    choice = choose(_cfg(**sections), int(gib * GIB), facts)
+    usable = gib * GIB * (1 - MARGIN)
+    assert all(p.peak <= usable for p in choice.after.phases), choice.after.table()
+    return choice.config, choice
+
+
+def test_ssd1b_full_fine_tune_at_8_6_and_4_gib(ssd1b):
+    roomy, _ = _choose(ssd1b, FULL_1024, 24)
+    assert not roomy.train.gradient_checkpointing  # the fastest setting when it fits
+    at8, _ = _choose(ssd1b, FULL_1024, 8)
+    assert at8.train.gradient_checkpointing and not at8.train.optimizer_in_backward
+    assert not at8.memory.stream_weights
+    at6, _ = _choose(ssd1b, FULL_1024, 6)
+    assert at6.train.gradient_checkpointing and at6.train.optimizer_in_backward and not at6.memory.stream_weights
+    at4, _ = _choose(ssd1b, FULL_1024, 4)
+    assert at4.train.optimizer_in_backward and (at4.memory.offload_activations or at4.memory.stream_weights)
+    at2, _ = _choose(ssd1b, FULL_1024, 2)
+    assert at2.memory.stream_weights and at2.cache.vae_dtype == "bf16"
+
+
+def test_sd3m_lora_at_6_and_4_gib(sd3m):
+    written = {**SD3_LORA, "model": {"t5_precision": "int8"}}  # as examples/sd3m_dreambooth_lora.toml
+    at6, _ = _choose(sd3m, written, 6)
+    assert at6.train.gradient_checkpointing and at6.lora.base_quantization == "none"
+    at4, choice = _choose(sd3m, SD3_LORA, 4)  # T5's precision left to the planner
+    assert at4.model.t5_precision in ("int8", "nf4") and at4.lora.base_quantization != "none"
+    assert any(r.startswith("model.t5_precision") for r in choice.reasons)
+
+
+def test_explicit_settings_are_kept_or_named(sd3m, ssd1b):
+    no_ckpt = {**FULL_1024, "train": {"optimizer": "adafactor", "gradient_checkpointing": False}}
+    cfg, choice = _choose(ssd1b, no_ckpt, 8)
+    assert not cfg.train.gradient_checkpointing
+    assert any("gradient_checkpointing = false: set by you, kept" in r for r in choice.reasons)
+    with pytest.raises(PlanError, match="model.t5_precision"):  # int8 T5 alone is 4.6 GiB
+        choose(_cfg(**SD3_LORA, model={"t5_precision": "int8"}), 4 * GIB, sd3m)
+
+
+def test_an_impossible_budget_names_the_smallest_prediction(sd3m):
+    with pytest.raises(PlanError) as err:
+        choose(_cfg(**SD3_LORA), 1 * GIB, sd3m)
+    message = str(err.value)
+    assert "nothing fits in 1.00 GiB" in message and "needs a budget of at least" in message
+    assert "never chosen for you" in message  # T5 is not dropped silently
+
+
+def test_predictions_are_within_ten_percent_of_the_measured_bench_reports():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plan_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    reports = sorted((ROOT / "docs" / "bench").glob("*.json"))
+    assert reports
+    for path in reports:
+        for phase, pred, meas in plan_check.check(path, None, None):
+            if phase.startswith("cache_") and meas < 0.05 * pred:
+                continue  # reused cache: no measurement
+            assert abs(pred - meas) <= 0.10 * meas, (path.name, phase, pred / GIB, meas / GIB)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+def test_vramfit_plan_prints_the_table_and_the_choice(capsys):
+    args = ["plan", "--set", "model.path=tiny:ssd1b", "--set", f"data.resolution={SIZE}", "--vram", "2GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "as written:" in out and "with the choice:" in out and "budget 2.00 GiB" in out
+    for phase in ("cache_latents", "cache_text", "train", "save"):
+        assert sum(line.startswith(phase + " ") for line in out.splitlines()) == 2
+    assert "--set train.gradient_checkpointing=false" in out  # the fastest setting fits a tiny model
+    assert main(["plan", "--set", "model.path=tiny:ssd1b", "--vram", "8 gigs"]) == 2
+    assert "not a size" in capsys.readouterr().err
+    assert main(["plan", "--set", "model.path=tiny:ssd1b", "--set", f"data.resolution={SIZE}", "--vram", "1KiB"]) == 2
+    assert "nothing fits" in capsys.readouterr().err
+
+
+def test_a_bad_budget_is_a_config_error(capsys):
+    assert main(["plan", "--set", "model.path=tiny:ssd1b", "--set", "memory.vram_budget=lots"]) == 2
+    assert "memory.vram_budget" in capsys.readouterr().err
+
+
+def test_train_with_a_budget_writes_the_chosen_settings(images, tmp_path, cache_root):
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "c1", "memory.vram_budget=4GiB")) == 0
+    written = (out / "config.toml").read_text()
+    assert "gradient_checkpointing = false" in written  # chosen: the default is true
+    assert 'vram_budget = "4GiB"' in written
+    kept = tmp_path / "kept"
+    assert main(train_args(images, kept, cache_root / "c1", "memory.vram_budget=4GiB",
+                           "train.gradient_checkpointing=true")) == 0
+    assert "gradient_checkpointing = true" in (kept / "config.toml").read_text()
+    assert json.loads((kept / "run.json").read_text())["end_step"] == 2
