@@ -145,12 +145,13 @@ def run_train(config: Optional[Path], sets: list[str], run_dir: Path, timeout: O
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, text=True, capture_output=True, cwd=ROOT, timeout=timeout)
-        rc, tail = proc.returncode, (proc.stdout[-4000:] + proc.stderr[-4000:])
+        rc, tail, logged = proc.returncode, (proc.stdout[-4000:] + proc.stderr[-4000:]), proc.stderr
     except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", str(exc)[-2000:]
+        rc, tail, logged = "timeout", str(exc)[-2000:], ""
     path = run_dir / f"{REPORT_NAME}.memory.json"
     report = json.loads(path.read_text()) if rc == 0 and path.exists() else {}
-    report.update(command=" ".join(cmd), wall_seconds=round(time.time() - t0, 1), returncode=rc)
+    report.update(command=" ".join(cmd), wall_seconds=round(time.time() - t0, 1), returncode=rc,
+                  log_lines=[line for line in logged.splitlines() if line.startswith(("INFO vramfit", "WARNING"))][-40:])
     if rc != 0:
         report["error"] = tail
     elif echo:

@@ -93,10 +93,10 @@ def render_group(group: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in group["rows"]:
         ratio, target = target_check(row, group)
-        note = row.get("note", "") if row.get("status") != "ok" or row["side"] == "seed" else ""
+        note = row.get("note", "")
         if row.get("status") != "ok":
             note = f"{row.get('status')}: {note}"
-        note = " ".join(str(note).split())[:160].replace("|", "/")
+        note = " ".join(str(note).split())[:200].replace("|", "/")
         lines.append(f"| {row['side']} | {row['label']} | {gib(row.get('peak_allocated'))} | "
                      f"{gib(row.get('peak_reserved'))} | {fmt(row.get('step_s'), '.3f')} | "
                      f"{fmt(row.get('images_per_s'), '.2f')} | {fmt(row.get('mfu'), '.1f', 100)}{'%' if row.get('mfu') else ''} | "

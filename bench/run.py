@@ -48,6 +48,13 @@ class Case:
     sets: list[str]
     requires: list[str] = field(default_factory=list)  # config keys that must exist in RunConfig
     role: str = "memory_saving"  # or "fastest": no memory limit, compared with the stock fast
+    bare: bool = False  # only the workload itself (model, data, batch, mode): vramfit chooses the rest
+
+
+# memory.vram_budget set to the seed recipe's measured peak: the planner picks the fastest settings
+# that fit where the seed fits (the target of issue 5). "{seed_peak}" is filled in at run time.
+BUDGET_CASE = Case("budget", "planner at the seed's peak (memory.vram_budget)", ["memory.vram_budget={seed_peak}"],
+                   ["memory.vram_budget"], bare=True)
 
 
 FULL_CASES = [
@@ -63,6 +70,7 @@ FULL_CASES = [
          ["memory.stream_weights", "memory.offload_activations"]),
     Case("rtn", "recipe, round-to-nearest bf16 updates (no stochastic rounding)", ["train.stochastic_rounding=false"],
          ["train.stochastic_rounding"]),
+    BUDGET_CASE,
     Case("fastest", "fastest: mixed bf16, AdamW, no checkpointing",
          ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.gradient_checkpointing=false",
           "train.max_grad_norm=0"], role="fastest"),
@@ -74,11 +82,12 @@ LORA_CASES = [
     Case("stream", "recipe + streamed base", ["memory.stream_weights=true"], ["memory.stream_weights"]),
     Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
          ["train.optimizer_in_backward"]),
+    BUDGET_CASE,
     Case("fastest", "fastest: bf16 base, AdamW, no checkpointing",
          ["train.optimizer=adamw", "train.gradient_checkpointing=false", "train.max_grad_norm=0"], role="fastest"),
 ]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
-OFF_DURING_BENCH = ["sample.every_steps=0"]
+OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
 SEED_LABELS = {"seed": "seed recipe", "fused": "seed + Adafactor inside backward", "fast": "stock fast",
                "cached": "seed with latents cached"}
 
@@ -86,6 +95,19 @@ SEED_LABELS = {"seed": "seed recipe", "fused": "seed + Adafactor inside backward
 def recipe(workload: str, ckpt: str, images: Path, work: Path, steps: int, tiny: bool) -> tuple[Optional[Path], list[str]]:
     """(config file, overrides) of the workload's recipe as vramfit runs it: the shipped example
     where there is one, batch as the seed, no accumulation, square images, everything cached."""
+    sets = workload_sets(workload, ckpt, images, work, steps, tiny)
+    w = WORKLOADS[workload]
+    if w["kind"] == "unet":
+        return ROOT / "examples" / "ssd1b_full_8gb.toml", sets
+    if w["mode"] == "lora":
+        return ROOT / "examples" / "sd3m_dreambooth_lora.toml", sets
+    # SD3-M full fine-tune: no write-up; the SSD-1B recipe's choices (bf16, Adafactor, checkpointing)
+    return None, sets + ["train.optimizer=adafactor", "train.lr=4e-7", "train.precision=full_bf16",
+                         "train.gradient_checkpointing=true", "train.max_grad_norm=0"]
+
+
+def workload_sets(workload: str, ckpt: str, images: Path, work: Path, steps: int, tiny: bool) -> list[str]:
+    """What defines the workload whatever the configuration: model, data, shape, mode."""
     w = WORKLOADS[workload]
     res = TINY_RES if tiny else w["res"]
     sets = [f"model.path={ckpt}", f"data.path={images}", f"data.resolution={res}", f"data.min_size={res}",
@@ -94,14 +116,26 @@ def recipe(workload: str, ckpt: str, images: Path, work: Path, steps: int, tiny:
     if tiny:
         sets.append("train.device=cpu")
     sets += [s for s in OFF_DURING_BENCH if key_exists(s.partition("=")[0])]
-    if w["kind"] == "unet":
-        return ROOT / "examples" / "ssd1b_full_8gb.toml", sets
-    if w["mode"] == "lora":
-        return ROOT / "examples" / "sd3m_dreambooth_lora.toml", sets
-    # SD3-M full fine-tune: no write-up; the SSD-1B recipe's choices (bf16, Adafactor, checkpointing)
-    return None, sets + ["train.mode=full", "train.optimizer=adafactor", "train.lr=4e-7",
-                         "train.precision=full_bf16", "train.gradient_checkpointing=true", "train.max_grad_norm=0",
-                         "data.instance_prompt=a photo of sks dog"]
+    if w["kind"] == "sd3":
+        sets.append("data.instance_prompt=a photo of sks dog")
+    if w["mode"] == "lora":  # the write-up's adapter and learning rate
+        sets += ["train.mode=lora", "lora.rank=4", "train.lr=1e-4"]
+    return sets
+
+
+def discovered_cases(listed: list[Case]) -> list[Case]:
+    """A case for each off-by-default switch of the memory section that no listed case covers
+    (options added to vramfit after this bench was written)."""
+    from vramfit.config.schema import RunConfig
+
+    section = RunConfig.model_fields.get("memory")
+    covered = {s.partition("=")[0] for c in listed for s in c.sets}
+    found = []
+    for name, f in (section.annotation.model_fields.items() if section else []):
+        key = f"memory.{name}"
+        if f.annotation is bool and f.default is False and key not in covered:
+            found.append(Case(f"mem_{name}", f"recipe + {key}", [f"{key}=true"], [key]))
+    return found
 
 
 def key_exists(dotted: str) -> bool:
@@ -159,10 +193,23 @@ def vramfit_row(case: Case, report: dict, images_per_step: int) -> dict:
     if report.get("error") or train is None:
         return dict(row, status="failed", note=str(report.get("error", "no train phase in the report"))[-1500:])
     gpu = str(report.get("device", "")).startswith("cuda")
+    chosen = planner_choice(report.get("log_lines", []))
+    if chosen:
+        row["note"] = chosen
     return dict(row, status="ok", peak_allocated=train["gpu_peak_allocated"] if gpu else None,
                 peak_reserved=train["gpu_peak_reserved"] if gpu else None,
                 step_s=round(train["step_seconds"], 4), images_per_step=images_per_step,
                 reported_images_per_s=train.get("images_per_second"), phases=report["phases"])
+
+
+def planner_choice(lines: list[str]) -> Optional[str]:
+    """What memory/planner.py logged it chose under memory.vram_budget: its reasons, else its peak line."""
+    texts = [line.split(": ", 1)[-1] for line in lines]
+    start = next((i for i, t in enumerate(texts) if t.startswith("memory.vram_budget")), None)
+    if start is None:
+        return None
+    reasons = [t.strip().split(":")[0].replace(" = ", "=") for t in texts[start + 1:] if t.startswith("  ")]
+    return "chose " + ", ".join(reasons) if reasons else texts[start]
 
 
 def add_rates(row: dict, flops: dict, peak_tflops: float, cuda: bool) -> dict:
@@ -246,21 +293,34 @@ def run_workload(workload: str, args) -> Path:
         if group.selected(case):
             log(f"{workload} seed {case} ...")
             group.put(seed_row(workload, case, run_seed(workload, case, args)))
-    config, base = recipe(workload, ckpt, images, args.work, args.steps, args.tiny)
-    for case in (LORA_CASES if w["mode"] == "lora" else FULL_CASES):
+    recipe_cfg = recipe(workload, ckpt, images, args.work, args.steps, args.tiny)
+    bare = workload_sets(workload, ckpt, images, args.work, args.steps, args.tiny)
+    listed = LORA_CASES if w["mode"] == "lora" else FULL_CASES
+    for case in listed[:-1] + discovered_cases(listed) + listed[-1:]:  # the fastest last
         if group.selected(case.name):
-            group.put(run_vramfit_case(workload, case, config, base, args))
+            config, base = (None, bare) if case.bare else recipe_cfg
+            group.put(run_vramfit_case(workload, case, config, base + fill(case.sets, group, args.tiny), args))
     group.write()
     return group.path
 
 
-def run_vramfit_case(workload: str, case: Case, config: Optional[Path], base: list[str], args) -> dict:
+def fill(sets: list[str], group: GroupRun, tiny: bool) -> list[str]:
+    """Put the seed recipe's measured peak where a case asks for it ({seed_peak})."""
+    if not any("{seed_peak}" in s for s in sets):
+        return sets
+    seed = next((r for r in group.rows if r["role"] == "seed_ref" and r.get("peak_allocated")), None)
+    peak = "1GiB" if tiny else f"{seed['peak_allocated'] // 2**20}MiB" if seed else None
+    return [s.replace("{seed_peak}", peak) if peak else s for s in sets]
+
+
+def run_vramfit_case(workload: str, case: Case, config: Optional[Path], sets: list[str], args) -> dict:
     skipped = dict(side="vramfit", case=case.name, label=case.label, role=case.role, sets=case.sets,
                    status="skipped")
     missing = [k for k in case.requires if not key_exists(k)]
     if missing:
         return dict(skipped, note="not in this vramfit: " + ", ".join(missing))
-    sets = base + case.sets
+    if any("{seed_peak}" in s for s in sets):
+        return dict(skipped, note="needs the seed recipe's GPU peak: run the seed case in the same command")
     problem = config_problem(config, sets)
     if problem:
         return dict(skipped, note="config refused: " + problem)
