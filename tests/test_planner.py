@@ -197,3 +197,16 @@ def test_train_with_a_budget_writes_the_chosen_settings(images, tmp_path, cache_
                            "train.gradient_checkpointing=true")) == 0
     assert "gradient_checkpointing = true" in (kept / "config.toml").read_text()
     assert json.loads((kept / "run.json").read_text())["end_step"] == 2
+
+
+def test_a_diffusers_folder_gives_the_same_facts_as_the_single_file(tmp_path):
+    single = _cfg(model={"path": "tiny:sd3"}, data={"resolution": SIZE}, train={"mode": "lora"})
+    source = resolve_source(single.model)
+    family = detect_family(source)
+    family.save_diffusers(family.load(source), tmp_path / "sd3-diffusers", torch.float32)
+    folder = single.model_copy(update={"model": single.model.model_copy(update={"path": str(tmp_path / "sd3-diffusers")})})
+    a, b = read_facts(single), read_facts(folder)
+    assert (a.family, a.vae_params, len(a.encoders)) == (b.family, b.vae_params, len(b.encoders))
+    for x, y in zip(a.encoders, b.encoders):  # SD3 files carry no CLIP-L projection; the folder does
+        assert x.params <= y.params <= x.params + x.hidden ** 2 and x.layers == y.layers
+    assert device_terms(a, single) == device_terms(b, folder)

@@ -92,7 +92,8 @@ _NOT_LINEAR = ("embed", "shared", "relative_attention_bias", "position")
 
 def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optional[EncoderFacts]:
     """Sizes of one encoder from the header entries under `prefix`; None when it is absent."""
-    entries = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
+    entries = {k[len(prefix):]: v for k, v in header.items()
+               if k.startswith(prefix) and not k.endswith("position_ids")}  # an int buffer, rebuilt
     if not entries:
         return None
     params = stored = linear = rows = largest = hidden = 0
