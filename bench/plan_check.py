@@ -9,6 +9,7 @@ measured and the error; issue 4 wants every error within 10%.
 
     python bench/plan_check.py docs/bench/*.json
     python bench/plan_check.py OUT/*/bench.memory.json --captions 4
+    python bench/plan_check.py OUT/ssd1b.json OUT/sd3_lora512.json      # bench/run.py workload files
 
 Captions: the text phase holds the hidden states of up to 64 captions at once; a report does not
 say how many distinct captions its dataset had, so give --captions (default: 1 with a DreamBooth
@@ -54,7 +55,7 @@ def run_config(command: str):
 def facts_for(model_path: str, layout: str | None, cfg):
     from vramfit.memory.model_facts import facts_for_layout, read_facts
 
-    if Path(model_path).is_file():
+    if Path(model_path).is_file() or model_path.startswith("tiny:"):
         return read_facts(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})}))
     name = layout or next((n for n in LAYOUTS if n in Path(model_path).name.lower()), None)
     if name is None:
@@ -62,11 +63,25 @@ def facts_for(model_path: str, layout: str | None, cfg):
     return facts_for_layout(name, t5="t5" in Path(model_path).name.lower())
 
 
+def runs(report_path: Path) -> list[tuple[str, dict]]:
+    """(name, run) of each measured vramfit run in a file: a single run's report, or the
+    vramfit rows of a bench/run.py workload file (each with its command and phases)."""
+    data = json.loads(report_path.read_text())
+    if "rows" not in data:
+        return [(report_path.name, data)]
+    return [(f"{report_path.stem}:{row['case']}", row) for row in data["rows"]
+            if row.get("side") == "vramfit" and row.get("status") == "ok" and row.get("command")]
+
+
 def check(report_path: Path, layout: str | None, captions: int | None) -> list[tuple[str, float, float]]:
-    """(phase, predicted bytes, measured bytes) of every phase both have."""
+    """(phase, predicted bytes, measured bytes) of every phase a single run's report and the
+    prediction both have."""
+    return check_run(json.loads(report_path.read_text()), layout, captions)
+
+
+def check_run(report: dict, layout: str | None, captions: int | None) -> list[tuple[str, float, float]]:
     from vramfit.memory.planner import predict
 
-    report = json.loads(report_path.read_text())
     cfg, model, sets = run_config(report["command"])
     if captions is None:
         captions = 1 if any(s.startswith("data.instance_prompt=") for s in sets) or cfg.data.instance_prompt else 4
@@ -88,15 +103,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     worst = 0.0
     print(f"{'report':<40}{'phase':<15}{'predicted':>10}{'measured':>10}{'error':>9}")
-    for path in args.reports:
-        for phase, pred, meas in check(path, args.layout, args.captions):
+    for name, run in (r for path in args.reports for r in runs(path)):
+        for phase, pred, meas in check_run(run, args.layout, args.captions):
             err = (pred - meas) / meas * 100
             if phase.startswith("cache_") and meas < 0.05 * pred:
                 flag = "  (the cache was reused: not a measurement)"
             else:
                 worst = max(worst, abs(err))
                 flag = "" if abs(err) <= 10 else "  > 10%"
-            print(f"{path.name:<40}{phase:<15}{pred / 2**30:>9.2f}G{meas / 2**30:>9.2f}G{err:>+8.1f}%{flag}")
+            print(f"{name:<40}{phase:<15}{pred / 2**30:>9.2f}G{meas / 2**30:>9.2f}G{err:>+8.1f}%{flag}")
     print(f"largest error {worst:.1f}%")
     return 0
 
