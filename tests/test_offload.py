@@ -44,7 +44,7 @@ TOL = {"rtol": 1e-2, "atol": 1e-2} if CUDA else {"rtol": 1e-6, "atol": 1e-6}
 
 
 def _run(images, out, cache, model: str, *sets: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    assert main(train_args(images, out, cache, "train.steps=3", "save.name=m", *sets, model=model)) == 0
+    assert main(train_args(images, out, cache, "save.name=m", *sets, model=model)) == 0
     return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
 
 
