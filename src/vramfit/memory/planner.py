@@ -213,9 +213,9 @@ def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
     return out
 
 
-def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], int]:
-    """The denoiser's tensors as the run places them, and the bytes of the two stream units
-    that can be on the device at once."""
+def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], int, int]:
+    """The denoiser's tensors as the run places them, the bytes of the two stream units that can
+    be on the device at once, and of the largest unit (a full fine-tune's gradients pass through)."""
     from vramfit.memory.offload import block_modules, split_units
 
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
@@ -249,7 +249,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
             tensors.append(_Tensor(name, tuple(b.shape), b.numel(), dtype_bytes, False))
     if lora:
         tensors += _lora_tensors(facts, cfg)
-    return tensors, sum(sorted(unit_sizes)[-2:])
+    return tensors, sum(sorted(unit_sizes)[-2:]), max(unit_sizes, default=0)
 
 
 @dataclass
@@ -266,9 +266,6 @@ class Prediction:
     @property
     def peak(self) -> int:
         return max(p.peak for p in self.phases)
-
-    def phase(self, name: str) -> Optional[PhaseEstimate]:
-        return next((p for p in self.phases if p.name == name), None)
 
     def table(self) -> str:
         rows = [f"{'phase':<14}{'predicted':>11}   terms"]
@@ -343,13 +340,14 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """Bytes on the device while training, exact where vramfit allocates them itself: weights
     (incl. buffers, LoRA, quantized linears and two stream units), optimizer state, all
     gradients, the bf16 copies autocast makes, and the largest trained tensor (bytes, elements)."""
-    tensors, units = _denoiser_tensors(facts, cfg)
+    tensors, units, unit = _denoiser_tensors(facts, cfg)
     on_device = [x for x in tensors if not x.streamed]
     trained = [x for x in on_device if x.trained]
     largest = max(trained, key=lambda x: x.numel, default=_Tensor("", (), 0, 0, True))
     return {"weights": units + sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
             "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained),
+            "streamed gradients": unit if cfg.train.mode == "full" else 0,  # before they reach the CPU
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel}
@@ -361,7 +359,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     grads = terms["gradients"]
     temps = STEP_TEMP_BYTES[t.optimizer] * terms["largest numel"]
     act = _activations(facts, cfg, side)
-    base = {"weights": terms["weights"], "optimizer state": terms["optimizer state"]}
+    base = {k: terms[k] for k in ("weights", "optimizer state", "streamed gradients")}
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg, side[0] * side[1], side))
     if not cfg.cache.text:
@@ -557,8 +555,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
 
 
 def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
-    """Bytes of the budget: `override` (the command line's --vram) or memory.vram_budget."""
-    return parse_size(override or cfg.memory.vram_budget) if (override or cfg.memory.vram_budget) else None
+    """Bytes of --vram (`override`), else of memory.vram_budget; None without either."""
+    text = override or cfg.memory.vram_budget
+    return parse_size(text) if text else None
 
 
 def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str:
