@@ -201,3 +201,28 @@ def test_cuda_streamed_step_same_loss_lower_peak(images, tmp_path, cache_root):
     loss, peak = _one_cuda_step(images, tmp_path / "b", cache_root / "off", *STREAM, *OFFLOAD)
     assert loss == pytest.approx(plain_loss, rel=1e-4)
     assert peak < plain_peak
+
+
+def test_forward_without_backward_leaves_no_gradient_behind(images, tmp_path, cache_root):
+    """A step whose last backward is skipped (non-finite loss) is followed by zero_grad; the next
+    step's gradients of streamed weights must be that step's alone."""
+    args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, "train.precision=fp32",
+                      "train.gradient_checkpointing=false", model="tiny:sd3")
+    cfg = load_config(None, args[3::2])
+    device = torch.device("cpu")
+    family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
+    streamer = place_denoiser(bundle, cfg, device)
+    batch = data.batch(next(data.batches(1, torch.Generator().manual_seed(0), False)))
+    params = [p for p in bundle.denoiser.parameters() if p.requires_grad]
+
+    def loss():
+        return micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                               torch.float32)
+
+    loss().backward()
+    reference = [p.grad.clone() for p in params]
+    loss()  # its backward is skipped, then the loop clears the gradients
+    for p in params:
+        p.grad = None
+    loss().backward()
+    assert streamer.trainable and all(torch.equal(p.grad, g) for p, g in zip(params, reference))

@@ -104,6 +104,17 @@ class _Offloaded:
     device: torch.device
 
 
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a model's output: a tensor, a tuple/list or a dict-like (diffusers' outputs)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
 def block_modules(denoiser: nn.Module) -> list[tuple[str, nn.Module]]:
     """The denoiser's blocks, in the order they are registered."""
     found = []
@@ -341,10 +352,6 @@ class WeightStreamer:
         self._prev["fwd"] = None
         if not torch.is_grad_enabled():
             return
-        for p in self.trainable:  # autograd must not add a device gradient to a CPU one
-            if p not in self._stash:
-                self._stash[p] = p.grad
-            p.grad = None
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saving.__enter__()
         first = self._next["fwd"].get(None)
@@ -357,6 +364,22 @@ class WeightStreamer:
             self._saving = None
         self._offloaded.clear()
         self.release_all()
+        if self.trainable and torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        # The gradient of the output comes before any of a weight's: autograd must not add a
+        # device gradient to the CPU one, so the CPU gradients step aside until backward ends.
+        # (At forward begin would be too early: a forward whose backward is skipped must leave
+        # the gradients to the loop's zero_grad.)
+        if self._task == torch._C._current_graph_task_id():
+            return
+        self._expect_end_of_backward()
+        for p in self.trainable:
+            self._stash[p] = p.grad
+            p.grad = None
 
     def _expect_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()
