@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue from the newest state in output.dir/state (latest) or a state folder")
+    p.add_argument("--gpus", type=int, metavar="N", help="train on N GPUs of this machine (data-parallel; "
+                   "starts the same command through accelerate launch; docs/multi-gpu.md)")
     p = sub.add_parser("plan", help="predict each phase's peak GPU memory; with --vram (or "
                        "memory.vram_budget) choose the fastest settings that fit")
     _add_config_args(p)
@@ -57,8 +59,13 @@ def cmd_train(args) -> int:
     from vramfit.train.setup import train_run
 
     cfg = load_config(args.config, args.overrides)
+    if args.gpus is not None and args.gpus > 1:
+        from vramfit.launch import relaunch
+
+        return relaunch(args.gpus, args.argv, cfg)
     result = train_run(cfg, progress=not args.no_progress, resume=args.resume)
-    print_summary(result)
+    if not result.rank:  # rank 0 speaks for a multi-process run
+        print_summary(result)
     if result.loop.interrupted:
         print(f"\nstopped by {result.loop.interrupted}; the training state is saved. Continue with:\n"
               f"  vramfit train {args.config or ''} ... --resume latest   (same --set options)")
@@ -134,7 +141,9 @@ COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "inspect":
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what `train --gpus N` passes on to each process
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "urllib3", "huggingface_hub"):

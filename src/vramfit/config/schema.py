@@ -178,6 +178,11 @@ class TrainConfig(_Section):
     mode_scale: float = 1.29
     seed: int = 42
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Under `accelerate launch` or `vramfit train --gpus N` (several processes): "
+        "ddp keeps a whole model on every GPU and averages gradients (LoRA and full fine-tune); fsdp "
+        "shards weights, gradients and optimizer state (full fine-tune). No effect on one process. "
+        "docs/multi-gpu.md.")
     nonfinite: Literal["skip", "stop"] = Field(
         "skip",
         description="A NaN/inf loss or gradient: skip that optimizer step (counted in run.json), "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -65,8 +65,10 @@ class TrainingData:
 
     def __init__(self, family: Family, bundle: ModelBundle, records: list[Record], data_cfg: DataConfig,
                  cache_cfg: CacheConfig, cache: DiskCache, device: torch.device, prior_weight: float = 1.0,
-                 identities: Optional[dict[str, str]] = None):
+                 identities: Optional[dict[str, str]] = None, share: Optional[Callable[[list], list]] = None):
         self.family, self.bundle, self.records = family, bundle, records
+        # Over several ranks, `share` picks this rank's part of the entries to encode (distributed.py).
+        self.share = share or (lambda items: items)
         self.prior_weight = prior_weight
         self.identities = identities or {}  # encoder_identity by part, when taken before quantizing
         self.data_cfg, self.cache_cfg, self.cache, self.device = data_cfg, cache_cfg, cache, device
@@ -103,8 +105,9 @@ class TrainingData:
                 r.text_key = text_key(r.item.caption, text_id, store)
 
     def cache_latents(self, progress: bool = False) -> None:
-        todo = [r for r in self.records if not self.cache.has("latents", r.latent_key)]
-        self.stats["latents_reused"] = len(self.records) - len(todo)
+        missing = [r for r in self.records if not self.cache.has("latents", r.latent_key)]
+        self.stats["latents_reused"] = len(self.records) - len(missing)
+        todo = self.share(missing) if missing else missing
         if not todo:
             return
         self.bundle.vae.to(self.device)
@@ -120,7 +123,7 @@ class TrainingData:
             if r.text_key not in pending and not self.cache.has("text", r.text_key):
                 pending[r.text_key] = r.item.caption
         self.stats["text_reused"] = len({r.text_key for r in self.records}) - len(pending)
-        keys = list(pending)
+        keys = self.share(list(pending)) if pending else []
         for start in _bar(range(0, len(keys), TEXT_CHUNK), "cache text", progress):
             chunk = keys[start:start + TEXT_CHUNK]
             out = self.family.encode_text(self.bundle, [pending[k] for k in chunk], self.device,

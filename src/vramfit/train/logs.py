@@ -19,9 +19,12 @@ log = logging.getLogger("vramfit")
 
 
 class RunLogger:
-    def __init__(self, cfg: RunConfig, out: Path, progress: bool, device: torch.device, start_step: int = 0):
-        self.device = device
-        self.images_per_step = cfg.train.batch_size * cfg.train.grad_accum
+    def __init__(self, cfg: RunConfig, out: Path, progress: bool, device: torch.device, start_step: int = 0,
+                 *, world: int = 1, main: bool = True):
+        self.device, self.main = device, main
+        # The global batch: every one of `world` ranks trains batch x accumulation per step; only
+        # the main rank writes TensorBoard and wandb.
+        self.images_per_step = cfg.train.batch_size * cfg.train.grad_accum * world
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -29,12 +32,12 @@ class RunLogger:
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True)
         self.tb = None
-        if cfg.logging.tensorboard:
+        if cfg.logging.tensorboard and main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(out / "logs"))
         self.wandb = None
-        if cfg.logging.wandb:
+        if cfg.logging.wandb and main:
             import wandb
 
             self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(out),
@@ -56,7 +59,7 @@ class RunLogger:
                 post["peak"] = f"{peak:.2f}G"
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(1)
-        elif len(self.seconds) % self.every == 0 or step == self.total:
+        elif self.main and (len(self.seconds) % self.every == 0 or step == self.total):
             log.info("step %d/%d: loss %.4f, %.3f s/step, %.2f img/s%s", step, self.total, loss, seconds, rate,
                      f", peak {peak:.2f} GiB" if peak is not None else "")
         if self.tb is not None:
@@ -74,7 +77,7 @@ class RunLogger:
 
     def close(self) -> None:
         median = self.median_step()
-        if median:
+        if median and self.main:
             log.info("trained %d steps: median %.3f s/step, %.2f images/s", len(self.seconds), median,
                      self.images_per_step / median)
         if self.bar is not None:

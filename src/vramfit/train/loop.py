@@ -19,6 +19,7 @@ from vramfit.config.schema import TrainConfig
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train.data import Record, TrainingData
+from vramfit.train.distributed import DataParallel, micro_batch_generator
 from vramfit.train.state import Progress
 
 
@@ -82,18 +83,25 @@ def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuf
 def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer, schedule,
              cfg: TrainConfig, device: torch.device, progress: Progress, generator: torch.Generator,
              hooks: Optional[LoopHooks] = None, stop: Optional[StopFlag] = None,
-             shuffle: bool = True) -> LoopResult:
-    """Train `bundle.denoiser` from progress.step to cfg.steps; returns losses and step times."""
+             shuffle: bool = True, ranks: Optional[DataParallel] = None) -> LoopResult:
+    """Train `bundle.denoiser` from progress.step to cfg.steps; returns losses and step times.
+
+    Each micro-batch draws from its own generator, seeded by (seed, global micro-batch index), so
+    its noise does not depend on which rank or how many processes train it (train/distributed.py);
+    `generator` is kept for the training state's format."""
     hooks, stop = hooks or LoopHooks(), stop or StopFlag()  # fresh per call: a set flag never leaks
+    ranks = ranks or DataParallel()
     unet = bundle.denoiser
     # Inputs follow the frozen base under LoRA (its trainable fp32 matrices cast for themselves).
     base = next((p for p in unet.parameters() if not p.requires_grad), next(unet.parameters()))
     dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
-    batches = epoch_batches(data, cfg, progress, shuffle)
+    batches = ranks.micro_batches(epoch_batches(data, cfg, progress, shuffle), progress)
+    loss_bundle = ranks.forward_bundle(bundle)
     params = [p for p in unet.parameters() if p.requires_grad]
 
-    def forward(group: list[Record]) -> torch.Tensor:
-        return micro_step_loss(family, bundle, data.batch(group), cfg, generator, device, dtype)
+    def forward(index: int, group: list[Record]) -> torch.Tensor:
+        return micro_step_loss(family, loss_bundle, data.batch(group), cfg, micro_batch_generator(cfg.seed, index),
+                               device, dtype)
 
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
@@ -106,7 +114,8 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
             if cfg.optimizer_in_backward:
                 value = _step_in_backward(forward, batches, optimizer, grad_hooks, cfg, progress, device)
             else:
-                value = _step_after_backward(forward, batches, optimizer, params, grad_hooks, cfg, progress, device)
+                value = _step_after_backward(forward, batches, optimizer, params, grad_hooks, cfg, progress, device,
+                                             ranks)
             schedule.step()
             progress.step += 1
             if device.type == "cuda":
@@ -114,8 +123,9 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
             result.step_seconds.append(time.perf_counter() - t0)
             result.losses.append(value)
             _after_step(hooks, progress, value, schedule, cfg)
-            if stop.requested and progress.step < cfg.steps:
-                result.interrupted = stop.requested
+            requested = ranks.any_stop(stop.requested, device)
+            if requested and progress.step < cfg.steps:
+                result.interrupted = requested
                 break
     finally:
         if grad_hooks is not None:
@@ -124,30 +134,35 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
 
 
 def _accumulate(forward, batches: Iterator[list[Record]], grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
-                device: torch.device, check_last: bool) -> tuple[torch.Tensor, list[Record], bool]:
+                device: torch.device, check_last: bool,
+                ranks: Optional[DataParallel] = None) -> tuple[torch.Tensor, list[Record], bool]:
     """Forward and backward of one optimizer step's micro-batches: (mean loss, records, whether
     every backward ran). With `check_last` the mean loss is read (one host sync) before the last
-    backward, which is skipped when the loss is not finite."""
+    backward, which is skipped when the loss is not finite. Over several ranks each rank runs
+    its share of the micro-batches and only the last backward averages gradients across them."""
+    ranks = ranks or DataParallel()
     total = torch.zeros((), device=device)
     used: list[Record] = []
     for i in range(cfg.grad_accum):
         last = i == cfg.grad_accum - 1
-        group = next(batches)
+        index, group = next(batches)
         used += group
-        loss = forward(group)
-        total += loss.detach() / cfg.grad_accum
-        if last and check_last and not math.isfinite(float(total)):
-            return total, used, False
-        if grad_hooks is not None:
-            grad_hooks.begin(last)
-        (loss / cfg.grad_accum).backward()
+        with ranks.sync(last):
+            loss = forward(index, group)
+            total += loss.detach() / cfg.grad_accum
+            if last and check_last and not math.isfinite(float(total)):
+                return total, used, False
+            if grad_hooks is not None:
+                grad_hooks.begin(last)
+            (loss / cfg.grad_accum).backward()
     return total, used, True
 
 
 def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Parameter],
                          grad_hooks: Optional[BackwardSteps], cfg: TrainConfig, progress: Progress,
-                         device: torch.device) -> float:
-    total, used, _ = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=False)
+                         device: torch.device, ranks: Optional[DataParallel] = None) -> float:
+    total, used, _ = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=False, ranks=ranks)
+    total = (ranks or DataParallel()).mean(total)  # every rank logs and decides on the same value
     if grad_hooks is not None:
         grad_hooks.finish()  # stochastically rounded sums become p.grad
     # The global gradient norm doubles as the check: it is inf/NaN when any gradient is.

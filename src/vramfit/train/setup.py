@@ -32,6 +32,7 @@ from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.data.fingerprint import file_digest
+from vramfit.train import distributed
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
@@ -51,6 +52,7 @@ class RunResult:
     loop: LoopResult
     scan: ScanResult
     cache_stats: dict
+    rank: int = 0  # of a multi-process run (train/distributed.py); rank 0 wrote the files
 
 
 def pick_device(name: str) -> torch.device:
@@ -76,13 +78,16 @@ def scan(cfg: RunConfig) -> ScanResult:
     return result
 
 
-def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool, fit_probe: bool = False):
+def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
+            ranks: Optional[distributed.DataParallel] = None, fit_probe: bool = False):
     """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
-    With `fit_probe`, memory/probe.py measures training at the largest bucket before anything
-    is cached."""
+    Over several ranks each encodes its share of the missing cache entries. With `fit_probe`,
+    memory/probe.py measures training at the largest bucket before anything is cached."""
+    ranks = ranks or distributed.DataParallel()
     result = scan(cfg)
     with tracker.phase("load"):
-        source = resolve_source(cfg.model, cache_root(cfg))
+        with ranks.main_first():  # one rank downloads or converts; the others find it done
+            source = resolve_source(cfg.model, cache_root(cfg))
         family = detect_family(source, cfg.model.family)
         problems = family.config_problems(cfg)
         if problems:
@@ -104,9 +109,9 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     generated = 0
     if cfg.prior.class_prompt:
         with tracker.phase("class_images"):
-            records, generated = _with_class_records(cfg, family, bundle, records, device, progress)
+            records, generated = _with_class_records(cfg, family, bundle, records, device, progress, ranks)
     data = TrainingData(family, bundle, records, cfg.data, cfg.cache, DiskCache(cache_root(cfg) / "entries"),
-                        device, prior_weight=cfg.prior.loss_weight, identities=identities)
+                        device, prior_weight=cfg.prior.loss_weight, identities=identities, share=ranks.share)
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
@@ -120,6 +125,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     with tracker.phase("cache_text"):
         if cfg.cache.text:
             data.cache_text(progress)
+    ranks.barrier()  # every rank's share is written before any rank reads the cache
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
@@ -129,12 +135,13 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
 
 
 def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
-                        progress: bool) -> tuple[list[Record], int]:
-    """Instance records plus one record per class image (generated first where missing)."""
+                        progress: bool, ranks: distributed.DataParallel) -> tuple[list[Record], int]:
+    """Instance records plus one record per class image (generated first where missing, by rank 0)."""
     from vramfit.train import prior
 
-    folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, [r.bucket for r in records],
-                                                          device, progress)
+    with ranks.main_first():
+        folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, [r.bucket for r in records],
+                                                              device, progress)
     free_device_memory(device)
     extra = [Record(item, bucket, item.sha256 or file_digest(item.path), 0, prior=True)
              for item, bucket in prior.class_items(cfg, folder, slots)]
@@ -255,33 +262,37 @@ def stop_on_signals(flag: StopFlag):
 
 
 def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
-                     generator: torch.Generator) -> Progress:
+                     generator: torch.Generator, world: int = 1) -> Progress:
     if not resume:
         return Progress()
     path = find_state(cfg.output_dir, resume)
-    check_compatible(read_meta(path)["config"], cfg.model_dump(mode="json"), path)
+    check_resumable(cfg, str(path), world)
     progress = load_state(path, bundle.denoiser, optimizer, schedule, generator)
     log.info("resumed from %s at step %d (epoch %d)", path, progress.step, progress.epoch)
     return progress
 
 
-def check_resumable(cfg: RunConfig, resume: Optional[str]) -> None:
+def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> None:
     """Fail before any weight loads when --resume cannot work."""
     if resume:
         path = find_state(cfg.output_dir, resume)
-        check_compatible(read_meta(path)["config"], cfg.model_dump(mode="json"), path)
+        saved, now = distributed.resume_configs(read_meta(path)["config"], cfg.model_dump(mode="json"), world, path)
+        check_compatible(saved, now, path)
 
 
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
-    device = pick_device(cfg.train.device)
+    ranks = distributed.start(cfg)  # one process unless launched on several (docs/multi-gpu.md)
+    device = ranks.device or pick_device(cfg.train.device)
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
-    check_resumable(cfg, resume)
+    check_resumable(cfg, resume, ranks.world)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "config.toml", dump_config(cfg))
+    if ranks.main:
+        write_text_atomic(out / "config.toml", dump_config(cfg))
+    progress = progress and ranks.main
     tracker = MemoryTracker(device)
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, fit_probe=True)
+    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=True)
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
@@ -289,19 +300,21 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     optimizer = build_optimizer(bundle.denoiser.parameters(), cfg.train)
     schedule = build_schedule(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator)
+    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks.world)
     start = state.step
     saved: list[Path] = []
-    config_json = cfg.model_dump(mode="json")
+    config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
 
     def write_state(p: Progress) -> None:
+        if not ranks.main:  # DDP keeps every rank's weights and optimizer state identical
+            return
         assert_finite(bundle.denoiser)
         save_state(out, bundle.denoiser, optimizer, schedule, generator, p, config_json, cfg.save.keep_last)
 
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
-                      on_save=lambda p: saved.extend(save_checkpoint(family, bundle, cfg, p.step)),
-                      on_state=write_state)
-    logger = RunLogger(cfg, out, progress, device, start)
+                      on_save=(lambda p: saved.extend(save_checkpoint(family, bundle, cfg, p.step)))
+                      if ranks.main else None, on_state=write_state)  # rank 0 writes checkpoints
+    logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples")
 
     spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
@@ -310,34 +323,40 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         logger.step(step, loss, lr)
         if spill is not None:
             spill.step_done()
-        grids.maybe(step)
+        if ranks.main:
+            grids.maybe(step)
 
     hooks.on_step = on_step
     flag = StopFlag()
+    ranks.wrap(bundle.denoiser)
     with tracker.phase("train") as phase, stop_on_signals(flag):
         result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
-                          hooks, flag)
+                          hooks, flag, ranks=ranks)
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
     logger.close()
-    if grids.enabled and not result.interrupted:
+    if grids.enabled and ranks.main and not result.interrupted:
         with tracker.phase("samples"):
             grids.render(state.step)
     with tracker.phase("save"):
         write_state(state)  # also at the end, so a finished run can be extended with more steps
-        if not result.interrupted:
+        if not result.interrupted and ranks.main:
             saved += save_checkpoint(family, bundle, cfg, None)
     free_device_memory(device)
     report = tracker.report
-    report.write(out / f"{cfg.save.name}.memory.json")
+    report.write(out / ranks.report_name(cfg.save.name))
+    if not ranks.main:
+        ranks.close()
+        return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
     write_text_atomic(out / "run.json", json.dumps(
-        {"versions": _versions(), "seed": cfg.train.seed, "items": len(scanned.items),
+        {"versions": _versions(), "seed": cfg.train.seed, "world_size": ranks.world, "items": len(scanned.items),
          "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
          "cache": data.stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
          "interrupted": result.interrupted, "losses": result.losses,
          "nonfinite_steps_skipped": state.nonfinite_skipped,
          "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in grids.paths]}, indent=2))
+    ranks.close()
     return RunResult(out, saved, report, result, scanned, data.stats)
 
 
