@@ -29,7 +29,8 @@ CASES = {  # name: (model, settings of both runs, settings of the run compared w
                               (*STREAM, *OFFLOAD, "memory.stream_unit_mib=0.05")),
     "ssd1b-lora-nockpt": ("tiny:ssd1b", ("train.mode=lora", "train.lr=1e-2", "train.gradient_checkpointing=false"),
                           STREAM),
-    "sd3-full-nockpt": ("tiny:sd3", ("train.precision=fp32", "train.gradient_checkpointing=false"), (*STREAM, *OFFLOAD)),
+    "sd3-full-mixed-nockpt": ("tiny:sd3", ("train.precision=mixed_bf16", "train.gradient_checkpointing=false"),
+                              (*STREAM, *OFFLOAD)),
     "sd3-lora-ckpt-offload-only": ("tiny:sd3", ("train.mode=lora", "train.lr=1e-2"), OFFLOAD),
     # the gradients reach the CPU homes through autograd, so the optimizer step in backward sees them
     "sd3-full-ckpt-in-backward": ("tiny:sd3", ("train.optimizer_in_backward=true", "train.stochastic_rounding=false"),

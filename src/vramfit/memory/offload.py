@@ -40,9 +40,10 @@ gradients once back; the optimizer step of the streamed weights runs on the CPU 
 not overlapped with the GPU; host memory holds the weights, their gradients and optimizer
 state, pinned. On the device: at most three units' copies (the current one, the next, and one
 the GPU may still be reading), the resident weights, and the streamed gradients only until
-their copy to the host is done. Under mixed_bf16 without checkpointing the
-bf16 casts autocast makes of the weights are saved as they are (on the device). On CPU-only
-runs every step still copies into separate compute tensors, so tests see the mechanism work.
+their copy to the host is done. Under mixed_bf16 without checkpointing the bf16 casts autocast
+makes of the weights are saved as they are (on the device); autocast's cache of them is
+cleared at each change of unit. On CPU-only runs every step still copies into separate compute
+tensors, so tests see the mechanism work.
 """
 from __future__ import annotations
 
@@ -250,6 +251,10 @@ class WeightStreamer:
         self._lru.append(unit)
         if self._current is not None and self._current is not unit and self._current.bound:
             self._unbind(self._current)
+            if torch.is_autocast_enabled(self.device.type):
+                # autocast keeps its casts of trained weights until it exits: a bf16 copy of every
+                # unit by the end of forward. The previous unit's are not used again.
+                torch.clear_autocast_cache()
         self._current = unit
         upcoming = self._next[phase].get(unit.index)
         if upcoming is not None and upcoming != unit.index:
