@@ -37,10 +37,15 @@ def load(paths: list[Path]) -> list[dict]:
         if g.get("commit") not in str(old.get("commit")).split(", "):
             old["commit"] = f"{old.get('commit')}, {g.get('commit')}"
         new = {(r["side"], r["case"]): r for r in g["rows"]}
-        old["rows"] = [new.pop((r["side"], r["case"]), r) for r in old["rows"]] + list(new.values())
+        old["rows"] = [newer(new.pop((r["side"], r["case"]), r), r) for r in old["rows"]] + list(new.values())
     for g in merged.values():
         g["rows"].sort(key=lambda r: (r["side"] != "seed", r.get("role") == "fastest"))
     return sorted(merged.values(), key=lambda g: ORDER.index(g["workload"]) if g["workload"] in ORDER else 99)
+
+
+def newer(row: dict, earlier: dict) -> dict:
+    """A later command's row replaces an earlier one, unless it only says the case was skipped."""
+    return earlier if row.get("status") == "skipped" and earlier.get("status") == "ok" else row
 
 
 def reference(group: dict, role: str) -> Optional[dict]:
@@ -88,7 +93,8 @@ def render_group(group: dict) -> str:
     where = group.get("gpu") or "CPU, tiny models (not a measurement of speed)"
     lines = [f"### {group['title']}", "",
              f"{where}; vramfit `{group.get('commit', '?')}`, torch {group.get('torch', '?')}, {group.get('date', '')}; "
-             f"{group['steps']} steps per case, median after the first; {tflop}.", "",
+             f"{group['steps']} steps per case, median after the first; {tflop}."
+             + (f" Not run (out of time): {', '.join(group['not_run'])}." if group.get("not_run") else ""), "",
              "| side | configuration | peak alloc GiB | peak resv GiB | step s | img/s | MFU | vs reference | target | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in group["rows"]:

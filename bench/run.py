@@ -88,6 +88,7 @@ LORA_CASES = [
 ]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
+DEFAULT_CASE_SECONDS = {"seed": 30.0, "vramfit": 60.0}  # guesses for --deadline until a case has run
 SEED_LABELS = {"seed": "seed recipe", "fused": "seed + Adafactor inside backward", "fast": "stock fast",
                "cached": "seed with latents cached"}
 
@@ -161,14 +162,15 @@ def config_problem(config: Optional[Path], sets: list[str]) -> Optional[str]:
     return None
 
 
-def run_seed(workload: str, case: str, args) -> dict:
+def run_seed(workload: str, case: str, args, timeout: Optional[float] = None) -> dict:
     """bench/seeds.py in a fresh process; its RESULT line, or an error."""
+    timeout = timeout or args.timeout
     cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), workload, case, "--steps", str(args.steps)]
     cmd += ["--tiny"] if args.tiny else []
     try:
-        proc = subprocess.run(cmd, text=True, capture_output=True, cwd=ROOT, timeout=args.timeout)
+        proc = subprocess.run(cmd, text=True, capture_output=True, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -233,9 +235,23 @@ class GroupRun:
         self.rows: list[dict] = [r for r in old.get("rows", [])] if keep else []
         self.data = dict(workload=workload, **WORKLOADS[workload], tiny=args.tiny, steps=args.steps,
                          peak_tflops=args.peak_tflops, **environment(args.tiny))
+        self.walls: dict[str, list[float]] = {}  # seconds each case of a kind took in this command
 
     def selected(self, name: str) -> bool:
         return not self.args.cases or name in self.args.cases
+
+    def run_case(self, name: str, kind: str, measure) -> None:
+        """measure(timeout) -> row, when --deadline leaves time for a case as long as the longest of its
+        kind so far (else the case is listed in not_run, for a later command)."""
+        left = self.args.deadline - (time.time() - self.args.t0) if self.args.deadline else None
+        need = max(self.walls.get(kind, []), default=DEFAULT_CASE_SECONDS[kind])
+        if left is not None and left < need:
+            self.data.setdefault("not_run", []).append(name)
+            log(f"{self.w} {kind} {name}: not run, {left:.0f} s left of --deadline and a {kind} case takes ~{need:.0f} s")
+            return
+        t0 = time.time()
+        self.put(measure(self.args.timeout if left is None else max(30.0, min(self.args.timeout, left - 10))))
+        self.walls.setdefault(kind, []).append(time.time() - t0)
 
     def put(self, row: dict) -> None:
         row = add_rates(row, self.data.get("flops", {}), self.args.peak_tflops, not self.args.tiny and
@@ -292,15 +308,22 @@ def run_workload(workload: str, args) -> Path:
     for case in SEED_CASES[workload]:
         if group.selected(case):
             log(f"{workload} seed {case} ...")
-            group.put(seed_row(workload, case, run_seed(workload, case, args)))
+            group.run_case(case, "seed", lambda timeout, c=case: seed_row(workload, c, run_seed(workload, c, args, timeout)))
     recipe_cfg = recipe(workload, ckpt, images, args.work, args.steps, args.tiny)
     bare = workload_sets(workload, ckpt, images, args.work, args.steps, args.tiny)
     listed = LORA_CASES if w["mode"] == "lora" else FULL_CASES
-    for case in listed[:-1] + discovered_cases(listed) + listed[-1:]:  # the fastest last
+    # The recipe, the planner and the fastest first: under --deadline the options are the ones left out.
+    first = [c for c in listed if c.name in ("recipe", "budget") or c.role == "fastest"]
+    for case in first + [c for c in listed + discovered_cases(listed) if c not in first]:
         if group.selected(case.name):
             config, base = (None, bare) if case.bare else recipe_cfg
-            group.put(run_vramfit_case(workload, case, config, base + fill(case.sets, group, args.tiny), args))
+            sets = base + fill(case.sets, group, args.tiny)
+            group.run_case(case.name, "vramfit",
+                           lambda timeout, c=case, cf=config, s=sets: run_vramfit_case(workload, c, cf, s, args, timeout))
     group.write()
+    if group.data.get("not_run"):
+        log(f"{workload}: not run for lack of time: {', '.join(group.data['not_run'])}; run them with\n"
+            f"  python bench/run.py {workload} --out DIR --cases {','.join(group.data['not_run'])}")
     return group.path
 
 
@@ -313,7 +336,8 @@ def fill(sets: list[str], group: GroupRun, tiny: bool) -> list[str]:
     return [s.replace("{seed_peak}", peak) if peak else s for s in sets]
 
 
-def run_vramfit_case(workload: str, case: Case, config: Optional[Path], sets: list[str], args) -> dict:
+def run_vramfit_case(workload: str, case: Case, config: Optional[Path], sets: list[str], args,
+                     timeout: float) -> dict:
     skipped = dict(side="vramfit", case=case.name, label=case.label, role=case.role, sets=case.sets,
                    status="skipped")
     missing = [k for k in case.requires if not key_exists(k)]
@@ -327,7 +351,7 @@ def run_vramfit_case(workload: str, case: Case, config: Optional[Path], sets: li
     log(f"{workload} vramfit {case.name} ...")
     run_dir = args.work / "runs" / f"{workload}-{case.name}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    report = run_train(config, sets, run_dir, timeout=args.timeout, echo=args.verbose)
+    report = run_train(config, sets, run_dir, timeout=timeout, echo=args.verbose)
     if not args.keep_runs:  # states and checkpoints of a full fine-tune are many GB each
         shutil.rmtree(run_dir, ignore_errors=True)
     return vramfit_row(case, report, WORKLOADS[workload]["batch"])
@@ -346,6 +370,9 @@ def parse_args(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS,
                     help=f"the GPU's peak dense bf16 rate for MFU (default {H200_DENSE_BF16_TFLOPS:g}, H200 spec)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per case before it counts as failed")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start this command may take (e.g. 570 under a 10-minute limit): a case "
+                    "that would not end in time is left out and named, for a second command")
     ap.add_argument("--keep-runs", action="store_true", help="keep vramfit's output folders")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each vramfit run's output")
     return ap.parse_args(argv)
@@ -355,7 +382,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0 = args.t0 = time.time()
     paths = [run_workload(w, args) for w in (WORKLOADS if args.group == "all" else [args.group])]
     from report import render_tables
 
