@@ -162,7 +162,9 @@ class WeightStreamer:
         self.capacity = max(2, capacity)
         self.offload_activations = offload_activations
         self.stats = StreamStats()
+        # Copies to the device and back to the host on two streams: PCIe carries both at once.
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self.back = torch.cuda.Stream(self.device) if self.cuda else None
 
         def streamed(p: nn.Parameter) -> bool:
             return stream and _is_plain(p) and (stream_trainable or not p.requires_grad)
@@ -446,10 +448,10 @@ class WeightStreamer:
         grad, p.grad = p.grad, None
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side):
+            self.back.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.back):
                 host.copy_(grad, non_blocking=True)
-            grad.record_stream(self.side)  # its memory is reused only after the copy
+            grad.record_stream(self.back)  # its memory is reused only after the copy
         else:
             host.copy_(grad)
         self._moved.append((p, host))
@@ -458,7 +460,8 @@ class WeightStreamer:
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""
         if self.cuda:
-            self.side.synchronize()
+            self.side.synchronize()  # no copy may still read a home the optimizer will change
+            self.back.synchronize()
         for p, grad in self._stash.items():
             p.grad = grad
         self._stash.clear()
