@@ -15,7 +15,7 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.model_facts import facts_for_layout, read_facts
-from vramfit.memory.planner import GIB, MARGIN, PlanError, choose, device_terms
+from vramfit.memory.planner import GIB, MARGIN, PlanError, choose, device_terms, predict
 from vramfit.memory.probe import SYNTHETIC_BATCHES
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
@@ -163,6 +163,17 @@ def test_predictions_are_within_ten_percent_of_the_measured_bench_reports():
             if phase.startswith("cache_") and meas < 0.05 * pred:
                 continue  # reused cache: no measurement
             assert abs(pred - meas) <= 0.10 * meas, (path.name, phase, pred / GIB, meas / GIB)
+
+
+def test_the_sd3m_example_is_predicted_within_ten_percent(sd3m):
+    from vramfit.config.load import load_config
+
+    cfg = load_config(ROOT / "examples" / "sd3m_dreambooth_lora.toml", ["model.path=tiny:sd3"], need_data=False)
+    # measured on the H200 by bench/sd3m_example.py (SD3-M layout, random fp8 T5-XXL, one caption)
+    measured = {"cache_latents": 1.10, "cache_text": 4.69, "train": 4.65, "samples": 5.94}
+    predicted = {p.name: p.peak / GIB for p in predict(sd3m, cfg, captions=1).phases}
+    for phase, gib in measured.items():
+        assert abs(predicted[phase] - gib) <= 0.10 * gib, (phase, predicted[phase], gib)
 
 
 # ---- the command line ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ folder, or the tiny:* file): the family, the denoiser's config (the denoiser is 
 meta device, so every parameter, buffer and nn.Linear is known exactly), the VAE's parameter
 count, and per text encoder its size, stored dtype and projection weights. `facts_for_layout`
 gives the same for a released layout from the shipped configs, for planning without the file.
+Also the exact bytes of a quantized linear, an optimizer's state and an encoder on the GPU.
 Cost: header reads and one meta-device construction (about a second for SDXL's UNet).
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Optional
 import torch
 
 from vramfit.config.schema import RunConfig
+from vramfit.memory.quantize import NF4_BLOCK
+from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
 
 
 # ---- what the checkpoint holds -------------------------------------------------------------------
@@ -153,6 +156,45 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     with torch.device("meta"):
         denoiser = cls.from_config(config)
     return ModelFacts(family, dict(denoiser.config), denoiser, vae_params, vae_tile, encoders)
+
+
+# ---- bytes of what vramfit allocates, exactly -------------------------------------------------------
+
+def quantized_linear_bytes(out_features: int, in_features: int, method: str) -> Optional[int]:
+    """Bytes of one frozen linear weight stored by memory/quantize.py (torchao layouts); None
+    when the shape cannot be quantized (nf4 needs whole blocks of 64)."""
+    n = out_features * in_features
+    if method == "int8":  # int8 values, an fp32 scale and an int8 zero point per row
+        return n + 5 * out_features
+    if method == "fp8":  # e4m3 values and an fp32 scale per row
+        return n + 4 * out_features
+    if n % NF4_BLOCK:
+        return None
+    blocks = n // NF4_BLOCK  # 4-bit codes, an int8 absmax per block, bf16 factors per group of them
+    return n // 2 + blocks + 2 * (blocks // math.gcd(blocks, 256)) + 2 + 32
+
+
+def state_bytes(optimizer: str, numel: int, shape: tuple, dtype_bytes: int) -> int:
+    """Optimizer state of one trained tensor, exactly as optim/ allocates it."""
+    if optimizer == "adafactor":  # fp32; a matrix (conv kernels as [out, rest]) keeps a row and a column
+        if len(shape) >= 2:
+            return 4 * (shape[0] + math.prod(shape[1:]))
+        return 4 * numel
+    if optimizer == "adamw8bit" and numel >= ADAM8_MIN_NUMEL and numel % ADAM8_BLOCK == 0:
+        return 2 * (numel + 4 * (numel // ADAM8_BLOCK) + 4 * 256)  # codes, block scales, the 256-entry map
+    return 2 * numel * dtype_bytes  # AdamW: two moments in the parameter's dtype
+
+
+def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
+    """(bytes on the GPU, bytes of its widened largest linear while it runs)."""
+    stored = max(enc.stored_bytes, 2 * enc.params) if enc.kind == "t5" else enc.stored_bytes  # fp8 T5 is widened
+    if enc.kind != "t5" or t5_precision == "bf16":
+        return (2 * enc.params if enc.kind == "t5" else stored), 0
+    rest = 2 * (enc.params - enc.linear_numel)
+    linear = {"int8": enc.linear_numel + 5 * enc.linear_rows, "fp8": enc.linear_numel + 4 * enc.linear_rows,
+              "nf4": enc.linear_numel // 2 + enc.linear_numel // NF4_BLOCK * 4}[t5_precision]
+    return rest + linear, 2 * enc.largest_linear
+
 
 
 # T5 v1.1 XXL, the encoder of SD3's `t5xxl` files (model-facts.md: 4,762,310,656 parameters)

@@ -15,6 +15,10 @@ Each phase (bytes allocated; n = a tensor's element count):
   work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
   step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
   tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T.
+- samples (with sample.every_steps): S + the largest of the two largest encoders together (model
+  CPU offload leaves the last encoder on the GPU while the first run again for the negative
+  prompt: SD3-M example, T5 int8 + CLIP-G, measured 5.94 GiB), W + the denoiser's work at the
+  sample size for both halves of guidance, and the bf16 VAE decoding.
 - save: W + S + SAVE_WORKSPACE (the optimizer still lives while the state is written).
 
 Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
@@ -46,16 +50,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from vramfit.config.schema import RunConfig, parse_size
-from vramfit.memory.model_facts import EncoderFacts, ModelFacts
-from vramfit.memory.quantize import NF4_BLOCK
-from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
+from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
 
 GIB = 2**30
 MIB = 2**20
@@ -166,31 +167,6 @@ _ACTIVATIONS: dict[str, Callable[..., ActivationShape]] = {"sdxl": sdxl_activati
 
 # ---- bytes of each term -----------------------------------------------------------------------------
 
-def quantized_linear_bytes(out_features: int, in_features: int, method: str) -> Optional[int]:
-    """Bytes of one frozen linear weight stored by memory/quantize.py (torchao layouts); None
-    when the shape cannot be quantized (nf4 needs whole blocks of 64)."""
-    n = out_features * in_features
-    if method == "int8":  # int8 values, an fp32 scale and an int8 zero point per row
-        return n + 5 * out_features
-    if method == "fp8":  # e4m3 values and an fp32 scale per row
-        return n + 4 * out_features
-    if n % NF4_BLOCK:
-        return None
-    blocks = n // NF4_BLOCK  # 4-bit codes, an int8 absmax per block, bf16 factors per group of them
-    return n // 2 + blocks + 2 * (blocks // math.gcd(blocks, 256)) + 2 + 32
-
-
-def state_bytes(optimizer: str, numel: int, shape: tuple, dtype_bytes: int) -> int:
-    """Optimizer state of one trained tensor, exactly as optim/ allocates it."""
-    if optimizer == "adafactor":  # fp32; a matrix (conv kernels as [out, rest]) keeps a row and a column
-        if len(shape) >= 2:
-            return 4 * (shape[0] + math.prod(shape[1:]))
-        return 4 * numel
-    if optimizer == "adamw8bit" and numel >= ADAM8_MIN_NUMEL and numel % ADAM8_BLOCK == 0:
-        return 2 * (numel + 4 * (numel // ADAM8_BLOCK) + 4 * 256)  # codes, block scales, the 256-entry map
-    return 2 * numel * dtype_bytes  # AdamW: two moments in the parameter's dtype
-
-
 @dataclass
 class _Tensor:
     name: str
@@ -294,17 +270,6 @@ def _vae_phase(facts: ModelFacts, cfg: RunConfig, pixels: int, side: tuple[int, 
             "activations": VAE_BYTES_PER_PIXEL[dtype] * pixels}
 
 
-def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
-    """(bytes on the GPU, bytes of its widened largest linear while it runs)."""
-    stored = max(enc.stored_bytes, 2 * enc.params) if enc.kind == "t5" else enc.stored_bytes  # fp8 T5 is widened
-    if enc.kind != "t5" or t5_precision == "bf16":
-        return (2 * enc.params if enc.kind == "t5" else stored), 0
-    rest = 2 * (enc.params - enc.linear_numel)
-    linear = {"int8": enc.linear_numel + 5 * enc.linear_rows, "fp8": enc.linear_numel + 4 * enc.linear_rows,
-              "nf4": enc.linear_numel // 2 + enc.linear_numel // NF4_BLOCK * 4}[t5_precision]
-    return rest + linear, 2 * enc.largest_linear
-
-
 def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, int]:
     best: dict[str, int] = {}
     for enc in facts.encoders:
@@ -379,6 +344,22 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     return {**base, **max(candidates, key=lambda c: sum(c.values()))}
 
 
+def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
+    """Sample grids (train/samples.py): diffusers' model CPU offload brings one model at a time to
+    the GPU, except that the last text encoder is still there when the first ones run again for
+    the negative prompt (the two largest encoders at once); the optimizer state stays."""
+    encoders = sorted(encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders
+                      if e.kind != "t5" or cfg.model.t5_precision != "none")
+    w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
+    text_tokens = 77 + (cfg.model.max_sequence_length if facts.family == "sd3" else 0)
+    shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, text_tokens)
+    stages = [{"text encoders": sum(encoders[-2:])},  # the denoiser: both halves of guidance at once
+              {"weights": terms["weights"], "work": int(2 * _CONSTANTS[facts.family].work * shape.work)},
+              {"vae": 2 * facts.vae_params, "activations": 2 * VAE_BYTES_PER_PIXEL["bf16"] * w * h}]
+    return {"optimizer state": terms["optimizer state"], **max(stages, key=lambda st: sum(st.values())),
+            "workspace": WORKSPACE}
+
+
 def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:
     """Predicted peak GPU allocation of each phase `cfg` runs (see the module docstring)."""
     side = largest_bucket(cfg)
@@ -391,8 +372,10 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
         phases.append(PhaseEstimate("cache_text", sum(parts.values()), parts))
     parts = _train_phase(facts, cfg, side)
     phases.append(PhaseEstimate("train", sum(parts.values()), parts))
-    keep = ("weights", "optimizer state")
-    parts = {k: v for k, v in parts.items() if k in keep}
+    if cfg.sample.every_steps and cfg.sample.prompts:
+        samples = _samples_phase(facts, cfg, device_terms(facts, cfg))
+        phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
+    parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}
     parts["workspace"] = SAVE_WORKSPACE
     phases.append(PhaseEstimate("save", sum(parts.values()), parts))
     return Prediction(phases)
@@ -479,8 +462,8 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     # Encoders that stay live during training put their settings into the training group.
     if knob.group == "cache_latents" and not cfg.cache.latents:
         return "train"
-    if knob.group == "cache_text" and not cfg.cache.text:
-        return "train"
+    if knob.group == "cache_text" and (not cfg.cache.text or (cfg.sample.every_steps and cfg.sample.prompts)):
+        return "train"  # sample grids encode their prompts while the denoiser trains
     return knob.group
 
 
@@ -498,7 +481,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
             if combo.get("memory.offload_activations") and combo.get("train.gradient_checkpointing") is False:
                 continue  # offloading every activation of a step is slower than recomputing them
             pred = predict(facts, trial, captions)
-            fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name == "save")]
+            fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
             worst = max(fits, key=lambda p: p.peak, default=None)
             if worst is None or worst.peak <= usable:
                 found = combo
