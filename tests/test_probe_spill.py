@@ -102,3 +102,19 @@ def test_slow_first_steps_are_not_counted_and_step_done_times_itself():
     fired = [watch.step_done() for _ in range(11)]
     assert fired.index(True) == 10 and fired.count(True) == 1
     assert SpillWatch.for_device(CPU) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_probe_measures_and_gives_its_memory_back():
+    cuda = torch.device("cuda")
+    cfg, family, bundle = _loaded(model={"path": "tiny:sd3"}, train={"mode": "lora"},
+                                  lora={"base_quantization": "int8"})
+    before = torch.cuda.memory_allocated(cuda)
+    peak = fit_probe(family, bundle, cfg, cuda, BUCKETS)
+    assert peak is not None and peak > before
+    assert torch.cuda.memory_allocated(cuda) == before  # the stand-in and its optimizer are gone
+    assert all(p.device.type == "cpu" for p in bundle.denoiser.parameters())
+    tight = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"vram_budget": "1MiB"})})
+    with pytest.raises(FitProbeError, match="1 x 64x64"):
+        fit_probe(family, bundle, tight, cuda, BUCKETS)
+    assert SpillWatch.for_device(cuda) is not None

@@ -115,7 +115,7 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
 
     def run():  # the LoopResult of the two steps
         return run_loop(family, twin, data, optimizer, schedule, train, device, Progress(),
-                 torch.Generator().manual_seed(0), shuffle=False)
+                        torch.Generator().manual_seed(0), shuffle=False)
     return run
 
 
@@ -137,11 +137,11 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         limit = budget_of(cfg) or torch.cuda.get_device_properties(device).total_memory
     bucket = max(buckets, key=lambda b: b[0] * b[1])
     what = f"{cfg.train.batch_size} x {bucket[0]}x{bucket[1]}"
+    failed = False
     try:
         peak = measure(probe_steps(family, bundle, cfg, device, bucket))
-        failed = None
-    except torch.cuda.OutOfMemoryError as exc:
-        peak, failed = limit + 1, exc
+    except torch.cuda.OutOfMemoryError:  # (the exception is not kept: its frames hold the stand-in)
+        peak, failed = limit + 1, True
     finally:
         from vramfit.train.data import free_device_memory
 
