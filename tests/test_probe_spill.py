@@ -112,7 +112,8 @@ def test_on_cuda_the_probe_measures_and_gives_its_memory_back():
     before = torch.cuda.memory_allocated(cuda)
     peak = fit_probe(family, bundle, cfg, cuda, BUCKETS)
     assert peak is not None and peak > before
-    assert torch.cuda.memory_allocated(cuda) == before  # the stand-in and its optimizer are gone
+    # the stand-in and its optimizer are gone (cuBLAS keeps its workspace, a few MiB)
+    assert torch.cuda.memory_allocated(cuda) <= before + 64 * 2**20
     assert all(p.device.type == "cpu" for p in bundle.denoiser.parameters())
     tight = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"vram_budget": "1MiB"})})
     with pytest.raises(FitProbeError, match="1 x 64x64"):
