@@ -10,6 +10,7 @@ measured and the error; issue 4 wants every error within 10%.
     python bench/plan_check.py docs/bench/*.json
     python bench/plan_check.py OUT/*/bench.memory.json --captions 4
     python bench/plan_check.py OUT/ssd1b.json OUT/sd3_lora512.json      # bench/run.py workload files
+    python bench/plan_check.py /tmp/vramfit-bench/run-budget4           # a run's output folder
 
 Captions: the text phase holds the hidden states of up to 64 captions at once; a report does not
 say how many distinct captions its dataset had, so give --captions (default: 1 with a DreamBooth
@@ -64,8 +65,12 @@ def facts_for(model_path: str, layout: str | None, cfg):
 
 
 def runs(report_path: Path) -> list[tuple[str, dict]]:
-    """(name, run) of each measured vramfit run in a file: a single run's report, or the
-    vramfit rows of a bench/run.py workload file (each with its command and phases)."""
+    """(name, run) of each measured vramfit run in a file: a single run's report, the vramfit
+    rows of a bench/run.py workload file (each with its command and phases), or a run's output
+    folder (its resolved config.toml, with the settings a budget chose, and its *.memory.json)."""
+    if report_path.is_dir():
+        report = json.loads(next(report_path.glob("*.memory.json")).read_text())
+        return [(report_path.name, dict(report, config=str(report_path / "config.toml")))]
     data = json.loads(report_path.read_text())
     if "rows" not in data:
         return [(report_path.name, data)]
@@ -82,7 +87,13 @@ def check(report_path: Path, layout: str | None, captions: int | None) -> list[t
 def check_run(report: dict, layout: str | None, captions: int | None) -> list[tuple[str, float, float]]:
     from vramfit.memory.planner import predict
 
-    cfg, model, sets = run_config(report["command"])
+    if "config" in report:  # an output folder: its resolved config as the run used it
+        from vramfit.config.load import load_config
+
+        cfg = load_config(Path(report["config"]), need_data=False)
+        model, sets = cfg.model.path, []
+    else:
+        cfg, model, sets = run_config(report["command"])
     if captions is None:
         captions = 1 if any(s.startswith("data.instance_prompt=") for s in sets) or cfg.data.instance_prompt else 4
     facts = facts_for(model, layout, cfg)
