@@ -262,9 +262,12 @@ def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
                key=lambda b: b[0] * b[1])
 
 
-def _vae_phase(facts: ModelFacts, cfg: RunConfig, pixels: int, side: tuple[int, int]) -> dict[str, int]:
-    if cfg.cache.vae_tiling:
-        pixels = min(side[0], facts.vae_tile) * min(side[1], facts.vae_tile)
+def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
+    from vramfit.data.buckets import make_buckets
+
+    tile = facts.vae_tile if cfg.cache.vae_tiling else 1 << 30  # a side up to the tile is not tiled
+    pixels = max(min(w, tile) * min(h, tile) for w, h in
+                 make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect))
     dtype = cfg.cache.vae_dtype
     return {"vae": facts.vae_params * (4 if dtype == "fp32" else 2),
             "activations": VAE_BYTES_PER_PIXEL[dtype] * pixels}
@@ -326,7 +329,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     act = _activations(facts, cfg, side)
     base = {k: terms[k] for k in ("weights", "optimizer state", "streamed gradients")}
     if not cfg.cache.latents:
-        base.update(_vae_phase(facts, cfg, side[0] * side[1], side))
+        base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
         base["text encoder"] = max((encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders), default=0)
     base["workspace"] = WORKSPACE
@@ -365,7 +368,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     side = largest_bucket(cfg)
     phases = []
     if cfg.cache.latents:
-        parts = _vae_phase(facts, cfg, side[0] * side[1], side)
+        parts = _vae_phase(facts, cfg)
         phases.append(PhaseEstimate("cache_latents", sum(parts.values()), parts))
     if cfg.cache.text:
         parts = _text_phase(facts, cfg, min(captions, TEXT_CHUNK))
