@@ -94,9 +94,11 @@ def cmd_plan(args) -> int:
 
 def cmd_cache(args) -> int:
     from vramfit.memory.accounting import MemoryTracker
-    from vramfit.train.setup import pick_device, prepare
+    from vramfit.memory.planner import fit_to_budget
+    from vramfit.train.setup import cache_root, pick_device, prepare
 
     cfg = load_config(args.config, args.overrides)
+    cfg = fit_to_budget(cfg, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys
     device = pick_device(cfg.train.device)
     tracker = MemoryTracker(device)
     _, _, data, scanned = prepare(cfg, tracker, device, not args.no_progress)
