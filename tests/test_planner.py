@@ -73,6 +73,19 @@ def test_weights_gradients_and_state_are_predicted_to_the_byte(model, train, lor
     assert predicted["largest numel"] == max(p.numel() for p in trained)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw", "adafactor"])
+def test_optimizer_state_bytes_of_large_tensors(optimizer):
+    from vramfit.memory.model_facts import state_bytes as predicted_state
+
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
+              for shape in ((64, 128), (32, 16, 3, 3), (300,), (40, 50))]  # 8-bit blocks and not
+    optimizer_ = build_optimizer(params, _cfg(train={"optimizer": optimizer}).train)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer_.step()
+    assert state_bytes(optimizer_) == sum(predicted_state(optimizer, p.numel(), tuple(p.shape), 2) for p in params)
+
+
 def test_streamed_weights_leave_two_units_on_the_device():
     cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE},
                memory={"stream_weights": True, "stream_unit_mib": 0.05})
