@@ -100,9 +100,10 @@ def _per_layer(value, level: int, layers: int) -> list[int]:
     return list(v) if isinstance(v, (list, tuple)) else [int(v)] * layers
 
 
-def sdxl_activations(config: dict, latent_h: int, latent_w: int, text_tokens: int) -> ActivationShape:
+def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
     """The SDXL-family UNet: each resnet and transformer block is checkpointed (diffusers);
-    per Transformer2DModel its norm, proj_in and proj_out save about 3 more inputs."""
+    per Transformer2DModel its norm, proj_in and proj_out save about 3 more inputs. Its text
+    states (77 tokens, one shared tensor) are negligible; `t5_tokens` does not apply."""
     chans = list(config["block_out_channels"])
     lpb = int(config["layers_per_block"])
     down_types = config["down_block_types"]
@@ -150,12 +151,12 @@ def sdxl_activations(config: dict, latent_h: int, latent_w: int, text_tokens: in
     return out
 
 
-def sd3_activations(config: dict, latent_h: int, latent_w: int, text_tokens: int) -> ActivationShape:
+def sd3_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
     """SD3's MMDiT: each joint block is checkpointed; its inputs are the image tokens, the text
     tokens and the conditioning vector, all `caption_projection_dim` wide."""
     width = int(config["caption_projection_dim"])
     patch = int(config["patch_size"])
-    tokens = (latent_h // patch) * (latent_w // patch) + text_tokens
+    tokens = (latent_h // patch) * (latent_w // patch) + 77 + t5_tokens  # CLIP's 77, then T5's (or zeros)
     layers = int(config["num_layers"])
     per_block = tokens * width
     return ActivationShape(saved=layers * (per_block + width), work=per_block, resnet_inputs=0,
@@ -291,8 +292,7 @@ def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, i
 def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
     """Activation bytes at the training peak: {"saved": ..., "work": ...}."""
     k = _CONSTANTS[facts.family]
-    text_tokens = 77 + (cfg.model.max_sequence_length if facts.family == "sd3" else 0)
-    shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, text_tokens)
+    shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
     scale = cfg.train.batch_size * (2.0 if cfg.train.precision == "fp32" else 1.0)
     work = k.work * shape.work * scale
     if cfg.train.gradient_checkpointing:
@@ -354,8 +354,7 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     encoders = sorted(encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
-    text_tokens = 77 + (cfg.model.max_sequence_length if facts.family == "sd3" else 0)
-    shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, text_tokens)
+    shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
     stages = [{"text encoders": sum(encoders[-2:])},  # the denoiser: both halves of guidance at once
               {"weights": terms["weights"], "work": int(2 * _CONSTANTS[facts.family].work * shape.work)},
               {"vae": 2 * facts.vae_params, "activations": 2 * VAE_BYTES_PER_PIXEL["bf16"] * w * h}]
