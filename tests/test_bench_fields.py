@@ -38,8 +38,6 @@ def test_train_phase_has_step_seconds_and_the_log_images_per_second(images, tmp_
     assert lines and all("img/s" in line for line in lines) and lines[-1].startswith("step 3/3")
 
 
-@pytest.mark.xfail(strict=True, reason="train/setup.py does not call phase.set_images_per_step yet "
-                   "(one line in train_run's train phase; remove this mark when it does)")
 def test_train_phase_has_images_per_second(images, tmp_path, cache_root, caplog):
     train = _run(images, tmp_path / "run", cache_root / "b2", caplog)
     assert train["images_per_second"] == pytest.approx(BATCH * ACCUM / train["step_seconds"], rel=1e-9)

@@ -334,6 +334,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                           hooks, flag, ranks=ranks)
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
+        phase.set_images_per_step(logger.images_per_step)
     logger.close()
     if grids.enabled and ranks.main and not result.interrupted:
         with tracker.phase("samples"):
