@@ -48,6 +48,15 @@ def _close(a: dict, b: dict, atol: float) -> float:
     return worst
 
 
+def _continue_on_one_process(images: Path, root: Path, state: Path, out: Path, reference: Path) -> None:
+    """Resume `state` on one process with grad_accum 2 and check it finishes as `reference` did."""
+    args = train_args(images, out, root / "cache", *FULL, "train.grad_accum=2")
+    assert main(args + ["--resume", str(state)]) == 0
+    start = _run_json(out)["start_step"]
+    assert _run_json(out)["losses"] == pytest.approx(_run_json(reference)["losses"][start:], rel=LOSS_RTOL)
+    _close(_weights(reference, 3), _weights(out, 3), WEIGHT_ATOL)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One full fine-tune on 2 processes (fresh cache, TensorBoard on), shared by the tests below."""
@@ -62,12 +71,21 @@ def two_ranks(tmp_path_factory):
     return images, root
 
 
-def test_two_ranks_train_what_one_process_trains_and_only_rank0_writes(two_ranks, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(two_ranks):
+    """The same run on one process with twice the accumulation (the same global batch)."""
     images, root = two_ranks
-    ddp = root / "ddp"
-    single = tmp_path / "single"
-    assert main(train_args(images, single, root / "cache", *FULL, "train.grad_accum=2",
-                           "logging.tensorboard=true")) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        assert main(train_args(images, root / "single", root / "cache", *FULL, "train.grad_accum=2",
+                               "logging.tensorboard=true")) == 0
+    return root / "single"
+
+
+def test_two_ranks_train_what_one_process_trains_and_only_rank0_writes(two_ranks, one_process):
+    images, root = two_ranks
+    ddp, single = root / "ddp", one_process
     a, b = _run_json(single), _run_json(ddp)
     assert b["world_size"] == 2 and len(b["losses"]) == 3
     assert b["losses"] == pytest.approx(a["losses"], rel=LOSS_RTOL)
@@ -97,11 +115,7 @@ def test_resume_across_ranks(two_ranks, tmp_path, capsys):
     assert run["micro_batches"] == ref["micro_batches"] and run["epoch"] == ref["epoch"]
     _close(_weights(ddp, 3), _weights(part, 3), 0.0)
     # one process with as many micro-batches per step (1 x 2 = 2 x 1) continues the run
-    one = tmp_path / "one"
-    args = train_args(images, one, root / "cache", *FULL, "train.grad_accum=2")
-    assert main(args + ["--resume", str(ddp / "state" / "step-000002")]) == 0
-    assert _run_json(one)["losses"] == pytest.approx(ref["losses"][2:], rel=LOSS_RTOL)
-    _close(_weights(ddp, 3), _weights(one, 3), WEIGHT_ATOL)
+    _continue_on_one_process(images, root, ddp / "state" / "step-000002", tmp_path / "one", ddp)
     # ... and with another number it is refused before anything loads
     capsys.readouterr()
     args = train_args(images, tmp_path / "no", root / "cache", *FULL)
@@ -142,10 +156,34 @@ def test_what_does_not_compose_is_refused_before_launching(images, tmp_path, cap
             start(cfg)
 
 
-def test_fsdp_on_cpu():
-    pytest.skip("accelerate selects FSDP only for accelerator devices (its state.py turns a gloo CPU world "
-                "into MULTI_CPU and ignores the FSDP plugin), so FSDP cannot run on CPU processes; and "
-                "train.distributed = 'fsdp' is refused by the config check until it is implemented")
+def test_fsdp_full_fine_tune_matches_one_process_and_its_state_resumes_anywhere(two_ranks, one_process, tmp_path,
+                                                                               capsys):
+    images, root = two_ranks
+    fsdp = tmp_path / "fsdp"
+    args = train_args(images, fsdp, root / "cache", *FULL, "train.distributed=fsdp")
+    assert main(["train", "--gpus", "2", *args[1:]]) == 0
+    a, b = _run_json(one_process), _run_json(fsdp)
+    assert b["losses"] == pytest.approx(a["losses"], rel=LOSS_RTOL)
+    # checkpoints and states are gathered whole on rank 0: the files a single process writes
+    _close(load_file(str(one_process / "m.safetensors")), load_file(str(fsdp / "m.safetensors")), WEIGHT_ATOL)
+    for step in (1, 3):
+        _close(_weights(one_process, step), _weights(fsdp, step), WEIGHT_ATOL)
+    moments = [torch.load(p / "state" / "step-000003" / "optimizer.pt", weights_only=True)["state"]
+               for p in (one_process, fsdp)]
+    assert moments[0].keys() == moments[1].keys()
+    _close({f"{i}.{k}": v for i, s in moments[0].items() for k, v in s.items() if torch.is_tensor(v)},
+           {f"{i}.{k}": v for i, s in moments[1].items() for k, v in s.items() if torch.is_tensor(v)}, WEIGHT_ATOL)
+    assert _files(fsdp) == _files(one_process) | {"m.memory.rank1.json"}
+    # a sharded run's state resumes on one process (and the other way round works alike)
+    _continue_on_one_process(images, root, fsdp / "state" / "step-000001", tmp_path / "one", one_process)
+    # what FSDP does not do is refused before launching
+    capsys.readouterr()
+    args = train_args(images, tmp_path / "no", root / "cache", "train.distributed=fsdp", "train.mode=lora",
+                      "sample.every_steps=1", "sample.prompts=['x']")
+    assert main(["train", "--gpus", "2", *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "'fsdp' shards a full fine-tune" in err and "'adafactor' does not compose with 'fsdp'" in err
+    assert "sample grids need the whole denoiser" in err
 
 
 class _Ranks(DataParallel):

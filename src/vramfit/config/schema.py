@@ -181,8 +181,8 @@ class TrainConfig(_Section):
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under `accelerate launch` or `vramfit train --gpus N` (several processes): "
         "ddp keeps a whole model on every GPU and averages gradients (LoRA and full fine-tune); fsdp "
-        "shards weights, gradients and optimizer state (full fine-tune). No effect on one process. "
-        "docs/multi-gpu.md.")
+        "shards weights, gradients and optimizer state (full fine-tune with adamw). No effect on one "
+        "process. docs/multi-gpu.md.")
     nonfinite: Literal["skip", "stop"] = Field(
         "skip",
         description="A NaN/inf loss or gradient: skip that optimizer step (counted in run.json), "

@@ -19,10 +19,20 @@ and how, so that N ranks x grad_accum a train exactly what one process x grad_ac
   written atomically, so after a barrier every rank reads all of them.
 - Files: rank 0 writes everything; each rank writes its own memory report.
 
-Cost against one GPU: one all-reduce of the trainable gradients per optimizer step (overlapped with
-backward by DDP), one all-reduce of a scalar for the loss and one for the stop flag per step, a
-barrier after caching and around class-image generation. Every rank holds a whole model (DDP does
-not shard). See docs/multi-gpu.md for what composes and what the config check refuses.
+With train.distributed = "fsdp" (full fine-tune, AdamW) the denoiser is sharded in place by torch's
+FSDP2 `fully_shard` (accelerate enables its FSDP plugin only on accelerator devices, so vramfit makes
+the same call itself and the CPU tests run the GPU code): each block-list element is one unit,
+gathered for its forward and backward. The optimizer steps each rank's local shards (exact for
+AdamW, element by element); checkpoints and training states are gathered whole to rank 0 and are
+the files a single process writes, so a state resumes on any world size.
+
+Cost against one GPU: DDP: one all-reduce of the trainable gradients per optimizer step (overlapped
+with backward), every rank holding a whole model, gradients and optimizer state. FSDP: weights,
+gradients and optimizer state are 1/N per rank plus the gathered units in flight; each unit's weights
+are all-gathered in forward and again in backward and its gradients reduce-scattered (about 1.5x
+DDP's traffic); a checkpoint or state gathers everything through rank 0's host memory. Both: one
+all-reduce of a scalar for the loss and one for the stop flag per step, a barrier after caching and
+around class-image generation. See docs/multi-gpu.md for what composes and what is refused.
 """
 from __future__ import annotations
 
@@ -48,9 +58,8 @@ def composition_problems(cfg: RunConfig, world: int) -> list[str]:
         return []
     t, problems = cfg.train, []
     where = f"with {world} processes (data-parallel)"
-    if cfg.train.distributed == "fsdp":
-        problems.append("train.distributed: 'fsdp' is not implemented yet; use 'ddp' (every rank holds the "
-                        "whole model; see docs/multi-gpu.md)")
+    if t.distributed == "fsdp":
+        problems += _fsdp_problems(cfg, where)
     if t.optimizer_in_backward:
         problems.append(f"train.optimizer_in_backward: does not compose {where}: each parameter would step "
                         "in its gradient hook before DDP has averaged that gradient across ranks, so the "
@@ -68,6 +77,22 @@ def composition_problems(cfg: RunConfig, world: int) -> list[str]:
     return problems
 
 
+def _fsdp_problems(cfg: RunConfig, where: str) -> list[str]:
+    problems = []
+    if cfg.train.mode == "lora":
+        problems.append("train.distributed: 'fsdp' shards a full fine-tune; a LoRA's trainable weights are "
+                        "small, so train it with 'ddp'")
+    if cfg.train.optimizer != "adamw":
+        problems.append(f"train.optimizer: {cfg.train.optimizer!r} does not compose with 'fsdp' {where}: under "
+                        "FSDP each rank steps its shard of every tensor, which is exact for AdamW (element by "
+                        "element) but not for Adafactor's per-row and per-column statistics or 8-bit blocks; "
+                        "use 'adamw' or train.distributed = 'ddp'")
+    if cfg.sample.every_steps:
+        problems.append("sample.every_steps: sample grids need the whole denoiser on one GPU, which 'fsdp' "
+                        "never holds; render from the saved checkpoints with `vramfit generate`, or use 'ddp'")
+    return problems
+
+
 def micro_batch_generator(seed: int, index: int) -> torch.Generator:
     """The generator of global micro-batch `index`: the same on any rank and any world size."""
     return torch.Generator().manual_seed(int(digest("micro-batch noise", seed, index)[:15], 16))
@@ -76,11 +101,15 @@ def micro_batch_generator(seed: int, index: int) -> torch.Generator:
 class DataParallel:
     """This process's place among the ranks; `DataParallel()` is the plain single-process run."""
 
-    def __init__(self, accelerator=None):
+    def __init__(self, accelerator=None, sharded: bool = False):
         self.accelerator = accelerator
         self.rank = accelerator.process_index if accelerator is not None else 0
         self.world = accelerator.num_processes if accelerator is not None else 1
+        self.sharded = sharded  # train.distributed = "fsdp"
         self.model: Optional[torch.nn.Module] = None  # the DDP-wrapped denoiser once wrap() ran
+        self.fsdp_root: Optional[torch.nn.Module] = None  # the sharded denoiser (wrapped in place)
+        self._pairs: list = []  # FSDP: (sharded parameter, its local shard as the optimizer sees it)
+        self._step_done = False
 
     @property
     def main(self) -> bool:
@@ -126,8 +155,11 @@ class DataParallel:
         return requested or ("signal on another rank" if float(self.mean(flag)) > 0 else None)
 
     def wrap(self, module: torch.nn.Module) -> None:
-        """Wrap the placed denoiser in DDP (nothing for one process)."""
+        """Wrap the placed denoiser in DDP, or shard it (FSDP); nothing for one process."""
         if self.world <= 1:
+            return
+        if self.sharded:
+            self.fsdp_root = shard_denoiser(module, self.accelerator.device, self.world)
             return
         from torch.nn.parallel import DistributedDataParallel
 
@@ -145,7 +177,12 @@ class DataParallel:
     def sync(self, last: bool):
         """Context for one micro-batch's forward and backward: gradients are averaged across the
         ranks only in the optimizer step's last one."""
-        if self.model is None or last:
+        if self.fsdp_root is not None:
+            if self._step_done:
+                self._drop_stale_gradients()
+            self._step_done = last
+            return nullcontext() if last else _fsdp_no_sync(self.fsdp_root)
+        if last or self.model is None:
             return nullcontext()
         return self.accelerator.no_sync(self.model)
 
@@ -161,6 +198,83 @@ class DataParallel:
                     mine = (progress.micro_batches - 1, group)
             yield mine
 
+    # ---- whole weights for rank 0's files (FSDP gathers them; every rank must take part) ----------
+    def whole_bundle(self, bundle):
+        """The bundle with a whole denoiser on rank 0 (None on the others). With FSDP this gathers
+        every weight to rank 0's host memory into an unsharded copy; otherwise it is the bundle."""
+        if self.fsdp_root is None:
+            return bundle if self.main else None
+        state = _gather(bundle.denoiser.state_dict(), self.main)
+        if not self.main:
+            return None
+        module = bundle.denoiser
+        with torch.device("meta"):
+            whole = type(module).from_config(module.config)
+        whole.load_state_dict(state, assign=True)
+        return replace(bundle, denoiser=whole)
+
+    # ---- FSDP: the optimizer steps each rank's shards ---------------------------------------------
+    def trainable(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The tensors the optimizer steps. Under FSDP: each rank's shard of every parameter, as a
+        Parameter sharing the shard's storage, so vramfit's per-parameter optimizers run unchanged
+        on plain tensors and their state is sharded too; `attach` hands them their gradients."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        if self.fsdp_root is None:
+            return params
+        self._pairs = [(p, torch.nn.Parameter(p.to_local())) for p in params]
+        return [local for _, local in self._pairs]
+
+    def attach(self, optimizer) -> None:
+        """Under FSDP: right before each optimizer step (after clipping, which needs the sharded
+        DTensor gradients for the global norm), each shard takes its DTensor gradient's local part."""
+        if self.fsdp_root is not None:
+            optimizer.register_step_pre_hook(lambda *_: self._gradients_to_shards())
+
+    def _gradients_to_shards(self) -> None:
+        for p, local in self._pairs:
+            local.grad = None if p.grad is None else p.grad.to_local()
+            p.grad = None
+
+    def _drop_stale_gradients(self) -> None:
+        # A skipped (non-finite) step leaves DTensor gradients that must not reach the next one.
+        for p, _ in self._pairs:
+            p.grad = None
+
+    def whole_state(self, model: torch.nn.Module, optimizer):
+        """(model, optimizer) as a training state saves them: under FSDP, views of the weights and
+        of the optimizer state gathered whole on rank 0 (every rank takes part), so the state is
+        the one a single process writes and resumes on any world size; else the objects themselves."""
+        if self.fsdp_root is None:
+            return model, optimizer
+        weights = _gather({n: p for n, p in model.named_parameters() if p.requires_grad}, self.main)
+        saved = optimizer.state_dict()
+        saved["state"] = {i: _gather({k: self._as_dtensor(i, v) for k, v in state.items()}, self.main)
+                          for i, state in sorted(saved["state"].items())}
+        return _Weights(weights), _Saved(saved)
+
+    def _as_dtensor(self, index: int, value):
+        from torch.distributed.tensor import DTensor
+
+        p, local = self._pairs[index]
+        if torch.is_tensor(value) and value.shape == local.shape and value.dim():
+            return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return value
+
+    def loadable(self, model: torch.nn.Module):
+        """What load_state copies weights into: under FSDP each parameter takes its own shard."""
+        return model if self.fsdp_root is None else _ShardTargets(model)
+
+    def shard_optimizer_state(self, optimizer) -> None:
+        """After loading a whole optimizer state under FSDP: each state tensor shaped like its whole
+        parameter keeps this rank's shard of it."""
+        if self.fsdp_root is None:
+            return
+        for i, (p, local) in enumerate(self._pairs):
+            state = optimizer.state.get(local, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.dim():
+                    state[key] = _shard_of(value, p).to(local.dtype if value.is_floating_point() else value.dtype)
+
     def report_name(self, name: str) -> str:
         """Rank 0's memory report keeps the plain name; rank r > 0 writes <name>.memory.rank<r>.json."""
         return f"{name}.memory.json" if self.main else f"{name}.memory.rank{self.rank}.json"
@@ -169,6 +283,93 @@ class DataParallel:
         if self.world > 1:
             self.barrier()
             self.accelerator.end_training()
+
+
+def shard_denoiser(module: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
+    """Shard the denoiser's weights over `world` ranks in place (torch's FSDP2 `fully_shard`): each
+    element of its top-level block lists (SDXL: down/up blocks; SD3: transformer blocks) is one unit,
+    gathered for its forward and backward and freed after; the rest (embeddings, mid block, heads)
+    is the root unit. Parameters become DTensors holding 1/world of each tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def _gather(tensors: dict, keep: bool) -> dict:
+    """Whole copies (on the CPU) of a dict's DTensors, in key order on every rank (each gather is a
+    collective); other values as they are. Only a rank with `keep` holds the result."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key in sorted(tensors, key=str):
+        value = tensors[key]
+        if isinstance(value, DTensor):
+            value = value.full_tensor().detach().cpu()
+        if keep:
+            out[key] = value.detach().cpu() if torch.is_tensor(value) else value
+    return out
+
+
+class _Weights:
+    """Gathered weights as a module's named_parameters(), for save_state and assert_finite."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+
+    def named_parameters(self):
+        return ((n, torch.nn.Parameter(t, requires_grad=True)) for n, t in self.weights.items())
+
+
+class _Saved:
+    """A gathered optimizer state as an optimizer's state_dict(), for save_state."""
+
+    def __init__(self, saved: dict):
+        self.saved = saved
+
+    def state_dict(self) -> dict:
+        return self.saved
+
+
+class _ShardTargets:
+    """A sharded module's parameters as load_state copies into them: a whole tensor goes in as
+    this rank's shard."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def named_parameters(self):
+        return ((n, _ShardTarget(p)) for n, p in self.module.named_parameters())
+
+
+class _ShardTarget:
+    def __init__(self, param):
+        self.param, self.requires_grad = param, param.requires_grad
+
+    def copy_(self, whole: torch.Tensor) -> None:
+        self.param.to_local().copy_(_shard_of(whole, self.param))
+
+
+def _shard_of(whole: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of a whole tensor, sharded as the DTensor `like` is (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+@contextmanager
+def _fsdp_no_sync(root):
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
 
 
 def start(cfg: RunConfig) -> DataParallel:
@@ -187,7 +388,7 @@ def start(cfg: RunConfig) -> DataParallel:
 
     cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
     # accelerate's own mixed precision stays off: train.precision already decides the dtypes.
-    return DataParallel(Accelerator(cpu=cpu, mixed_precision="no"))
+    return DataParallel(Accelerator(cpu=cpu, mixed_precision="no"), sharded=cfg.train.distributed == "fsdp")
 
 
 def resume_configs(saved: dict, current: dict, world: int, path) -> tuple[dict, dict]:

@@ -232,6 +232,13 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
     return paths
 
 
+def _save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
+                  step: Optional[int]) -> list[Path]:
+    """save_checkpoint on rank 0, with the whole denoiser (FSDP gathers it: every rank takes part)."""
+    whole = ranks.whole_bundle(bundle)
+    return save_checkpoint(family, whole, cfg, step) if whole is not None else []
+
+
 def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int) -> None:
     import shutil
 
@@ -262,12 +269,13 @@ def stop_on_signals(flag: StopFlag):
 
 
 def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
-                     generator: torch.Generator, world: int = 1) -> Progress:
+                     generator: torch.Generator, ranks: distributed.DataParallel) -> Progress:
     if not resume:
         return Progress()
     path = find_state(cfg.output_dir, resume)
-    check_resumable(cfg, str(path), world)
-    progress = load_state(path, bundle.denoiser, optimizer, schedule, generator)
+    check_resumable(cfg, str(path), ranks.world)
+    progress = load_state(path, ranks.loadable(bundle.denoiser), optimizer, schedule, generator)
+    ranks.shard_optimizer_state(optimizer)  # FSDP: each rank keeps its shard of the whole state
     log.info("resumed from %s at step %d (epoch %d)", path, progress.step, progress.epoch)
     return progress
 
@@ -297,23 +305,25 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
     place_denoiser(bundle, cfg, device)
-    optimizer = build_optimizer(bundle.denoiser.parameters(), cfg.train)
+    ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them
+    optimizer = build_optimizer(ranks.trainable(bundle.denoiser), cfg.train)
+    ranks.attach(optimizer)
     schedule = build_schedule(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks.world)
+    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks)
     start = state.step
     saved: list[Path] = []
     config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
 
     def write_state(p: Progress) -> None:
-        if not ranks.main:  # DDP keeps every rank's weights and optimizer state identical
-            return
-        assert_finite(bundle.denoiser)
-        save_state(out, bundle.denoiser, optimizer, schedule, generator, p, config_json, cfg.save.keep_last)
+        model, opt = ranks.whole_state(bundle.denoiser, optimizer)  # FSDP gathers: every rank takes part
+        if ranks.main:  # DDP keeps every rank's weights and optimizer state identical
+            assert_finite(model)
+            save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last)
 
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
-                      on_save=(lambda p: saved.extend(save_checkpoint(family, bundle, cfg, p.step)))
-                      if ranks.main else None, on_state=write_state)  # rank 0 writes checkpoints
+                      on_save=lambda p: saved.extend(_save_on_main(ranks, family, bundle, cfg, p.step)),
+                      on_state=write_state)
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples")
 
@@ -328,7 +338,6 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
 
     hooks.on_step = on_step
     flag = StopFlag()
-    ranks.wrap(bundle.denoiser)
     with tracker.phase("train") as phase, stop_on_signals(flag):
         result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
                           hooks, flag, ranks=ranks)
@@ -341,8 +350,8 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             grids.render(state.step)
     with tracker.phase("save"):
         write_state(state)  # also at the end, so a finished run can be extended with more steps
-        if not result.interrupted and ranks.main:
-            saved += save_checkpoint(family, bundle, cfg, None)
+        if not result.interrupted:
+            saved += _save_on_main(ranks, family, bundle, cfg, None)
     free_device_memory(device)
     report = tracker.report
     report.write(out / ranks.report_name(cfg.save.name))
