@@ -125,10 +125,14 @@ def test_resume_across_ranks(two_ranks, tmp_path, capsys):
 
 
 def test_two_ranks_lora_train_what_one_process_trains(images, tmp_path, cache_root):
+    # with an int8 base and DreamBooth class images, which rank 0 generates while rank 1 waits
+    extra = ("lora.base_quantization=int8", "prior.class_prompt=a photo", "prior.num_images=2", "prior.steps=2")
     ddp, single = tmp_path / "ddp", tmp_path / "single"
-    args = train_args(images, ddp, cache_root / "d2", *LORA)
+    args = train_args(images, ddp, cache_root / "d2", *LORA, *extra)
     assert main(["train", "--gpus", "2", *args[1:]]) == 0
-    assert main(train_args(images, single, cache_root / "d2", *LORA, "train.grad_accum=2")) == 0
+    assert main(train_args(images, single, cache_root / "d2", *LORA, *extra, "train.grad_accum=2")) == 0
+    assert _run_json(ddp)["cache"]["class_images_generated"] == 2
+    assert sorted(p.name for p in (ddp / "class_images").iterdir()) == ["class-00000.png", "class-00001.png"]
     assert _run_json(ddp)["losses"] == pytest.approx(_run_json(single)["losses"], rel=LOSS_RTOL)
     lora = _weights(ddp, 2)
     assert lora and all("lora_" in k for k in lora)
