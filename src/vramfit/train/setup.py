@@ -289,9 +289,9 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
 
 
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
-    ranks = distributed.start(cfg)  # one process unless launched on several (docs/multi-gpu.md)
-    device = ranks.device or pick_device(cfg.train.device)
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
+    ranks = distributed.start(cfg)  # one process unless launched on several: checks the planned config
+    device = ranks.device or pick_device(cfg.train.device)
     check_resumable(cfg, resume, ranks.world)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
@@ -300,7 +300,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         write_text_atomic(out / "config.toml", dump_config(cfg))
     progress = progress and ranks.main
     tracker = MemoryTracker(device)
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=True)
+    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
