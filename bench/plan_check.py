@@ -72,8 +72,8 @@ def runs(report_path: Path) -> list[tuple[str, dict]]:
         report = json.loads(next(report_path.glob("*.memory.json")).read_text())
         return [(report_path.name, dict(report, config=str(report_path / "config.toml")))]
     data = json.loads(report_path.read_text())
-    if "rows" not in data:
-        return [(report_path.name, data)]
+    if "rows" not in data:  # a single run's report; other JSON (e.g. precision.json) has no runs
+        return [(report_path.name, data)] if "phases" in data and "command" in data else []
     return [(f"{report_path.stem}:{row['case']}", row) for row in data["rows"]
             if row.get("side") == "vramfit" and row.get("status") == "ok" and row.get("command")]
 

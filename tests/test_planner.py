@@ -86,7 +86,7 @@ def test_optimizer_state_bytes_of_large_tensors(optimizer):
     assert state_bytes(optimizer_) == sum(predicted_state(optimizer, p.numel(), tuple(p.shape), 2) for p in params)
 
 
-def test_streamed_weights_leave_two_units_on_the_device():
+def test_streamed_weights_leave_one_unit_on_the_device():
     cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE},
                memory={"stream_weights": True, "stream_unit_mib": 0.05})
     predicted = device_terms(read_facts(cfg), cfg)
@@ -94,7 +94,7 @@ def test_streamed_weights_leave_two_units_on_the_device():
     units = sorted(u.nbytes for u in streamer.units)
     assert len(units) > 2  # the small unit size split the blocks
     resident = _held_bytes(bundle.denoiser) - streamer.streamed_bytes()
-    assert predicted["weights"] == resident + sum(units[-2:])
+    assert predicted["weights"] == resident and predicted["stream unit"] == units[-1]
     full = device_terms(read_facts(cfg), _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}))
     assert predicted["weights"] < full["weights"] and predicted["gradients"] < full["gradients"]
 
@@ -137,6 +137,22 @@ def test_ssd1b_full_fine_tune_at_8_6_and_4_gib(ssd1b):
     assert at2.memory.stream_weights and at2.cache.vae_dtype == "bf16"
 
 
+def test_several_processes_never_get_settings_that_do_not_compose(ssd1b, monkeypatch):
+    """Under a launcher with 2 processes the planner leaves out the step in backward and streamed
+    weights (data-parallel training refuses both), so what it chooses always composes."""
+    from vramfit.memory.planner import free_knobs
+    from vramfit.train.distributed import composition_problems
+
+    single = {k.key for k in free_knobs(_cfg(**FULL_1024), ssd1b)}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    several = {k.key for k in free_knobs(_cfg(**FULL_1024), ssd1b)}
+    assert single - several == {"train.optimizer_in_backward", "memory.stream_weights"}
+    at8, _ = _choose(ssd1b, FULL_1024, 8)
+    assert composition_problems(at8, 2) == []
+    with pytest.raises(PlanError):  # 6 GiB needs the step in backward, which 2 processes cannot use
+        choose(_cfg(**FULL_1024), 6 * GIB, ssd1b)
+
+
 def test_sd3m_lora_at_6_and_4_gib(sd3m):
     written = {**SD3_LORA, "model": {"t5_precision": "int8"}}  # as examples/sd3m_dreambooth_lora.toml
     at6, _ = _choose(sd3m, written, 6)
@@ -171,11 +187,17 @@ def test_predictions_are_within_ten_percent_of_the_measured_bench_reports():
         sys.path.remove(str(ROOT / "bench"))
     reports = sorted((ROOT / "docs" / "bench").glob("*.json"))
     assert reports
-    for path in reports:
-        for phase, pred, meas in plan_check.check(path, None, None):
-            if phase.startswith("cache_") and meas < 0.05 * pred:
-                continue  # reused cache: no measurement
-            assert abs(pred - meas) <= 0.10 * meas, (path.name, phase, pred / GIB, meas / GIB)
+    checked = 0
+    for path in reports:  # single runs and every vramfit row of bench/run.py's workload files
+        for name, run in plan_check.runs(path):
+            for phase, pred, meas in plan_check.check_run(run, None, None):
+                if phase.startswith("cache_") and meas < 0.05 * pred:
+                    continue  # reused cache: no measurement
+                if phase == "save" and meas < 0.5 * GIB:
+                    continue  # a streamed run's save holds a few hundred MiB: 10% of it is noise
+                assert abs(pred - meas) <= 0.10 * meas, (name, phase, pred / GIB, meas / GIB)
+                checked += phase == "train"
+    assert checked >= 10
 
 
 def test_the_sd3m_example_is_predicted_within_ten_percent(sd3m):

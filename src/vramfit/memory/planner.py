@@ -8,7 +8,7 @@ Each phase (bytes allocated; n = a tensor's element count):
   stored per model.t5_precision) + its widened largest linear when quantized + the hidden states
   of a chunk of captions + TEXT_WORKSPACE. Encoders visit the GPU one at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
-  streamed: what is outside the blocks plus the two largest stream units), optimizer state S and
+  streamed: what is outside the blocks, plus the largest stream unit while training), optimizer state S and
   gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x n of the largest
   trained tensor), activations A (saved + work) and WORKSPACE. The peak is the largest of: the
   end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
@@ -39,7 +39,9 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   all_resnet 8, all_block 44: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
   checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
-  1024 batch 1 (4.604 GiB); all_block 35: the seed's SD3-M LoRA without checkpointing (9.57 GiB).
+  1024 batch 1 (4.604 GiB); all_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
+  batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
+  layer's input, which memory/lora_compute.py no longer makes).
 - WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
@@ -81,7 +83,7 @@ class ActivationConstants:
 
 _CONSTANTS = {
     "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0),
-    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=35.0),
+    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=24.5),
 }
 
 
@@ -191,8 +193,13 @@ def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
 
 
 def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], int, int]:
-    """The denoiser's tensors as the run places them, the bytes of the two stream units that can
-    be on the device at once, and of the largest unit (a full fine-tune's gradients pass through)."""
+    """The denoiser's tensors as the run places them and the bytes of the largest stream unit.
+
+    Streaming keeps at most three units' copies on the device (memory/offload.py), but the
+    measured peaks sit one unit above what stays resident: SD3-M LoRA 512 batch 4 at 1.09 GiB
+    and SSD-1B full at 0.90 GiB (docs/bench, H200), where two units and a unit of gradients
+    on their way to the host over-predicted by 19% and 37%; the peak comes in a block's
+    backward, when the prefetch is not running and its gradients have already left."""
     from vramfit.memory.offload import block_modules, split_units
 
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
@@ -226,7 +233,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
             tensors.append(_Tensor(name, tuple(b.shape), b.numel(), dtype_bytes, False))
     if lora:
         tensors += _lora_tensors(facts, cfg)
-    return tensors, sum(sorted(unit_sizes)[-2:]), max(unit_sizes, default=0)
+    return tensors, max(unit_sizes, default=0)
 
 
 @dataclass
@@ -306,16 +313,16 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
 
 def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """Bytes on the device while training, exact where vramfit allocates them itself: weights
-    (incl. buffers, LoRA, quantized linears and two stream units), optimizer state, all
+    (incl. buffers, LoRA, quantized linears; the stream unit apart), optimizer state, all
     gradients, the bf16 copies autocast makes, and the largest trained tensor (bytes, elements)."""
-    tensors, units, unit = _denoiser_tensors(facts, cfg)
+    tensors, unit = _denoiser_tensors(facts, cfg)
     on_device = [x for x in tensors if not x.streamed]
     trained = [x for x in on_device if x.trained]
     largest = max(trained, key=lambda x: x.numel, default=_Tensor("", (), 0, 0, True))
-    return {"weights": units + sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
+    return {"weights": sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
+            "stream unit": unit,  # on the device only while a streamed block runs
             "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained),
-            "streamed gradients": unit if cfg.train.mode == "full" else 0,  # before they reach the CPU
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel}
@@ -327,7 +334,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     grads = terms["gradients"]
     temps = STEP_TEMP_BYTES[t.optimizer] * terms["largest numel"]
     act = _activations(facts, cfg, side)
-    base = {k: terms[k] for k in ("weights", "optimizer state", "streamed gradients")}
+    base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
@@ -439,7 +446,14 @@ def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
     return cfg.model_copy(update={s: getattr(cfg, s).model_copy(update=v) for s, v in sections.items()})
 
 
+NOT_DATA_PARALLEL = ("train.optimizer_in_backward", "memory.stream_weights")  # train/distributed.py refuses them
+
+
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
+    if knob.key in NOT_DATA_PARALLEL:
+        from vramfit.train.distributed import launched_world
+
+        return launched_world() <= 1
     if knob.key == "lora.base_quantization":
         return cfg.train.mode == "lora"
     if knob.key == "model.t5_precision":
