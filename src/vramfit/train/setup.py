@@ -358,16 +358,22 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     if not ranks.main:
         ranks.close()
         return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
+    _write_run_json(out, cfg, ranks.world, scanned, data.stats, start, state, result, saved, grids.paths)
+    ranks.close()
+    return RunResult(out, saved, report, result, scanned, data.stats)
+
+
+def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, cache_stats: dict, start: int,
+                    state: Progress, result: LoopResult, saved: list[Path], samples: list[Path]) -> None:
+    """run.json: what this run did, for the record and for the tests."""
     write_text_atomic(out / "run.json", json.dumps(
-        {"versions": _versions(), "seed": cfg.train.seed, "world_size": ranks.world, "items": len(scanned.items),
+        {"versions": _versions(), "seed": cfg.train.seed, "world_size": world, "items": len(scanned.items),
          "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
-         "cache": data.stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
+         "cache": cache_stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
          "interrupted": result.interrupted, "losses": result.losses,
          "nonfinite_steps_skipped": state.nonfinite_skipped,
-         "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in grids.paths]}, indent=2))
-    ranks.close()
-    return RunResult(out, saved, report, result, scanned, data.stats)
+         "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in samples]}, indent=2))
 
 
 def _version() -> str:
