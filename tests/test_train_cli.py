@@ -29,6 +29,10 @@ def test_train_writes_checkpoint_report_and_config(images, tmp_path, cache_root,
     assert "[train]" in (out / "config.toml").read_text()
     run = json.loads((out / "run.json").read_text())
     assert len(run["losses"]) == 2 and all(l > 0 for l in run["losses"])
+    # the run is reproducible from its folder: the resolved config trains again as it is
+    again = tmp_path / "again"
+    assert _run(["train", str(out / "config.toml"), "--no-progress", "--set", f"output.dir={again}"]) == 0
+    assert json.loads((again / "run.json").read_text())["losses"] == run["losses"]
 
 
 def test_trained_unet_changes_and_the_rest_is_carried_over(images, tmp_path, cache_root):

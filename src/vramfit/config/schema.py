@@ -329,9 +329,11 @@ class RunConfig(_Section):
         if wrong:
             raise ValueError(f"save.formats {wrong} do not apply to train.mode = {self.train.mode!r} "
                              f"(use {list(allowed)})")
-        if self.train.mode == "full" and "lora" in self.model_fields_set:
-            given = ", ".join(f"lora.{k}" for k in sorted(self.lora.model_fields_set))
-            raise ValueError(f"[lora] settings ({given}) are given but train.mode is 'full'; "
+        # Values, not the keys given: a resolved config.toml lists every key at its value.
+        default = LoraSettings()
+        given = [f"lora.{k}" for k in LoraSettings.model_fields if getattr(self.lora, k) != getattr(default, k)]
+        if self.train.mode == "full" and given:
+            raise ValueError(f"[lora] settings ({', '.join(given)}) are given but train.mode is 'full'; "
                              "set train.mode = 'lora'")
         return self
 

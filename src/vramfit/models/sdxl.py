@@ -76,11 +76,15 @@ class SDXLFamily:
 
     def config_problems(self, cfg) -> list[str]:
         """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
+        from vramfit.config.schema import ModelConfig, TrainConfig
+
+        # Values that differ from the defaults, not keys given: a resolved config.toml lists them all.
+        train, model = TrainConfig(), ModelConfig()
         problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
                     for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale")
-                    if name in cfg.train.model_fields_set]
+                    if getattr(cfg.train, name) != getattr(train, name)]
         for key in ("max_sequence_length", "t5_precision"):
-            if key in cfg.model.model_fields_set:
+            if getattr(cfg.model, key) != getattr(model, key):
                 problems.append(f"model.{key}: applies to SD3's T5 encoder only")
         for key in ("clip_l", "clip_g", "t5"):
             if getattr(cfg.model, key):
