@@ -4,9 +4,10 @@ Modes, each applied to every nn.Linear of the module (embeddings and norms stay 
 - "int8": torchao int8 weight-only quantization (per-channel scales); about half of bf16.
 - "fp8": weights stored as float8_e4m3fn with a per-output-channel scale, widened to the input's
   dtype inside each forward; about half of bf16, no extra dependency, any device.
-- "nf4": bitsandbytes 4-bit NormalFloat (CUDA only); about a quarter of bf16.
+- "nf4": torchao 4-bit NormalFloat (`QuantizedLinear` below, as `quantize_base`; CPU and CUDA, no
+  bitsandbytes); about a quarter of bf16. A linear whose weight is not whole blocks of 64 stays.
 Cost: a small rounding error in the encoder's output (the tests state the tolerance), and for
-fp8 one widening of each weight per forward.
+fp8 and nf4 one widening of each weight per forward.
 
 `quantize_base` does the same for the frozen base of a LoRA run (both families): every frozen
 nn.Linear of the denoiser (SDXL/SSD-1B: attention, feed-forward, proj_in/out, time and add
@@ -80,19 +81,7 @@ def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
         quantize_(module, Int8WeightOnlyConfig(set_inductor_config=False))
         return module
     if mode == "nf4":
-        if not torch.cuda.is_available():
-            raise ValueError("nf4 needs a CUDA GPU (bitsandbytes); use int8 or fp8 on this machine")
-        import bitsandbytes as bnb
-
-        def nf4(linear: torch.nn.Linear):
-            q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  compute_dtype=torch.bfloat16, quant_type="nf4")
-            q.weight = bnb.nn.Params4bit(linear.weight.detach().cpu(), requires_grad=False, quant_type="nf4")
-            if linear.bias is not None:
-                q.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-            return q
-
-        _swap_linears(module, nf4)
+        quantize_base(module, "nf4")  # every linear is frozen now
         return module
     raise ValueError(f"unknown precision {mode!r}; choose one of {MODES}")
 
