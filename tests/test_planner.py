@@ -167,15 +167,32 @@ def test_explicit_settings_are_kept_or_named(sd3m, ssd1b):
     cfg, choice = _choose(ssd1b, no_ckpt, 8)
     assert not cfg.train.gradient_checkpointing
     assert any("gradient_checkpointing = false: set by you, kept" in r for r in choice.reasons)
+    unstreamed = {**SD3_LORA, "model": {"t5_precision": "int8"}, "memory": {"stream_encoders": False}}
     with pytest.raises(PlanError, match="model.t5_precision"):  # int8 T5 alone is 4.6 GiB
-        choose(_cfg(**SD3_LORA, model={"t5_precision": "int8"}), 4 * GIB, sd3m)
+        choose(_cfg(**unstreamed), 4 * GIB, sd3m)
+
+
+def test_streamed_text_encoders_come_after_every_t5_precision(sd3m):
+    """Streaming the encoders changes no embedding but is slower: with T5's precision free a
+    smaller T5 comes first; with int8 written, or at budgets where even nf4 T5 does not fit,
+    the encoders are streamed."""
+    at4, _ = _choose(sd3m, SD3_LORA, 4)
+    assert at4.model.t5_precision == "nf4" and not at4.memory.stream_encoders
+    at4, choice = _choose(sd3m, {**SD3_LORA, "model": {"t5_precision": "int8"}}, 4)
+    assert at4.memory.stream_encoders and any(r.startswith("memory.stream_encoders = true") for r in choice.reasons)
+    text_only = {**SD3_LORA, "model": {"t5_precision": "bf16"}, "train": {"mode": "lora", "batch_size": 1}}
+    cfg = _cfg(**text_only)
+    whole = next(p for p in predict(sd3m, cfg, captions=1).phases if p.name == "cache_text")
+    cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"stream_encoders": True})})
+    streamed = next(p for p in predict(sd3m, cfg, captions=1).phases if p.name == "cache_text")
+    assert streamed.peak < 1.1 * GIB < 8 * GIB < whole.peak  # T5-XXL bf16: embedding + two blocks of 24
 
 
 def test_an_impossible_budget_names_the_smallest_prediction(sd3m):
-    with pytest.raises(PlanError) as err:
-        choose(_cfg(**SD3_LORA), 1 * GIB, sd3m)
+    with pytest.raises(PlanError) as err:  # (streamed weights and text encoders fit 1 GiB)
+        choose(_cfg(**SD3_LORA), GIB // 2, sd3m)
     message = str(err.value)
-    assert "nothing fits in 1.00 GiB" in message and "needs a budget of at least" in message
+    assert "nothing fits in 0.50 GiB" in message and "needs a budget of at least" in message
     assert "never chosen for you" in message  # T5 is not dropped silently
 
 

@@ -57,7 +57,7 @@ class ModelConfig(_Section):
                               "(t5xxl_fp16.safetensors, t5xxl_fp8_e4m3fn.safetensors).")
     t5_precision: Literal["bf16", "int8", "fp8", "nf4", "none"] = Field(
         "bf16", description="SD3: how T5-XXL is stored while captions are encoded (int8 and fp8 "
-        "halve it, nf4 quarters it on CUDA); none leaves T5 out (zeros), as SD3 allows.")
+        "halve it, nf4 quarters it; torchao, CPU or CUDA); none leaves T5 out (zeros), as SD3 allows.")
     max_sequence_length: int = Field(77, ge=1, le=512, description="SD3: T5 tokens per caption "
                                      "(77 as SD3's DreamBooth script, up to 512; 256 in the pipeline).")
     allow_pickle: bool = Field(
@@ -236,6 +236,14 @@ class MemoryConfig(_Section):
         256.0, gt=0, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "
         "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
+    stream_encoders: bool = Field(
+        False, description="While captions are encoded (the text cache, or live text encoding), keep "
+        "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "
+        "memory and copy them to the GPU one at a time just before they run, the next one on a side "
+        "stream; only the embeddings, final norms and about two layers are on the GPU (T5-XXL: about "
+        "1 GiB in bf16 instead of 9). Same embeddings (the text cache is shared with unstreamed runs); "
+        "costs one host-to-GPU copy of each encoder per chunk of 64 captions, and pinned host memory. "
+        "Sample grids and `vramfit generate` are not streamed.")
     offload_activations: bool = Field(
         False, description="Keep the tensors saved for backward (with gradient checkpointing: the "
         "checkpointed blocks' inputs) in pinned CPU memory instead of on the GPU; costs one copy "

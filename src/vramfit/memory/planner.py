@@ -5,8 +5,8 @@ Each phase (bytes allocated; n = a tensor's element count):
 - cache_latents: the VAE in cache.vae_dtype + VAE_BYTES_PER_PIXEL x the largest bucket's pixels
   (one image at a time; with tiling at most a tile of the VAE's sample_size on a side).
 - cache_text: the largest encoder as the GPU holds it (CLIPs as stored; T5 widened to bf16, then
-  stored per model.t5_precision) + its widened largest linear when quantized + the hidden states
-  of a chunk of captions + TEXT_WORKSPACE. Encoders visit the GPU one at a time.
+  stored per model.t5_precision; memory.stream_encoders: its rest and two layers) + its widened
+  largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
   streamed: what is outside the blocks, plus the largest stream unit while training), optimizer state S and
   gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x n of the largest
@@ -58,6 +58,7 @@ from typing import Callable, Optional
 import torch
 
 from vramfit.config.schema import RunConfig, parse_size
+from vramfit.memory.encoder_stream import encoder_device_bytes
 from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
 
 GIB = 2**30
@@ -286,7 +287,7 @@ def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, i
     for enc in facts.encoders:
         if enc.kind == "t5" and cfg.model.t5_precision == "none":
             continue
-        weights, widened = encoder_bytes(enc, cfg.model.t5_precision)
+        weights, widened = encoder_device_bytes(enc, cfg.model, cfg.memory)
         tokens = 77 if enc.kind == "clip" else cfg.model.max_sequence_length
         hidden = (enc.layers + 1 if enc.kind == "clip" else 4) * captions * tokens * enc.hidden * 2
         parts = {f"{enc.name}": weights, "widened linear": widened, "hidden states": hidden,
@@ -338,7 +339,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
-        base["text encoder"] = max((encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders), default=0)
+        base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
     # autocast's bf16 copies of the fp32 weights live until forward ends
@@ -414,6 +415,7 @@ KNOBS = (
     Knob("cache.vae_dtype", ("fp32", "bf16"), (0, 1), "cache_latents"),
     Knob("cache.vae_tiling", (False, True), (0, 2), "cache_latents"),
     Knob("model.t5_precision", ("bf16", "int8", "nf4"), (0, 1, 2), "cache_text"),  # never "none" by itself
+    Knob("memory.stream_encoders", (False, True), (0, 4), "cache_text"),  # after every T5 precision alone
 )
 
 

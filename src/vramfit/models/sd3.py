@@ -239,19 +239,22 @@ class SD3Family:
                     dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, 77 + max_sequence_length, joint_attention_dim] and pooled [B, 2 x proj].
 
-        One encoder is on the device at a time and goes back to the CPU after.
+        One encoder is on the device at a time and goes back to the CPU after; with
+        memory.stream_encoders (bundle.extra) only its embedding and a layer or two are there.
         """
+        from vramfit.memory.encoder_stream import encoder_on
+
+        stream = bundle.extra.get("stream_encoders", False)
         n_t5 = self._max_len(bundle, max_sequence_length)
         joint = bundle.denoiser.config.joint_attention_dim
         hidden, pooled = [], []
         for tokenizer, encoder in zip(bundle.tokenizers[:2], bundle.text_encoders[:2]):
             ids = tokenizer(captions, padding="max_length", max_length=CLIP_MAX_LENGTH,
                             truncation=True, return_tensors="pt").input_ids
-            encoder.to(device)
-            out = encoder(ids.to(device), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2].float().cpu())
-            pooled.append(out.text_embeds.float().cpu())
-            encoder.to("cpu")
+            with encoder_on(encoder, device, stream):
+                out = encoder(ids.to(device), output_hidden_states=True)
+                hidden.append(out.hidden_states[-2].float().cpu())
+                pooled.append(out.text_embeds.float().cpu())
         clip = torch.cat(hidden, dim=-1)
         if clip.shape[-1] > joint:
             raise ValueError(f"the CLIP embeddings are {clip.shape[-1]} wide, more than the transformer's "
@@ -261,9 +264,8 @@ class SD3Family:
             t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
             ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
                             add_special_tokens=True, return_tensors="pt").input_ids
-            t5.to(device)
-            t5_out = t5(ids.to(device))[0].float().cpu()
-            t5.to("cpu")
+            with encoder_on(t5, device, stream):
+                t5_out = t5(ids.to(device))[0].float().cpu()
         else:
             t5_out = torch.zeros(len(captions), n_t5, joint)
         return {"prompt_embeds": torch.cat([clip, t5_out], dim=-2).to(dtype),

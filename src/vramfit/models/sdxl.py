@@ -196,17 +196,19 @@ class SDXLFamily:
     @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Penultimate hidden states of both encoders (one on the device at a time) and bigG's pooled."""
+        """Penultimate hidden states of both encoders (one on the device at a time; streamed layer
+        by layer with memory.stream_encoders, bundle.extra) and bigG's pooled."""
+        from vramfit.memory.encoder_stream import encoder_on
+
         hidden, pooled = [], None
         for tokenizer, encoder in zip(bundle.tokenizers, bundle.text_encoders):
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
                             truncation=True, return_tensors="pt").input_ids
-            encoder.to(device)
-            out = encoder(ids.to(device), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2].float().cpu())
-            if hasattr(out, "text_embeds"):
-                pooled = out.text_embeds.float().cpu()
-            encoder.to("cpu")
+            with encoder_on(encoder, device, bundle.extra.get("stream_encoders", False)):
+                out = encoder(ids.to(device), output_hidden_states=True)
+                hidden.append(out.hidden_states[-2].float().cpu())
+                if hasattr(out, "text_embeds"):
+                    pooled = out.text_embeds.float().cpu()
         return {"prompt_embeds": torch.cat(hidden, dim=-1).to(dtype), "pooled": pooled.to(dtype)}
 
     @torch.no_grad()

@@ -95,6 +95,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
         bundle = family.load(source)
         bundle.extra["max_sequence_length"] = cfg.model.max_sequence_length
         bundle.extra["t5_precision"] = cfg.model.t5_precision
+        bundle.extra["stream_encoders"] = cfg.memory.stream_encoders  # not in cache keys: same embeddings
         # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in
         # fp16); half-precision text encoders are kept on GPUs but widened for the CPU, which
         # lacks fast fp16. T5 is then stored as model.t5_precision asks.
