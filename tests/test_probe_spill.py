@@ -50,6 +50,26 @@ def test_the_probe_trains_a_stand_in_and_leaves_the_real_weights_alone(sections)
     assert not any("lora" in k for k in after)  # the placement happened to the stand-in only
 
 
+def test_a_non_finite_probe_step_is_skipped_and_still_measured():
+    """The zero-weight stand-in under an fp8 base gives NaN (a zero row's scale is 0): the probe
+    skips that step as the run would and still reports the memory it used."""
+    cfg, family, bundle = _loaded(model={"path": "tiny:ssd1b"}, train={"mode": "lora", "nonfinite": "stop"},
+                                  lora={"base_quantization": "fp8"})
+    results: list = []
+    assert fit_probe(family, bundle, cfg, CPU, BUCKETS, limit=GIB, measure=_running(GIB // 4, results)) == GIB // 4
+    assert len(results) == 1
+
+
+def test_a_probe_that_fails_for_another_reason_lets_the_run_go_on(caplog):
+    cfg, family, bundle = _loaded(model={"path": "tiny:ssd1b"})
+
+    def broken(run):
+        raise RuntimeError("a kernel the stand-in could not run")
+
+    assert fit_probe(family, bundle, cfg, CPU, BUCKETS, limit=GIB, measure=broken) is None
+    assert "fit probe could not run" in caplog.text
+
+
 def test_a_peak_over_the_budget_stops_with_the_measurement_and_a_suggestion():
     cfg, family, bundle = _loaded(model={"path": "tiny:ssd1b"}, memory={"vram_budget": "1GiB"})
     with pytest.raises(FitProbeError) as err:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -55,6 +56,11 @@ def _sd3_batch(config: dict, batch: int, side: tuple[int, int], cfg: RunConfig) 
 SYNTHETIC_BATCHES = {"sdxl": _sdxl_batch, "sd3": _sd3_batch}
 
 
+# What the loop names when a step is not finite (the zero-weight stand-in under an fp8 base gives
+# NaN, which the probe's "skip" policy skips: the memory was still used).
+PROBE_RECORD = SimpleNamespace(item=SimpleNamespace(key="the fit probe's synthetic batch"))
+
+
 class _SyntheticData:
     """What the training loop asks of TrainingData, answered with one synthetic batch."""
 
@@ -62,7 +68,7 @@ class _SyntheticData:
         self._batch, self._size = batch, size
 
     def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool) -> Iterator[list]:
-        return iter([[None] * self._size] * 64)
+        return iter([[PROBE_RECORD] * self._size] * 64)
 
     def batch(self, records: list) -> dict[str, torch.Tensor]:
         return self._batch
@@ -142,6 +148,9 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         peak = measure(probe_steps(family, bundle, cfg, device, bucket))
     except torch.cuda.OutOfMemoryError:  # (the exception is not kept: its frames hold the stand-in)
         peak, failed = limit + 1, True
+    except Exception as exc:  # a probe that cannot run is no reason to stop; training will tell
+        log.warning("fit probe could not run (%s: %s); continuing without it", type(exc).__name__, exc)
+        return None
     finally:
         from vramfit.train.data import free_device_memory
 
