@@ -80,3 +80,21 @@ def test_small_updates_are_lost_to_nearest_and_kept_on_average():
     # Each weight's own walk has a standard deviation below 0.03 (binomial steps of 2**-7 or
     # 2**-6 above 1.0); the mean of 4096 of them below 0.0005; tolerance 0.005.
     assert sr.float().mean().item() == pytest.approx(1.1, abs=0.005)
+
+
+def test_rounding_generators_are_keyed_by_device_type_and_restore_anywhere():
+    """A state saved on cuda:0 (or by rank 0) restores the generator of whatever device of that
+    type asks; a type this machine lacks waits, and is saved again unchanged."""
+    from vramfit.optim.base import RoundingGenerators
+
+    gens = RoundingGenerators(7)
+    first = torch.randint(0, 100, (5,), generator=gens(torch.device("cpu")))
+    saved = gens.state_dict()
+    assert list(saved) == ["cpu"]
+    again = RoundingGenerators(7)
+    fake_cuda = torch.Generator().manual_seed(3).get_state()
+    again.load_state_dict({"cpu": saved["cpu"], "cuda:1": fake_cuda})  # an older state's device key
+    assert torch.equal(torch.randint(0, 100, (5,), generator=again(torch.device("cpu"))),
+                       torch.randint(0, 100, (5,), generator=gens(torch.device("cpu"))))
+    assert not torch.equal(first, torch.randint(0, 100, (5,), generator=again(torch.device("cpu"))))
+    assert torch.equal(again.state_dict()["cuda"], fake_cuda)  # kept for a machine with a GPU

@@ -33,26 +33,39 @@ from vramfit.memory.stochastic_rounding import copy_stochastic_
 
 
 class RoundingGenerators:
-    """One seeded torch.Generator per device, made when a device first needs one."""
+    """One seeded torch.Generator per device type ("cpu", "cuda"), made when first needed.
+
+    Keyed by type, not by index: every rank of a data-parallel run (cuda:0, cuda:1, ...) starts
+    from the same seed and rounds identically, and a state saved by rank 0, or on another GPU
+    index, restores on any of them. A saved state whose device type this machine lacks waits
+    until (if ever) a device of that type asks for its generator.
+    """
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._by_device: dict[str, torch.Generator] = {}
+        self._by_type: dict[str, torch.Generator] = {}
+        self._pending: dict[str, torch.Tensor] = {}
 
     def __call__(self, device: torch.device) -> torch.Generator:
-        key = str(torch.device(device))
-        gen = self._by_device.get(key)
+        device = torch.device(device)
+        gen = self._by_type.get(device.type)
         if gen is None:
-            gen = torch.Generator(device=key).manual_seed(self.seed)
-            self._by_device[key] = gen
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            if device.type in self._pending:
+                gen.set_state(self._pending.pop(device.type))
+            self._by_type[device.type] = gen
         return gen
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {key: gen.get_state() for key, gen in self._by_device.items()}
+        return {**self._pending, **{kind: gen.get_state() for kind, gen in self._by_type.items()}}
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        for key, state in states.items():
-            self(torch.device(key)).set_state(state.cpu())
+        for key, state in states.items():  # keys of older states name a device ("cuda:0")
+            kind = torch.device(key).type
+            if kind in self._by_type:
+                self._by_type[kind].set_state(state.cpu())
+            else:
+                self._pending[kind] = state.cpu()
 
 
 class ParamOptimizer(torch.optim.Optimizer):
