@@ -109,3 +109,17 @@ def test_sample_config_errors_come_before_loading(images, tmp_path, cache_root, 
                            "sample.width=72", model="tiny:sd3")) != 0
     err = capsys.readouterr().err
     assert "sample.width" in err and "16" in err
+
+
+def test_class_images_of_another_prompt_are_refused(images, tmp_path, cache_root, capsys):
+    out = tmp_path / "run"
+    cache = cache_root / "prior-other"
+    assert main(train_args(images, out, cache, *DREAMBOOTH, *PRIOR, "train.steps=1", model="tiny:ssd1b")) == 0
+    files = sorted((out / "class_images").iterdir())
+    other = [a for a in (*DREAMBOOTH, *PRIOR) if not a.startswith("prior.class_prompt")]
+    args = train_args(images, out, cache, *other, "prior.class_prompt=a photo of a dog", "train.steps=1",
+                      model="tiny:ssd1b")
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "a photo of a cat" in err and "prior.class_dir" in err
+    assert sorted((out / "class_images").iterdir()) == files  # nothing overwritten

@@ -330,3 +330,20 @@ def test_cli_t5_precision(module_cache, tmp_path, capsys):
     assert np.abs(full.astype(int) - int8.astype(int)).mean() < 2.0  # of 255 levels
     assert not np.array_equal(full, none)
     capsys.readouterr()
+
+
+def test_casting_keeps_quantized_storage():
+    """Casting a pipeline's models to bf16 keeps float8 buffers and torchao-quantized weights as
+    they are (Module.to(dtype) would widen them back to full size)."""
+    from vramfit.generate import cast_floating
+    from vramfit.memory.accounting import tensor_bytes
+    from vramfit.memory.quantize import quantize_encoder
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model.register_buffer("stored", torch.ones(8).to(torch.float8_e4m3fn))
+    quantize_encoder(model, "int8")
+    before = sum(tensor_bytes(p) for p in model.parameters())
+    cast_floating(model, torch.bfloat16)
+    assert model.stored.dtype == torch.float8_e4m3fn
+    assert sum(tensor_bytes(p) for p in model.parameters()) <= before
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("bias"))

@@ -80,11 +80,31 @@ def size_multiple(pipe) -> int:
 
 
 def _cast(pipe, dtype: torch.dtype) -> None:
-    """Cast the models that are not in `dtype` yet (the others are left alone)."""
+    """Cast the models' floating parameters and buffers that are not in `dtype` yet.
+
+    Quantized storage is left as it is: float8 buffers and tensor subclasses (torchao's int8,
+    fp8 and nf4 weights), which `Module.to(dtype)` would widen back to full size."""
     for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module) and any(
-                p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
-            module.to(dtype=dtype)
+        if isinstance(module, torch.nn.Module):
+            cast_floating(module, dtype)
+
+
+WIDE_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def cast_floating(module: torch.nn.Module, dtype: torch.dtype, device=None) -> None:
+    """Move `module` to `device` (None: stay) and cast its plain floating tensors to `dtype`,
+    keeping quantized storage (float8 tensors, tensor subclasses) as it is."""
+    if device is not None:
+        module.to(device)
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, p in list(sub.named_parameters(recurse=False)):
+                if type(p.data) is torch.Tensor and p.dtype in WIDE_FLOATS and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for name, b in list(sub.named_buffers(recurse=False)):
+                if type(b) is torch.Tensor and b.dtype in WIDE_FLOATS and b.dtype != dtype:
+                    setattr(sub, name, b.to(dtype))
 
 
 def place(pipe, device, dtype: Optional[torch.dtype] = None, *, offload: bool = True) -> None:

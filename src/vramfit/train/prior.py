@@ -72,6 +72,7 @@ def ensure_class_images(cfg: RunConfig, family, bundle, buckets: list[tuple[int,
     folder.mkdir(parents=True, exist_ok=True)
     slots = slot_buckets(buckets, cfg.prior.num_images)
     present = _existing(folder)
+    _check_prompts(present, cfg.prior.class_prompt, folder)
     missing = [i for i in range(len(slots)) if i not in present]
     if missing:
         log.info("prior preservation: generating %d class images of %r in %s", len(missing),
@@ -80,9 +81,32 @@ def ensure_class_images(cfg: RunConfig, family, bundle, buckets: list[tuple[int,
     return folder, slots, len(missing)
 
 
+def _check_prompts(present: dict[int, Path], prompt: str, folder: Path) -> None:
+    """Refuse class images this project generated for another class prompt (they would train
+    under the wrong caption); images without that record (the user's own) are taken as they are."""
+    from PIL import Image
+
+    others = []
+    for path in present.values():
+        if not path.name.startswith("class-"):
+            continue
+        try:
+            with Image.open(path) as im:
+                made_for = getattr(im, "text", {}).get("prompt")
+        except OSError:
+            continue  # unreadable: class_items names it and skips it
+        if made_for is not None and made_for != prompt:
+            others.append((path.name, made_for))
+    if others:
+        name, made_for = others[0]
+        raise ValueError(f"prior.class_dir: {folder} holds {len(others)} class images generated for the "
+                         f"prompt {made_for!r} (e.g. {name}), not for prior.class_prompt {prompt!r}; give "
+                         "another prior.class_dir, or move those images away to have them generated again")
+
+
 def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int, tuple[int, int]]],
               device: torch.device, progress: bool) -> None:
-    from vramfit.generate import build_pipeline, generate, save_png
+    from vramfit.generate import build_pipeline, cast_floating, generate, save_png
 
     modules = {"vae": bundle.vae, **{f"te{i}": m for i, m in enumerate(bundle.text_encoders)},
                "denoiser": bundle.denoiser}
@@ -102,9 +126,7 @@ def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int
         if getattr(pipe, "_vramfit_placed", None) is not None:
             pipe.remove_all_hooks()
         for k, m in modules.items():
-            quantized = any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
-                            for t in m.parameters())
-            m.to("cpu") if quantized else m.to("cpu", dtypes[k])
+            cast_floating(m, dtypes[k], "cpu")
 
 
 def _bar(items, enabled: bool):
