@@ -123,3 +123,27 @@ def test_class_images_of_another_prompt_are_refused(images, tmp_path, cache_root
     err = capsys.readouterr().err
     assert "a photo of a cat" in err and "prior.class_dir" in err
     assert sorted((out / "class_images").iterdir()) == files  # nothing overwritten
+
+
+def test_switched_off_or_impossible_prior_and_sample_settings_are_refused(images, tmp_path, cache_root, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "x", "prior.num_images=3", model="tiny:ssd1b")) != 0
+    assert "prior.num_images given without prior.class_prompt" in capsys.readouterr().err
+    assert main(train_args(images, out, cache_root / "x", "sample.every_steps=1", "sample.prompts=['x']",
+                           "memory.stream_weights=true", model="tiny:ssd1b")) != 0
+    assert "memory.stream_weights" in capsys.readouterr().err
+
+
+def test_the_planner_counts_the_class_images_in_each_batch():
+    from vramfit.config.schema import RunConfig
+    from vramfit.memory.model_facts import read_facts
+    from vramfit.memory.planner import predict
+
+    plain = RunConfig.model_validate({"model": {"path": "tiny:sd3"}, "train": {"batch_size": 2},
+                                      "data": {"resolution": SIZE}})
+    prior = RunConfig.model_validate({**plain.model_dump(), "prior": {"class_prompt": "a cat"}})
+    assert prior.step_batch == 4 and plain.step_batch == 2
+    facts = read_facts(plain)
+    a = next(p for p in predict(facts, plain).phases if p.name == "train").parts
+    b = next(p for p in predict(facts, prior).phases if p.name == "train").parts
+    assert b["saved"] == 2 * a["saved"] and b["weights"] == a["weights"]

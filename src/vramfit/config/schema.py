@@ -346,6 +346,25 @@ class RunConfig(_Section):
         return self
 
     @property
+    def step_batch(self) -> int:
+        """Images in one forward pass: the batch, doubled by DreamBooth's class images."""
+        return self.train.batch_size * (2 if self.prior.class_prompt else 1)
+
+    @model_validator(mode="after")
+    def _switched_on_settings(self) -> "RunConfig":
+        default = PriorConfig()
+        given = [f"prior.{k}" for k in PriorConfig.model_fields
+                 if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)]
+        if given and not self.prior.class_prompt:
+            raise ValueError(f"{', '.join(given)} given without prior.class_prompt, which turns prior "
+                             "preservation on; set it, or leave the [prior] settings out")
+        if self.sample.every_steps and self.memory.stream_weights:
+            raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
+                             "whole denoiser on the GPU while they render; render them after training "
+                             "with vramfit generate, or turn streaming off")
+        return self
+
+    @property
     def save_formats(self) -> list[str]:
         if self.save.formats:
             return list(self.save.formats)

@@ -301,7 +301,7 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     """Activation bytes at the training peak: {"saved": ..., "work": ...}."""
     k = _CONSTANTS[facts.family]
     shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
-    scale = cfg.train.batch_size * (2.0 if cfg.train.precision == "fp32" else 1.0)
+    scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
     if cfg.train.gradient_checkpointing:
         saved = 0.0 if cfg.memory.offload_activations else k.saved * shape.saved * scale
@@ -565,7 +565,7 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     """What `vramfit plan` prints: the predicted peaks as written, and with a budget the choice,
     why, and the peaks after it (raises PlanError when nothing fits)."""
     side = largest_bucket(cfg)
-    lines = [f"{facts.family} model, largest bucket {side[0]}x{side[1]}, batch {cfg.train.batch_size}; "
+    lines = [f"{facts.family} model, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
     if budget is None:

@@ -116,8 +116,8 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
     place_denoiser(twin, cfg, device)
     optimizer = build_optimizer(twin.denoiser.parameters(), train)
     schedule = build_schedule(optimizer, train)
-    batch = SYNTHETIC_BATCHES[family.name](dict(twin.denoiser.config), cfg.train.batch_size, bucket, cfg)
-    data = _SyntheticData(batch, cfg.train.batch_size)
+    batch = SYNTHETIC_BATCHES[family.name](dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)
+    data = _SyntheticData(batch, cfg.step_batch)
 
     def run():  # the LoopResult of the two steps
         return run_loop(family, twin, data, optimizer, schedule, train, device, Progress(),
@@ -142,7 +142,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
     if limit is None:
         limit = budget_of(cfg) or torch.cuda.get_device_properties(device).total_memory
     bucket = max(buckets, key=lambda b: b[0] * b[1])
-    what = f"{cfg.train.batch_size} x {bucket[0]}x{bucket[1]}"
+    what = f"{cfg.step_batch} x {bucket[0]}x{bucket[1]}"
     failed = False
     try:
         peak = measure(probe_steps(family, bundle, cfg, device, bucket))

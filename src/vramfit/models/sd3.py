@@ -303,9 +303,11 @@ class SD3Family:
         """Settings of another family's objective, refused before any weight loads."""
         problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
                     for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
-        if Path(cfg.model.path).expanduser().is_dir():
+        path = cfg.model.path
+        if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
             problems += [f"model.{key}: separate text encoder files apply to single files; a diffusers "
-                         "folder brings its own" for key in ("clip_l", "clip_g", "t5") if getattr(cfg.model, key)]
+                         "folder or repo brings its own" for key in ("clip_l", "clip_g", "t5")
+                         if getattr(cfg.model, key)]
         for side in ("width", "height"):
             value = getattr(cfg.sample, side) or cfg.data.resolution
             if cfg.sample.every_steps and value % 16:
