@@ -233,3 +233,19 @@ def test_base_quantization_needs_lora_mode(images, tmp_path, cache_root, capsys)
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "lora.base_quantization" in err and "train.mode" in err
+
+
+def test_fp8_keeps_a_layer_with_a_zero_row_unquantized():
+    """torchao's fp8 gives a row of zeros the scale 0, which dequantizes to NaN: such a layer stays
+    in the training precision and is listed, and the output stays finite."""
+    from vramfit.memory.quantize import quantize_base
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[1].weight[3].zero_()
+    model.requires_grad_(False)
+    summary = quantize_base(model, "fp8")
+    assert summary.kept == ["1"] and summary.layers == 1
+    out = model(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert bool(torch.isfinite(out).all())

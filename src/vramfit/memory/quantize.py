@@ -107,6 +107,8 @@ def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Ten
         return to_nf4(weight, NF4_BLOCK, math.gcd(weight.numel() // NF4_BLOCK, 256))
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
+    if method == "fp8" and bool((linear.weight.detach().abs().amax(dim=1) == 0).any()):
+        return None  # a row of zeros gets scale 0 in torchao's fp8 and dequantizes to NaN: keep it
     # set_inductor_config=False: quantize_ would otherwise change torch.compile's global settings
     config = (Int8WeightOnlyConfig(set_inductor_config=False) if method == "int8"
               else Float8WeightOnlyConfig(set_inductor_config=False))
@@ -159,7 +161,7 @@ class QuantizedLinear(torch.nn.Module):
 class BaseQuantization:
     method: str
     layers: int  # linears now stored quantized
-    kept: list[str]  # frozen linears left in the training precision (shape not quantizable)
+    kept: list[str]  # frozen linears left in the training precision (shape not quantizable, or an fp8 zero row)
     bytes_before: int  # of the quantized layers' weights
     bytes_after: int
 
