@@ -384,11 +384,18 @@ def start(cfg: RunConfig) -> DataParallel:
         from vramfit.config.load import ConfigError
 
         raise ConfigError(problems, f"config for {world} processes")
+    from datetime import timedelta
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    # Rank 0 alone converts or downloads the model and generates class images while the others
+    # wait in a collective; NCCL's default 10-minute timeout would end such a wait, so allow hours.
+    wait = InitProcessGroupKwargs(backend="gloo" if cpu else "nccl", timeout=timedelta(hours=6))
     # accelerate's own mixed precision stays off: train.precision already decides the dtypes.
-    return DataParallel(Accelerator(cpu=cpu, mixed_precision="no"), sharded=cfg.train.distributed == "fsdp")
+    return DataParallel(Accelerator(cpu=cpu, mixed_precision="no", kwargs_handlers=[wait]),
+                        sharded=cfg.train.distributed == "fsdp")
 
 
 def resume_configs(saved: dict, current: dict, world: int, path) -> tuple[dict, dict]:
