@@ -160,6 +160,12 @@ def test_what_does_not_compose_is_refused_before_launching(images, tmp_path, cap
         mp.setenv("WORLD_SIZE", "2")
         with pytest.raises(ConfigError, match="config for 2 processes: 3 problem"):
             start(cfg)
+    from vramfit.config.schema import RunConfig
+    from vramfit.train.distributed import composition_problems
+
+    fsdp = RunConfig.model_validate({"train": {"distributed": "fsdp", "optimizer": "adamw"},
+                                     "memory": {"offload_activations": True}})
+    assert [p.split(":")[0] for p in composition_problems(fsdp, 2)] == ["memory.offload_activations"]
 
 
 def test_fsdp_full_fine_tune_matches_one_process_and_its_state_resumes_anywhere(two_ranks, one_process, tmp_path,
