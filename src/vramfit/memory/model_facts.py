@@ -192,7 +192,9 @@ def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
         return (2 * enc.params if enc.kind == "t5" else stored), 0
     rest = 2 * (enc.params - enc.linear_numel)
     linear = {"int8": enc.linear_numel + 5 * enc.linear_rows, "fp8": enc.linear_numel + 4 * enc.linear_rows,
-              "nf4": enc.linear_numel // 2 + enc.linear_numel // NF4_BLOCK * 4}[t5_precision]
+              # torchao's NF4 (memory/quantize.py): 4-bit codes, an int8 absmax per block of 64 and
+              # bf16 factors per group of 256 blocks (quantized_linear_bytes, summed over the linears)
+              "nf4": enc.linear_numel // 2 + enc.linear_numel // NF4_BLOCK + enc.linear_numel // 8192}[t5_precision]
     return rest + linear, 2 * enc.largest_linear
 
 
