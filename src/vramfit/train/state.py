@@ -150,7 +150,9 @@ def load_state(path: Path, model: torch.nn.Module, optimizer, schedule, generato
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    _load_optimizer(optimizer, torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    # vramfit's optimizers (optim/base.py) restore each state tensor's own dtype and device and
+    # the rounding generators themselves
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     schedule.load_state_dict(torch.load(path / "schedule.pt", weights_only=True))
     rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["generator"])
@@ -163,15 +165,3 @@ def load_state(path: Path, model: torch.nn.Module, optimizer, schedule, generato
     progress.resumed_from = str(path)
     progress.resumes += 1
     return progress
-
-
-def _load_optimizer(optimizer, saved: dict) -> None:
-    """torch's load_state_dict casts state to each parameter's dtype; an fp32 Adafactor state of
-    a bf16 weight would come back bf16. Put every saved tensor back in its own dtype."""
-    optimizer.load_state_dict(saved)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, state in saved["state"].items():
-        live = optimizer.state[params[index]]
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                live[key] = value.to(params[index].device)
