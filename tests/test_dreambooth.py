@@ -73,7 +73,7 @@ def test_prior_loss_weight_zero_is_the_instance_loss(images, tmp_path, cache_roo
 def test_user_class_images_fill_slots_and_bad_ones_are_named(images, tmp_path, cache_root, caplog):
     folder = tmp_path / "classes"
     folder.mkdir()
-    Image.new("RGB", (80, 64), (200, 10, 10)).save(folder / "mine.jpg")
+    Image.new("RGB", (40, 120), (200, 10, 10)).save(folder / "mine.jpg")  # a tall one
     (folder / "broken.png").write_bytes(b"not a png")
     out = tmp_path / "run"
     assert main(train_args(images, out, cache_root / "prior-user", *DREAMBOOTH, *PRIOR,
@@ -83,6 +83,13 @@ def test_user_class_images_fill_slots_and_bad_ones_are_named(images, tmp_path, c
     assert run["cache"]["class_images_generated"] == 1
     assert sorted(p.name for p in folder.glob("class-*.png")) == ["class-00002.png"]
     assert "broken.png" in caplog.text
+    # the user's image keeps the bucket of its own aspect; the generated one has its slot's
+    from vramfit.config.load import load_config
+    from vramfit.train.prior import class_items
+
+    cfg = load_config(out / "config.toml", need_data=False)
+    buckets = {item.path.name: bucket for item, bucket in class_items(cfg, folder, [(SIZE, SIZE)] * 3)}
+    assert buckets == {"mine.jpg": (32, 96), "class-00002.png": (SIZE, SIZE)}
 
 
 def test_sample_grids_every_n_steps_and_at_the_end(images, tmp_path, cache_root):

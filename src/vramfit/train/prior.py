@@ -6,6 +6,8 @@ instance images' buckets in proportion to how many instance images each bucket h
 one per bucket). So every training batch can pair its instance images with class images of the
 same shape and run both through one forward pass, as diffusers' DreamBooth script does, and
 the set of class images depends only on the config, never on how many already existed.
+Images the user put in the folder fill the first free slots but keep the bucket of their own
+aspect; a batch whose bucket has no class image trains without one.
 
 Class images take `prior.class_prompt` as their caption. They are ordinary dataset items
 afterwards: validated by the scanner, cached like the instance images (latents and text), and
@@ -138,7 +140,12 @@ def _bar(items, enabled: bool):
 
 
 def class_items(cfg: RunConfig, folder: Path, slots: list[tuple[int, int]]):
-    """The class images as scanned items, each with its slot's bucket."""
+    """The class images as scanned items with their buckets: a generated image has its slot's
+    (it was rendered at that size); the user's own take the bucket of their own aspect, as
+    instance images do, so they are never cropped to another shape."""
+    from vramfit.data.buckets import assign_bucket, make_buckets
+
+    buckets = make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect)
     result = scan_dataset(folder, instance_prompt=cfg.prior.class_prompt, min_size=1,
                           max_pixels=cfg.data.max_pixels)
     for problem in result.problems:
@@ -148,7 +155,8 @@ def class_items(cfg: RunConfig, folder: Path, slots: list[tuple[int, int]]):
     for slot, path in sorted(_existing(folder).items()):
         item = by_path.get(path.resolve())
         if slot < len(slots) and item is not None:
-            out.append((item, slots[slot]))
+            own = None if path.name.startswith("class-") else tuple(assign_bucket(item.width, item.height, buckets))
+            out.append((item, own or slots[slot]))
     if len(out) < len(slots):
         log.warning("prior preservation: %d of %d class images are usable (see the warnings above)",
                     len(out), len(slots))
