@@ -29,6 +29,25 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 @dataclass
+class CopyCounters:
+    """Bytes of compute-side copies a weight streamer holds: made, held now, and at most."""
+
+    fetches: int = 0
+    fetched_bytes: int = 0
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+
+    def fetched(self, nbytes: int) -> None:
+        self.fetches += 1
+        self.fetched_bytes += nbytes
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def released(self, nbytes: int) -> None:
+        self.device_bytes -= nbytes
+
+
+@dataclass
 class PhaseMemory:
     name: str
     seconds: float = 0.0

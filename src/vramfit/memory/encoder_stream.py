@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from vramfit.config.schema import MemoryConfig, ModelConfig
-from vramfit.memory.accounting import tensor_bytes
+from vramfit.memory.accounting import CopyCounters, tensor_bytes
 
 # T5EncoderModel; CLIPTextModelWithProjection; CLIPTextModel (transformers 5 has no text_model in it)
 LAYER_LISTS = ("encoder.block", "text_model.encoder.layers", "encoder.layers")
@@ -115,14 +115,11 @@ class _Group:
 
 
 @dataclass
-class EncoderStreamStats:
-    """Bytes of compute copies made by the streamer (on CPU: clones, counted alike)."""
+class EncoderStreamStats(CopyCounters):
+    """Bytes of compute copies made by the streamer (on CPU: clones, counted alike); device_bytes
+    counts the streamed layers' copies held now."""
 
-    fetches: int = 0
-    fetched_bytes: int = 0
     resident_bytes: int = 0
-    device_bytes: int = 0  # streamed layers' copies held now
-    peak_device_bytes: int = 0
     largest_layer_bytes: int = 0
 
 
@@ -227,10 +224,7 @@ class EncoderStreamer:
                 group.ready.record(self.side)
         group.streams = set()
         self._live.append(i)
-        self.stats.fetches += 1
-        self.stats.fetched_bytes += group.nbytes
-        self.stats.device_bytes += group.nbytes
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.stats.device_bytes)
+        self.stats.fetched(group.nbytes)
 
     def _bind(self, i: int) -> None:
         group = self.groups[i]
@@ -257,7 +251,7 @@ class EncoderStreamer:
         group.copies = group.ready = None
         group.streams = set()
         self._live.remove(i)
-        self.stats.device_bytes -= group.nbytes
+        self.stats.released(group.nbytes)
 
     # ---- accounting -----------------------------------------------------------------------------
 

@@ -58,19 +58,15 @@ import torch
 from torch import nn
 
 from vramfit.config.schema import MemoryConfig
-from vramfit.memory.accounting import tensor_bytes
+from vramfit.memory.accounting import CopyCounters, tensor_bytes
 
 BLOCK_CONTAINERS = ("down_blocks", "mid_block", "up_blocks", "transformer_blocks")
 
 
 @dataclass
-class StreamStats:
+class StreamStats(CopyCounters):
     """Counters of the compute-side copies (bytes in device buffers held by the streamer)."""
 
-    fetches: int = 0
-    fetched_bytes: int = 0
-    device_bytes: int = 0
-    peak_device_bytes: int = 0
     grads_moved: int = 0
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
@@ -298,10 +294,7 @@ class WeightStreamer:
         for dtype, buf in buffers.items():
             self._by_storage[buf.untyped_storage().data_ptr()] = (unit, dtype)
         self._lru.append(unit)
-        self.stats.fetches += 1
-        self.stats.fetched_bytes += unit.nbytes
-        self.stats.device_bytes += unit.nbytes
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.stats.device_bytes)
+        self.stats.fetched(unit.nbytes)
 
     def _rehome(self, unit: _Unit) -> None:
         # Something outside moved or replaced a weight between uses (Module.to, a load with
@@ -345,7 +338,7 @@ class WeightStreamer:
         self._lru.remove(unit)
         if self._current is unit:
             self._current = None
-        self.stats.device_bytes -= unit.nbytes
+        self.stats.released(unit.nbytes)
 
     def release_all(self) -> None:
         """Every streamed weight back at its home; no compute copy is held."""
