@@ -7,6 +7,7 @@ identical tensors for the same item, which the tests check.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from dataclasses import dataclass
@@ -172,34 +173,29 @@ class TrainingData:
         With prior preservation each batch also carries as many class images of its bucket, taken
         in a seeded order that cycles through them (an epoch is one pass over the instance images).
         """
-        by_bucket: dict[tuple[int, int], list[Record]] = {}
-        for r in self.records:
-            if not r.prior:
-                by_bucket.setdefault(r.bucket, []).append(r)
         groups = []
-        for bucket in sorted(by_bucket):
-            recs = _ordered(by_bucket[bucket], generator, shuffle)
+        instance = self._by_bucket(prior=False)
+        for bucket in sorted(instance):
+            recs = _ordered(instance[bucket], generator, shuffle)
             groups += [recs[i:i + batch_size] for i in range(0, len(recs), batch_size)]
-        classes = self._class_cycles(generator, shuffle)
-        order = torch.randperm(len(groups), generator=generator).tolist() if shuffle else range(len(groups))
-        for i in order:
-            group = groups[i]
+        classes = {bucket: itertools.cycle(_ordered(recs, generator, shuffle))
+                   for bucket, recs in sorted(self._by_bucket(prior=True).items())}
+        for group in _ordered(groups, generator, shuffle):
             cycle = classes.get(group[0].bucket)
             yield group + [next(cycle) for _ in group] if cycle is not None else group
 
-    def _class_cycles(self, generator: torch.Generator, shuffle: bool) -> dict:
-        import itertools
-
-        by_bucket: dict[tuple[int, int], list[Record]] = {}
+    def _by_bucket(self, prior: bool) -> dict[tuple[int, int], list[Record]]:
+        """The instance (or class) records of each bucket, in record order."""
+        out: dict[tuple[int, int], list[Record]] = {}
         for r in self.records:
-            if r.prior:
-                by_bucket.setdefault(r.bucket, []).append(r)
-        return {b: itertools.cycle(_ordered(by_bucket[b], generator, shuffle)) for b in sorted(by_bucket)}
+            if r.prior == prior:
+                out.setdefault(r.bucket, []).append(r)
+        return out
 
 
-def _ordered(records: list[Record], generator: torch.Generator, shuffle: bool) -> list[Record]:
-    order = torch.randperm(len(records), generator=generator).tolist() if shuffle else range(len(records))
-    return [records[i] for i in order]
+def _ordered(items: list, generator: torch.Generator, shuffle: bool) -> list:
+    order = torch.randperm(len(items), generator=generator).tolist() if shuffle else range(len(items))
+    return [items[i] for i in order]
 
 
 def _bar(iterable, desc: str, enabled: bool):
