@@ -104,7 +104,8 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
             for enc in bundle.text_encoders:
                 enc.to(torch.float32)
         # Cache keys name the encoders as loaded (T5's precision is part of the text key).
-        identities = {part: family.encoder_identity(bundle, part) for part in ("vae", "text")}
+        identities = {part: family.encoder_identity(bundle, part)
+                      for part, cached in (("vae", cfg.cache.latents), ("text", cfg.cache.text)) if cached}
         family.prepare_encoders(bundle)
     records = make_records(result.items, cfg.data, cfg.train.seed)
     generated = 0
