@@ -39,6 +39,8 @@ def run_config(command: str):
     config = None
     if words and not words[0].startswith("-"):
         config = Path(words[0]) if Path(words[0]).is_absolute() else ROOT / words[0]
+        if not config.exists() and config.parent.name == "examples":  # run in another checkout
+            config = ROOT / "examples" / config.name
     sets, current = [], None
     for word in words:
         if word.startswith("--"):
