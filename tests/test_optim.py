@@ -238,3 +238,108 @@ def test_a_step_that_is_not_finite_changes_nothing(cls):
         assert torch.equal(live.dequantize() if hasattr(live, "codes") else live, value), key
     opt.step_param(p, torch.randn(64, 128), finite=torch.tensor(True))
     assert not torch.equal(p.data, before)
+
+
+# ---- step(): parameters packed together -----------------------------------------------------
+
+class _Blocks(torch.nn.Module):
+    """Repeated shapes (packs by shape), a conv kernel, vectors, and 8-bit-sized matrices."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(128)
+        self.head = torch.nn.Linear(128, 8 * 4 * 4)
+        self.to(dtype)
+
+    def forward(self, x):
+        h = self.conv(x).flatten(1)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(self.norm(h))
+
+
+def _grads(model):
+    x = torch.randn(4, 8, 4, 4, generator=torch.Generator().manual_seed(2)).to(next(model.parameters()).dtype)
+    model(x).float().pow(2).mean().backward()
+    return [(p, p.grad.clone()) for p in model.parameters()]
+
+
+def _packed_and_alone(cls, dtype, rounding=None, steps=3):
+    """The same model stepped by step() (packed) and by step_param one tensor at a time."""
+    packed, alone = _Blocks(dtype), _Blocks(dtype)
+    opt_p = cls(packed.parameters(), lr=1e-3, rounding=rounding and RoundingGenerators(0))
+    opt_a = cls(alone.parameters(), lr=1e-3, rounding=rounding and RoundingGenerators(0))
+    calls = []
+    update = opt_p._update
+    opt_p._update = lambda *a, **k: calls.append(a[0].shape) or update(*a, **k)
+    for _ in range(steps):
+        _grads(packed)
+        opt_p.step()
+        opt_p.zero_grad()
+        for p, grad in _grads(alone):
+            opt_a.step_param(p, grad)
+        opt_a.zero_grad()
+    return packed, alone, opt_p, opt_a, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_packed_step_equals_one_parameter_at_a_time(cls, dtype):
+    packed, alone, opt_p, opt_a, calls = _packed_and_alone(cls, dtype)
+    count = len(list(packed.parameters()))
+    assert len(calls) < count / 2 * 3  # 3 steps, fewer than half an update per tensor
+    for (name, pp), pa in zip(packed.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(pp, pa, rtol=1e-6, atol=0, msg=name)
+        for key, value in opt_a.state[pa].items():
+            if torch.is_tensor(value):
+                got = opt_p.state[pp][key]
+                assert type(got) is type(value)
+                if hasattr(value, "codes"):
+                    got, value = got.dequantize(), value.dequantize()
+                torch.testing.assert_close(got, value, rtol=1e-6, atol=0, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_packed_stochastic_rounding_lands_on_a_bf16_neighbour_of_the_exact_step(cls):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 128).bfloat16()) for _ in range(3)]
+    grads = [torch.randn(64, 128).bfloat16() for _ in params]
+    exact = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref = cls(exact, lr=1e-2)
+    for p, g in zip(exact, grads):
+        ref.step_param(p, g)
+    opt = cls(params, lr=1e-2, rounding=RoundingGenerators(0))
+    calls = []
+    update = opt._update
+    opt._update = lambda *a, **k: calls.append(1) or update(*a, **k)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    assert len(calls) == 1  # one pack for the three tensors
+    for p, e in zip(params, exact):
+        bits = e.data.view(torch.int32)
+        toward_zero = (bits & -65536).view(torch.float32)
+        away = ((bits & -65536) + 65536).view(torch.float32)
+        got = p.data.float()
+        assert torch.all((got == toward_zero) | (got == away))
+        assert not torch.equal(p.data, e.data.bfloat16())  # not round-to-nearest everywhere
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_packs_hold_at_most_the_largest_tensor_and_a_step_that_is_not_finite_changes_nothing(cls):
+    model = _Blocks(torch.float32)
+    opt = cls(model.parameters(), lr=1e-3)
+    opt.MIN_PACK_NUMEL = 1  # the bound is then the largest tensor: head.weight, 128 x 128
+    sizes = []
+    update = opt._update
+    opt._update = lambda *a, **k: sizes.append(a[0].numel()) or update(*a, **k)
+    pairs = _grads(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step_params(pairs, finite=torch.tensor(False))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert max(sizes) == 128 * 128 and len(sizes) > 3
+    opt.step_params(pairs, finite=torch.tensor(True))
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))

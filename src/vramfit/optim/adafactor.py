@@ -13,7 +13,8 @@ weight. Here each kernel is viewed as the [out, in*kh*kw] matrix it acts as (Ada
 factors weight matrices), which shrinks that to out + in*kh*kw values per kernel, about
 0.02 GiB for SSD-1B. State is fp32 whatever the weight's dtype, as in transformers.
 
-Cost: the reshapes are views; fp32 temporaries of one parameter at a time.
+Cost: the reshapes are views; fp32 temporaries of one parameter, or one pack of parameters of
+the same shape (optim/base.py), at a time.
 """
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ def _matrix_shape(shape: torch.Size) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:])) if len(shape) > 2 else tuple(shape)
 
 
-def _rms(t: torch.Tensor) -> torch.Tensor:
-    return t.norm(2) / (t.numel() ** 0.5)
+def _rms(t: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """Root mean square over the dimensions after the first `batch_dims`, kept for broadcasting."""
+    dims = tuple(range(batch_dims, t.dim()))
+    if not batch_dims:
+        return t.norm(2) / (t.numel() ** 0.5)
+    per_item = t[(0,) * batch_dims].numel()
+    return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / (per_item ** 0.5)
 
 
 class Adafactor(ParamOptimizer):
@@ -52,9 +58,9 @@ class Adafactor(ParamOptimizer):
             state["exp_avg_sq"] = torch.zeros(shape, device=p.device)
         return state
 
-    def _update(self, p32, grad, state, group, finite):
+    def _update(self, p32, grad, state, group, finite, batch_dims):
         shape = p32.shape
-        grad = grad.reshape(_matrix_shape(shape))
+        grad = grad.reshape(shape[:batch_dims] + _matrix_shape(shape[batch_dims:]))
         lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
         sq = grad.square().add_(EPS1)
@@ -69,7 +75,7 @@ class Adafactor(ParamOptimizer):
             avg = state["exp_avg_sq"].mul(beta2t).add_(sq, alpha=1.0 - beta2t)
             self._store(state["exp_avg_sq"], avg, finite)
             update = avg.rsqrt().mul_(grad)
-        update.div_((_rms(update) / CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
+        update.div_((_rms(update, batch_dims) / CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
         new = p32.clone()
         if group["weight_decay"]:
             new.add_(new, alpha=-group["weight_decay"] * lr)

@@ -32,6 +32,8 @@ BLOCK = 256
 
 
 class AdamW(ParamOptimizer):
+    elementwise = True
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, rounding: Optional[RoundingGenerators] = None):
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -44,7 +46,7 @@ class AdamW(ParamOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         return {"step": 0, "exp_avg": self._moment(p, True), "exp_avg_sq": self._moment(p, False)}
 
-    def _update(self, p32, grad, state, group, finite):
+    def _update(self, p32, grad, state, group, finite, batch_dims):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         step = state["step"]
