@@ -87,6 +87,9 @@ def _fsdp_problems(cfg: RunConfig, where: str) -> list[str]:
                         "FSDP each rank steps its shard of every tensor, which is exact for AdamW (element by "
                         "element) but not for Adafactor's per-row and per-column statistics or 8-bit blocks; "
                         "use 'adamw' or train.distributed = 'ddp'")
+    if cfg.train.compile:
+        problems.append("train.compile: not with 'fsdp', whose hooks gather each block's weights around "
+                        "the very calls that compilation replaces; set it to false or use 'ddp'")
     if cfg.memory.offload_activations:
         problems.append("memory.offload_activations: under 'fsdp' the tensors saved for backward include "
                         "the gathered weights, which would be copied to host memory and back every step; "

@@ -172,6 +172,11 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         unet.enable_gradient_checkpointing()
     else:
         unet.disable_gradient_checkpointing()
+    if cfg.train.compile:
+        from vramfit.train.compile import compile_blocks
+
+        log.info("compiling %d repeated blocks of the denoiser (the first step of each bucket shape "
+                 "compiles them)", compile_blocks(unet))
     streamer = stream_weights(unet, device, cfg.memory, stream_trainable=cfg.train.mode == "full")
     if streamer is not None and streamer.units:
         log.info("streaming %.1f MiB of block weights in %d units", streamer.streamed_bytes() / 2**20,
