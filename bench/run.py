@@ -57,6 +57,13 @@ BUDGET_CASE = Case("budget", "planner at the seed's peak (memory.vram_budget)", 
                    ["memory.vram_budget"], bare=True)
 
 
+
+def compiled(case: Case) -> Case:
+    """The same configuration with the denoiser's blocks compiled (train.compile)."""
+    return Case(f"{case.name}_compile", f"{case.label} + compiled blocks", case.sets + ["train.compile=true"],
+                case.requires + ["train.compile"], case.role)
+
+
 FULL_CASES = [
     Case("recipe", "recipe", []),
     Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
@@ -86,6 +93,8 @@ LORA_CASES = [
     Case("fastest", "fastest: bf16 base, AdamW, no checkpointing",
          ["train.optimizer=adamw", "train.gradient_checkpointing=false", "train.max_grad_norm=0"], role="fastest"),
 ]
+FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest")]
+LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "fastest")]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
 DEFAULT_CASE_SECONDS = {"seed": 30.0, "vramfit": 60.0}  # guesses for --deadline until a case has run
