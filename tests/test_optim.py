@@ -290,7 +290,10 @@ def _packed_and_alone(cls, dtype, rounding=None, steps=3):
 def test_packed_step_equals_one_parameter_at_a_time(cls, dtype):
     packed, alone, opt_p, opt_a, calls = _packed_and_alone(cls, dtype)
     count = len(list(packed.parameters()))
-    assert len(calls) < count / 2 * 3  # 3 steps, fewer than half an update per tensor
+    if cls is AdamW and dtype == torch.float32:
+        assert calls == []  # fp32 throughout: foreach ops in place, no packs
+    else:
+        assert 0 < len(calls) < count / 2 * 3  # 3 steps, fewer than half an update per tensor
     for (name, pp), pa in zip(packed.named_parameters(), alone.parameters()):
         torch.testing.assert_close(pp, pa, rtol=1e-6, atol=0, msg=name)
         for key, value in opt_a.state[pa].items():

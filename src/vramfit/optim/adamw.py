@@ -60,6 +60,25 @@ class AdamW(ParamOptimizer):
         return new.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+    def _update_in_place(self, params, grads, states, group):
+        # The same operations as _update, in the same order, on lists of tensors.
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        step = states[0]["step"]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))
+        return True
+
+
 class AdamW8bit(AdamW):
     def _moment(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         if p.numel() < QUANTIZED_MIN_NUMEL or p.numel() % BLOCK:

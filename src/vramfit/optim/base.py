@@ -30,6 +30,11 @@ rounding the random bits are drawn per pack, so they differ from the per-paramet
 keeping its distribution. Each pack holds at most as many values as the largest parameter (or
 4 Mi values, whichever is more), so the fp32 temporaries stay those of the largest parameter.
 
+Where a pack would be fp32 throughout (fp32 parameters, gradients and state, as under
+mixed_bf16 with AdamW) there is nothing to round, and an optimizer may instead update the
+tensors in place with foreach ops (`_update_in_place`; AdamW does, in _update's order of
+operations, chunked like the packs), which saves the packing copies.
+
 Cost: one pass of packing and unpacking (a copy of each parameter, gradient and state tensor)
 in exchange for about ten kernel launches per pack instead of per parameter: SSD-1B's UNet has
 about 1,700 tensors, which one-at-a-time stepping pays in Python overhead (milliseconds each on
@@ -102,6 +107,12 @@ class ParamOptimizer(torch.optim.Optimizer):
         of parameters of one shape along dimension 0, each to be updated on its own."""
         raise NotImplementedError
 
+    def _update_in_place(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                         group: dict) -> bool:
+        """Optionally, the update of fp32 parameters with fp32 gradients and state, written in
+        place with foreach ops (no packing copies); returns False where not implemented."""
+        return False
+
     # ---- stepping -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -160,6 +171,13 @@ class ParamOptimizer(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         for state in states:
             state["step"] += 1
+        grads = [g for _, g in members]
+        state_tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
+        if finite is None and all(type(t) is torch.Tensor for t in state_tensors) and all(
+                t.dtype == torch.float32 and t.device == device for t in [*params, *grads, *state_tensors]):
+            # fp32 throughout: nothing to round, so the update runs in place on the tensors themselves
+            if self._update_in_place(params, grads, states, self._group_of(params[0])):
+                return
         if finite is not None:
             finite = finite.to(device, non_blocking=async_copy)
         flat = self.elementwise
@@ -168,7 +186,7 @@ class ParamOptimizer(torch.optim.Optimizer):
             return torch.cat([t.reshape(-1) for t in tensors]) if flat else torch.stack(list(tensors))
 
         packed_p = pack(params)
-        grads = pack([g.to(device, non_blocking=async_copy) for _, g in members]).float()
+        grads = pack([g.to(device, non_blocking=async_copy) for g in grads]).float()
         packed_state: dict = {"step": states[0]["step"]}
         for key, value in states[0].items():
             if torch.is_tensor(value):
