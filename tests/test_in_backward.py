@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from conftest import train_args
 from vramfit.cli import main
-from vramfit.memory.accounting import tensor_bytes
 from vramfit.optim.adafactor import Adafactor
 from vramfit.optim.adamw import AdamW, AdamW8bit
 from vramfit.optim.base import RoundingGenerators, state_bytes
@@ -30,25 +29,49 @@ def _model(dtype=torch.float32):
                          nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.SiLU(), nn.Linear(64, 8)).to(dtype)
 
 
-def _inputs(accum, steps, dtype):
+class _Deep(torch.nn.Module):
+    """Six 64 x 64 layers: tensors of one shape, 4096 values each (8-bit moments under AdamW8bit)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.to(dtype)
+
+    def forward(self, x):
+        h = x.flatten(1)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return h
+
+
+def _inputs(accum, steps, dtype, shape=(2, 8, 8, 8)):
     g = torch.Generator().manual_seed(1)
-    return [[torch.randn(2, 8, 8, 8, generator=g).to(dtype) for _ in range(accum)] for _ in range(steps)]
+    return [[torch.randn(*shape, generator=g).to(dtype) for _ in range(accum)] for _ in range(steps)]
 
 
 def _loss(model, x):
     return model(x).float().pow(2).mean()
 
 
-def _train(cls, dtype, accum, in_backward, max_grad_norm=0.0, steps=4, round_sums=True, watch=None):
-    """A small loop shaped as train/loop.py's: accumulation, then the step after or in backward."""
-    model = _model(dtype)
+def _train(cls, dtype, accum, in_backward, max_grad_norm=0.0, steps=4, round_sums=True, watch=None, deep=False,
+           min_pack=None, updates=None):
+    """A small loop shaped as train/loop.py's: accumulation, then the step after or in backward.
+    `deep`: the _Deep model; `min_pack`: the optimizer's MIN_PACK_NUMEL; `updates`: a list that
+    gets one entry per `_update` call."""
+    model = _Deep(dtype) if deep else _model(dtype)
     params = list(model.parameters())
     opt = cls(params, lr=1e-3, rounding=RoundingGenerators(0))
+    if min_pack is not None:
+        opt.MIN_PACK_NUMEL = min_pack
+    if updates is not None:
+        update = opt._update
+        opt._update = lambda *a, **k: updates.append(a[0].shape) or update(*a, **k)
     if watch is not None:
-        watch(params)
+        watch(params, lambda: hooks)  # hooks: made below, before any backward
     hooks = BackwardSteps(params, opt, in_backward=in_backward, round_sums=round_sums,
                           max_grad_norm=max_grad_norm)
-    for batch in _inputs(accum, steps, dtype):
+    for batch in _inputs(accum, steps, dtype, shape=(2, 64) if deep else (2, 8, 8, 8)):
         for i, x in enumerate(batch):
             hooks.begin(last=i == accum - 1)
             (_loss(model, x) / accum).backward()
@@ -121,7 +144,8 @@ def test_per_tensor_clipping_gives_each_tensor_its_share_of_the_budget():
     total = sum(p.numel() for p in params)
     seen = {}
     opt = AdamW(params, lr=1e-3)
-    opt.step_param = lambda p, grad, finite=None: seen.__setitem__(id(p), grad.norm().item())
+    opt.step_params = lambda pairs, finite=None, limit=None: seen.update(
+        (id(p), grad.norm().item()) for p, grad in pairs)
     hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True, max_grad_norm=max_norm)
     for i, x in enumerate(batch):
         hooks.begin(last=i == accum - 1)
@@ -158,23 +182,99 @@ def test_a_non_finite_gradient_tensor_is_held_back_and_counted():
     assert all(p.grad is None for p in params)
 
 
-def test_in_backward_frees_each_gradient_as_it_is_used():
-    """It saves: bytes of gradients alive at each parameter's hook, the peak over a backward."""
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_in_backward_packs_tensors_of_one_shape_and_matches_the_normal_step(cls):
+    calls = []
+    normal, opt_n = _train(cls, torch.float32, 2, in_backward=False, deep=True)
+    inside, opt_i = _train(cls, torch.float32, 2, in_backward=True, deep=True, updates=calls)
+    count = len(list(inside.parameters()))
+    # 4 steps of 12 tensors: one pack of the weights (stacked or concatenated), one of the biases
+    assert 0 < len(calls) <= 2 * 4 < count * 4
+    for (name, a), b in zip(normal.named_parameters(), inside.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=0, msg=name)
+    assert state_bytes(opt_i) == state_bytes(opt_n)
+
+
+def _state(opt, p):
+    """A parameter's state tensors as plain tensors: an 8-bit moment's codes and scales apart."""
+    out = {}
+    for key, value in opt.state[p].items():
+        if hasattr(value, "codes"):
+            out[key + ".codes"], out[key + ".scale"] = value.codes.clone(), value.scale.clone()
+        elif torch.is_tensor(value):
+            out[key] = value.clone()
+    return out
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_non_finite_tensor_holds_back_only_itself_in_its_pack(cls):
+    """Four kernels of 16 x 16 x 4 x 4 (4096 values, 8-bit moments under AdamW8bit) in one pack:
+    stacked for Adafactor, concatenated for the AdamWs. The second step poisons one gradient."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 16, 4, 4)) for _ in range(4)]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = cls(params, lr=1e-2), cls(alone, lr=1e-2)
+    calls = []
+    update = opt._update
+    opt._update = lambda *a, **k: calls.append(a[0].shape) or update(*a, **k)
+    hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        weights = [torch.randn(16, 16, 4, 4, generator=g) for _ in params]
+        poison = params[1].register_hook(lambda grad: grad * float("nan")) if step else None
+        before = [p.detach().clone() for p in params]
+        state = _state(opt, params[1]) if step else None
+        hooks.begin(last=True)
+        sum((p * w).sum() for p, w in zip(params, weights)).backward()
+        assert hooks.finish() == step  # the poisoned tensor, counted once
+        for i, (p, w) in enumerate(zip(alone, weights)):  # the one-parameter path, 0-dim flag
+            ref.step_param(p, w, finite=torch.tensor(not (step and i == 1)))
+        if poison is not None:
+            poison.remove()
+        assert len(calls) == step + 1  # one update for the four tensors
+    assert torch.equal(params[1], before[1])
+    held = _state(opt, params[1])
+    assert held.keys() == state.keys() and all(torch.equal(held[k], state[k]) for k in state)
+    assert all(not torch.equal(p, b) for i, (p, b) in enumerate(zip(params, before)) if i != 1)
+    for p, a in zip(params, alone):  # the finite members step as they would alone
+        torch.testing.assert_close(p, a, rtol=1e-6, atol=0)
+        ours, theirs = _state(opt, p), _state(ref, a)
+        assert ours.keys() == theirs.keys()
+        for key in ours:  # 8-bit moments: quantized the same way from the same values
+            torch.testing.assert_close(ours[key].float(), theirs[key].float(), rtol=1e-6, atol=0, msg=key)
+    hooks.remove()
+
+
+def test_in_backward_holds_at_most_one_pack_limit_of_gradients(monkeypatch):
+    """It saves: bytes of gradients alive at each parameter's hook (in p.grad and waiting to
+    step), the peak over a backward; the pending values at each flush stay within the limit."""
+    limit = 2 * 4096
+    pending = []
+    flush = BackwardSteps._flush
+
+    def recording_flush(self):
+        if self._pending:  # finish() flushes also when nothing waits
+            pending.append(self._pending_numel)
+        flush(self)
+
+    monkeypatch.setattr(BackwardSteps, "_flush", recording_flush)
     peaks = {}
     for in_backward in (False, True):
         peak = [0]
 
-        def watch(params):
+        def watch(params, hooks):
             def count(_p):
-                peak[0] = max(peak[0], sum(tensor_bytes(q.grad) for q in params if q.grad is not None))
-            for p in params:  # registered first, so it runs before the step-and-free hook
+                peak[0] = max(peak[0], hooks().grad_bytes())
+            for p in params:  # registered first, so it runs before the step's hook
                 p.register_post_accumulate_grad_hook(count)
 
-        model, opt = _train(AdamW, torch.float32, 1, in_backward=in_backward, steps=1, watch=watch)
+        model, _ = _train(AdamW, torch.float32, 1, in_backward=in_backward, steps=1, watch=watch, deep=True,
+                          min_pack=limit)
         peaks[in_backward] = peak[0]
     grads = [p.numel() * 4 for p in model.parameters()]
     assert peaks[False] == sum(grads)  # every gradient alive at the last hook
-    assert peaks[True] == max(grads)  # one at a time
+    assert len(pending) >= 3 and all(0 < n <= limit for n in pending)
+    assert peaks[True] <= 4 * limit + max(grads)  # the documented bound: the limit and one gradient
     assert peaks[True] < peaks[False] / 2
 
 

@@ -4,9 +4,9 @@ Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_in
 `_update(p32, grad32, state, group, finite, batch_dims)`: the new fp32 parameter from fp32 copies of one
 parameter and its gradient, with its state updated. The base turns that into
 
-- `step_param(p, grad, finite=None)`: step one parameter now. The training loop's `step()` calls
-  it for every parameter with a gradient; optim/in_backward.py calls it from a gradient hook
-  while backward still runs. `p` may live on another device than the model's compute (streamed
+- `step_param(p, grad, finite=None)`: step one parameter now (`step_params` below steps many,
+  packed: the loop's `step()` after backward, and optim/in_backward.py from gradient hooks
+  while backward still runs). `p` may live on another device than the model's compute (streamed
   weights keep their home copy in CPU memory): the math, the state and the random generator all
   follow `p.device`, and `grad` is moved there first. `finite`, a 0-dim bool tensor on any
   device, makes the step conditional without a host sync: when it is False the parameter and
@@ -28,7 +28,11 @@ The results are those of `step_param` for each parameter: the same math on the s
 (tests hold them to 1e-6 relative, bitwise in practice for AdamW), except that under stochastic
 rounding the random bits are drawn per pack, so they differ from the per-parameter draw while
 keeping its distribution. Each pack holds at most as many values as the largest parameter (or
-4 Mi values, whichever is more), so the fp32 temporaries stay those of the largest parameter.
+4 Mi values, whichever is more: `pack_limit`), so the fp32 temporaries stay those of the
+largest parameter. `finite` may also be one flag per parameter (the step inside backward's
+per-tensor check): the flags become a mask over the pack (per value of a concatenation, per
+member of a stack; an 8-bit moment's block scales take their block's flag), so a non-finite
+member keeps its value and state while the rest of its pack steps.
 
 Where a pack would be fp32 throughout (fp32 parameters, gradients and state, as under
 mixed_bf16 with AdamW) there is nothing to round, and an optimizer may instead update the
@@ -38,9 +42,10 @@ operations, chunked like the packs), which saves the packing copies.
 Cost: one pass of packing and unpacking (a copy of each parameter, gradient and state tensor)
 in exchange for about ten kernel launches per pack instead of per parameter: SSD-1B's UNet has
 about 1,700 tensors, which one-at-a-time stepping pays in Python overhead (milliseconds each on
-the host) while the GPU idles. A step inside backward (optim/in_backward.py) still steps one
-parameter at a time, as each gradient is complete. fp32 temporaries are bounded as above; never
-a full fp32 copy of the model.
+the host) while the GPU idles. A step inside backward (optim/in_backward.py) packs too: it
+gathers gradients up to one pack limit before stepping them (with per-parameter flags, so
+always through packs, never the in-place path). fp32 temporaries are bounded as above; never a
+full fp32 copy of the model.
 """
 from __future__ import annotations
 
@@ -129,12 +134,22 @@ class ParamOptimizer(torch.optim.Optimizer):
     elementwise = False
     MIN_PACK_NUMEL = 1 << 22
 
+    def pack_limit(self, params) -> int:
+        """The most values one pack of these parameters holds: the largest of them, or
+        MIN_PACK_NUMEL, whichever is more."""
+        return max(self.MIN_PACK_NUMEL, max((p.numel() for p in params), default=0))
+
     @torch.no_grad()
     def step_params(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                    finite: Optional[torch.Tensor] = None) -> None:
-        """Step every (parameter, gradient) pair, packed as the module docstring says."""
-        packs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p, grad in pairs:
+                    finite=None, limit: Optional[int] = None) -> None:
+        """Step every (parameter, gradient) pair, packed as the module docstring says. `finite`:
+        None, one 0-dim bool tensor for every pair, or a list of them, one per pair (each
+        parameter is then held back or applied on its own, packed or not). `limit`: the pack
+        bound, `pack_limit` of the pairs' parameters unless given."""
+        per_member = isinstance(finite, list)
+        flags = finite if per_member else [finite] * len(pairs)
+        packs: dict[tuple, list[int]] = {}
+        for index, (p, grad) in enumerate(pairs):
             group, state = self._group_of(p), self.state[p]
             if not state:
                 state.update(self._init_state(p, group))
@@ -145,25 +160,28 @@ class ParamOptimizer(torch.optim.Optimizer):
             else:
                 shape = None if self.elementwise else tuple(p.shape)
                 key = (id(group), p.device, p.dtype, state["step"], shape, layout)
-            packs.setdefault(key, []).append((p, grad))
-        limit = max(self.MIN_PACK_NUMEL, max(p.numel() for p, _ in pairs)) if pairs else 0
-        for key, members in packs.items():
+            packs.setdefault(key, []).append(index)
+        limit = limit or self.pack_limit([p for p, _ in pairs])
+        for key, indices in packs.items():
             if key[0] == "alone":
-                self.step_param(*members[0], finite=finite)
+                self.step_param(*pairs[indices[0]], finite=flags[indices[0]])
                 continue
-            chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+            chunks: list[list[int]] = [[]]
             size = 0
-            for p, grad in members:
-                if chunk and size + p.numel() > limit:
-                    self._step_pack(chunk, finite)
-                    chunk, size = [], 0
-                chunk.append((p, grad))
-                size += p.numel()
-            self._step_pack(chunk, finite)
+            for index in indices:
+                numel = pairs[index][0].numel()
+                if chunks[-1] and size + numel > limit:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(index)
+                size += numel
+            for chunk in chunks:
+                self._step_pack([pairs[i] for i in chunk], [flags[i] for i in chunk] if per_member else finite)
 
-    def _step_pack(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite: Optional[torch.Tensor]) -> None:
+    def _step_pack(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite) -> None:
+        """One `_update` for the members; `finite` as in step_params (a list: one per member)."""
         if len(members) == 1:
-            self.step_param(*members[0], finite=finite)
+            self.step_param(*members[0], finite=finite[0] if isinstance(finite, list) else finite)
             return
         params = [p for p, _ in members]
         device = params[0].device
@@ -178,9 +196,11 @@ class ParamOptimizer(torch.optim.Optimizer):
             # fp32 throughout: nothing to round, so the update runs in place on the tensors themselves
             if self._update_in_place(params, grads, states, self._group_of(params[0])):
                 return
-        if finite is not None:
-            finite = finite.to(device, non_blocking=async_copy)
         flat = self.elementwise
+        if isinstance(finite, list):
+            finite = _member_mask(finite, params, flat, device, async_copy)
+        elif finite is not None:
+            finite = finite.to(device, non_blocking=async_copy)
 
         def pack(tensors):
             return torch.cat([t.reshape(-1) for t in tensors]) if flat else torch.stack(list(tensors))
@@ -217,13 +237,21 @@ class ParamOptimizer(torch.optim.Optimizer):
         self._store(p, new, finite)
 
     def _store(self, dst: torch.Tensor, value: torch.Tensor, finite: Optional[torch.Tensor]) -> None:
-        """Write the fp32 `value` into `dst` (a parameter or a state tensor), unless not finite."""
+        """Write the fp32 `value` into `dst` (a parameter or a state tensor), unless not finite.
+        `finite` is 0-dim, or a pack's mask (_member_mask): per value of a flat pack, [B, 1, ...]
+        for a stack of B, whose per-member state ([B, n]: Adafactor's factors) takes it as [B, 1]."""
+        if finite is not None and finite.dim():
+            finite = finite.view(finite.shape[0], *[1] * (dst.dim() - 1))
         if getattr(dst, "codes", None) is not None:  # block-quantized state (optim/adamw.py)
             old = (dst.codes.clone(), dst.scale.clone()) if finite is not None else None
             dst.copy_(value)  # quantizes
             if old is not None:
-                dst.codes.copy_(torch.where(finite, dst.codes, old[0]))
-                dst.scale.copy_(torch.where(finite, dst.scale, old[1]))
+                keep, keep_scale = finite, finite
+                if finite.dim():  # the codes take the mask per value, each block's scale its first value's
+                    keep = finite.expand(dst.codes.shape)
+                    keep_scale = keep.reshape(-1, dst.block_size)[:, 0].view(dst.scale.shape)
+                dst.codes.copy_(torch.where(keep, dst.codes, old[0]))
+                dst.scale.copy_(torch.where(keep_scale, dst.scale, old[1]))
             return
         if finite is not None:
             value = torch.where(finite, value, dst.float())  # dst's own value rounds to itself
@@ -274,6 +302,17 @@ def _layout(t: torch.Tensor) -> Optional[tuple]:
     if t.block_size and codes.numel() % t.block_size == 0:  # blocks never straddle two tensors
         return ("8bit", t.signed, t.block_size, t.dtype)
     return None
+
+
+def _member_mask(flags: list[torch.Tensor], params: list[torch.Tensor], flat: bool, device: torch.device,
+                 async_copy: bool) -> torch.Tensor:
+    """Members' 0-dim finite flags as a mask that broadcasts against their pack: one value per
+    element of a flat pack, [B, 1, ...] for a stack. Built from expanded views rather than
+    repeat_interleave, whose repeats would be a host-to-device copy that waits for the device."""
+    flags = [f.to(device, non_blocking=async_copy) for f in flags]
+    if not flat:
+        return torch.stack(flags).view(-1, *[1] * params[0].dim())
+    return torch.cat([f.expand(p.numel()) for f, p in zip(flags, params)])
 
 
 def _pack_state(tensors: list[torch.Tensor], pack) -> torch.Tensor:

@@ -12,20 +12,29 @@ buffer of the same dtype, adding it in fp32 and writing the sum back with stocha
 accumulation. fp32 gradients accumulate in autograd as usual (nothing to round).
 
 Step inside backward (`in_backward`). On the last micro-batch the hook forms the parameter's
-full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, steps the
-parameter at once with `optimizer.step_param` and frees the gradient, so at most the gradients
-of the parameters whose hooks are running exist at a time instead of all of them (for a
-full fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B). What this changes:
+full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, takes it out of
+`p.grad` and puts it on a pending list with its finite flag. Before a gradient would take the
+pending values past the optimizer's pack limit (`pack_limit` of the trainable parameters:
+the largest of them or 4 Mi values, whichever is more), the pending ones are stepped together
+with `optimizer.step_params`, packed as optim/base.py packs the normal step, and freed;
+`finish()` steps the rest. So at most one pack limit of gradients waits at a time instead of
+all of them (for a full fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the
+optimizer runs once per pack rather than once per tensor. What this changes:
 - clipping is per tensor, since the global norm is not known before every gradient exists:
   a tensor of n values out of N trainable values is clipped to max_norm * sqrt(n / N), its
   share of the global budget. If every tensor is at its limit the global norm is exactly
   max_norm; otherwise clipping acts only on the tensors that are out of line.
 - a non-finite gradient tensor is not applied (no host sync: the step is made conditional on
-  the device) while the finite ones are; `finish()` returns how many were held back.
+  the device, per member of a pack) while the finite ones, in its pack too, are; `finish()`
+  returns how many were held back.
 - a parameter's update uses the learning rate of the step, as a normal step does; the
-  parameters update during backward, which is safe because autograd saved what it needs.
-Cost: one fp32 temporary per parameter while its hook runs; under per-tensor clipping one norm
-per tensor; the optimizer's Python loop runs during backward instead of after it.
+  parameters update during backward (each after its own gradient is complete, at the latest
+  in `finish()`), which is safe because autograd saved what it needs.
+Cost: pending fp32 gradients of at most one pack limit of values, 4 bytes each (16 MiB, or
+4 bytes per value of the largest trainable tensor where that is more: for a full SDXL/SSD-1B
+UNet its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB), besides the gradient whose hook runs;
+the optimizer's pack temporaries while a pack steps (as in the normal step); one norm per
+tensor; the optimizer's Python work runs during backward instead of after it, once per pack.
 """
 from __future__ import annotations
 
@@ -47,6 +56,10 @@ class BackwardSteps:
         self._clip_to = {id(p): max_grad_norm * math.sqrt(p.numel() / total) for p in params}
         self._buffers: dict[int, torch.Tensor] = {}
         self._held_back: dict[torch.device, torch.Tensor] = {}
+        # (parameter, clipped fp32 gradient, finite flag) waiting to step; at most _limit values
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_numel = 0
+        self._limit = optimizer.pack_limit(params) if in_backward else 0
         self._last = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
@@ -85,28 +98,45 @@ class BackwardSteps:
         finite = torch.isfinite(norm)
         if self.max_grad_norm > 0:  # clip_grad_norm_'s rule, for this tensor's share
             grad.mul_((self._clip_to[id(p)] / (norm + 1e-6)).clamp_(max=1.0))
-        self.optimizer.step_param(p, grad, finite=finite)
-        held = self._held_back.get(norm.device)
-        if held is None:
-            held = self._held_back[norm.device] = torch.zeros((), dtype=torch.int64, device=norm.device)
-        held.add_(~finite)
+        if self._pending and self._pending_numel + grad.numel() > self._limit:
+            self._flush()
+        self._pending.append((p, grad, finite))
+        self._pending_numel += grad.numel()
+
+    def _flush(self) -> None:
+        """Step the pending parameters, packed, and count the held-back tensors."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_numel = self._pending, [], 0
+        flags = [finite for _, _, finite in pending]
+        self.optimizer.step_params([(p, grad) for p, grad, _ in pending], finite=flags, limit=self._limit)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for finite in flags:
+            by_device.setdefault(finite.device, []).append(finite)
+        for device, group in by_device.items():
+            held = self._held_back.get(device)
+            if held is None:
+                held = self._held_back[device] = torch.zeros((), dtype=torch.int64, device=device)
+            held.add_(torch.stack(group).logical_not().sum())
 
     @torch.no_grad()
     def finish(self) -> int:
         """After the last backward. Normal step: the accumulated gradients become `p.grad` for
-        clipping and `optimizer.step()`. In backward: parameters whose gradient came only from
-        earlier micro-batches are stepped now; returns the number of gradient tensors held back
-        as non-finite (one host sync)."""
+        clipping and `optimizer.step()`. In backward: the pending parameters, then (packed
+        likewise) those whose gradient came only from earlier micro-batches, are stepped now;
+        returns the number of gradient tensors held back as non-finite (one host sync)."""
         if not self.in_backward:
             for p in self.params:
                 buffer = self._buffers.pop(id(p), None)
                 if buffer is not None:
                     p.grad = buffer if p.grad is None else p.grad.add_(buffer)
             return 0
+        self._flush()
         for p in self.params:
             buffer = self._buffers.pop(id(p), None)
             if buffer is not None:
                 self._step(p, buffer.float())
+        self._flush()
         held = sum(int(h) for h in self._held_back.values())
         self._held_back.clear()
         return held
@@ -115,6 +145,7 @@ class BackwardSteps:
         """Drop what was accumulated (a skipped step)."""
         self._buffers.clear()
         self._held_back.clear()
+        self._pending, self._pending_numel = [], 0
 
     def remove(self) -> None:
         for h in self._handles:
@@ -123,11 +154,12 @@ class BackwardSteps:
         self.discard()
 
     def grad_bytes(self) -> int:
-        """Bytes of gradients held now, in p.grad and in the accumulation buffers."""
+        """Bytes of gradients held now, in p.grad, the accumulation buffers and the pending list."""
         from vramfit.memory.accounting import tensor_bytes
 
         return (sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
-                + sum(tensor_bytes(b) for b in self._buffers.values()))
+                + sum(tensor_bytes(b) for b in self._buffers.values())
+                + sum(tensor_bytes(grad) for _, grad, _ in self._pending))
 
 
 def optional_steps(params: list[torch.nn.Parameter], optimizer, *, in_backward: bool, round_sums: bool,
