@@ -92,11 +92,12 @@ def render_group(group: dict) -> str:
         else "FLOPs not counted"
     where = group.get("gpu") or "CPU, tiny models (not a measurement of speed)"
     lines = [f"### {group['title']}", "",
-             f"{where}; vramfit `{group.get('commit', '?')}`, torch {group.get('torch', '?')}, {group.get('date', '')}; "
+             f"{where}; vramfit commit per row (the file's last: `{group.get('commit', '?')}`), torch {group.get('torch', '?')}, {group.get('date', '')}; "
              f"{group['steps']} steps per case, median after the first; {tflop}."
              + (f" Not run (out of time): {', '.join(group['not_run'])}." if group.get("not_run") else ""), "",
-             "| side | configuration | peak alloc GiB | peak resv GiB | step s | img/s | MFU | vs reference | target | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| side | configuration | peak alloc GiB | peak resv GiB | step s | img/s | MFU | vs reference | target | note "
+             "| commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in group["rows"]:
         ratio, target = target_check(row, group)
         note = row.get("note", "")
@@ -106,7 +107,7 @@ def render_group(group: dict) -> str:
         lines.append(f"| {row['side']} | {row['label']} | {gib(row.get('peak_allocated'))} | "
                      f"{gib(row.get('peak_reserved'))} | {fmt(row.get('step_s'), '.3f')} | "
                      f"{fmt(row.get('images_per_s'), '.2f')} | {fmt(row.get('mfu'), '.1f', 100)}{'%' if row.get('mfu') else ''} | "
-                     f"{ratio} | {target} | {note} |")
+                     f"{ratio} | {target} | {note} | {row.get('commit') or group.get('commit', '?')} |")
     return "\n".join(lines)
 
 

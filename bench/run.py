@@ -265,6 +265,7 @@ class GroupRun:
     def put(self, row: dict) -> None:
         row = add_rates(row, self.data.get("flops", {}), self.args.peak_tflops, not self.args.tiny and
                         self.data.get("gpu") is not None)
+        row = dict(row, commit=self.data.get("commit"), date=self.data.get("date"))
         self.rows = [r for r in self.rows if (r["side"], r["case"]) != (row["side"], row["case"])] + [row]
         self.write()
         brief = {k: row.get(k) for k in ("status", "step_s", "images_per_s", "mfu", "peak_allocated")}
@@ -290,9 +291,16 @@ def gpu_name() -> Optional[str]:
 def environment(tiny: bool) -> dict:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=ROOT).stdout
-    return dict(commit=commit.strip() + ("+dirty" if dirty.strip() else ""), torch=torch.__version__,
+    stamp = ROOT / "COMMIT"  # a source snapshot (git archive) carries its commit in this file
+    if stamp.is_file():
+        commit = stamp.read_text().strip()
+    else:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True,
+                               cwd=ROOT).stdout
+        commit += "+dirty" if dirty.strip() else ""
+    return dict(commit=commit, torch=torch.__version__,
                 gpu=None if tiny else gpu_name(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
