@@ -9,8 +9,9 @@ Each phase (bytes allocated; n = a tensor's element count):
   largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
   streamed: what is outside the blocks, plus the largest stream unit while training), optimizer state S and
-  gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x n of the largest
-  trained tensor), activations A (saved + work) and WORKSPACE. The peak is the largest of: the
+  gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x the values of one
+  optimizer pack: the largest trained tensor, or 4 Mi values, at most all trained values),
+  activations A (saved + work) and WORKSPACE. The peak is the largest of: the
   end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
   work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
   step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
@@ -60,6 +61,7 @@ import torch
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.memory.encoder_stream import encoder_device_bytes
 from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
+from vramfit.optim.base import ParamOptimizer
 
 GIB = 2**30
 MIB = 2**20
@@ -326,14 +328,16 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             "gradients": sum(x.numel * x.dtype_bytes for x in trained),
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
-            "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel}
+            "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
+            # the optimizer steps packs of tensors of up to this many values (optim/base.py)
+            "pack numel": min(sum(x.numel for x in trained), max(largest.numel, ParamOptimizer.MIN_PACK_NUMEL))}
 
 
 def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
     t = cfg.train
     terms = device_terms(facts, cfg)
     grads = terms["gradients"]
-    temps = STEP_TEMP_BYTES[t.optimizer] * terms["largest numel"]
+    temps = STEP_TEMP_BYTES[t.optimizer] * terms["pack numel"]
     act = _activations(facts, cfg, side)
     base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}
     if not cfg.cache.latents:
