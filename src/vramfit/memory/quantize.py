@@ -140,6 +140,11 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
         return grad_out @ dequantize(ctx.weight).to(grad_out.dtype), None, None
 
 
+@torch.compiler.disable
+def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _FrozenQuantizedLinear.apply(x, weight, bias)
+
+
 class QuantizedLinear(torch.nn.Module):
     """A frozen Linear whose weight is a quantized buffer (so optimizers and checks skip it)."""
 
@@ -151,6 +156,8 @@ class QuantizedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "nf4":  # torch.compile cannot trace NF4Tensor's widening: run it eagerly
+            return _eager_linear(x, self.weight, self.bias)
         return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
