@@ -166,6 +166,10 @@ def test_what_does_not_compose_is_refused_before_launching(images, tmp_path, cap
     fsdp = RunConfig.model_validate({"train": {"distributed": "fsdp", "optimizer": "adamw"},
                                      "memory": {"offload_activations": True}})
     assert [p.split(":")[0] for p in composition_problems(fsdp, 2)] == ["memory.offload_activations"]
+    compiled = RunConfig.model_validate({"train": {"distributed": "fsdp", "optimizer": "adamw", "compile": True}})
+    assert [p.split(":")[0] for p in composition_problems(compiled, 2)] == ["train.compile"]
+    ddp = RunConfig.model_validate({"train": {"compile": True}})
+    assert composition_problems(ddp, 2) == []
 
 
 def test_fsdp_full_fine_tune_matches_one_process_and_its_state_resumes_anywhere(two_ranks, one_process, tmp_path,
