@@ -81,6 +81,10 @@ FULL_CASES = [
     Case("fastest", "fastest: mixed bf16, AdamW, no checkpointing",
          ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.gradient_checkpointing=false",
           "train.max_grad_norm=0"], role="fastest"),
+    # bf16 weights written back with stochastic rounding: no autocast copies, half the optimizer's traffic
+    Case("fastest_bf16", "fastest: full bf16 + stochastic rounding, AdamW, no checkpointing",
+         ["train.precision=full_bf16", "train.optimizer=adamw", "train.gradient_checkpointing=false",
+          "train.max_grad_norm=0"], role="fastest"),
 ]
 LORA_CASES = [
     Case("recipe", "recipe", []),
@@ -93,7 +97,7 @@ LORA_CASES = [
     Case("fastest", "fastest: bf16 base, AdamW, no checkpointing",
          ["train.optimizer=adamw", "train.gradient_checkpointing=false", "train.max_grad_norm=0"], role="fastest"),
 ]
-FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest")]
+FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "fastest")]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
