@@ -19,8 +19,9 @@ from vramfit.cli import main
 from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
 from vramfit.memory import encoder_stream
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.encoder_stream import WINDOW, EncoderStreamer, encoder_device_bytes, encoder_layers, plain_parts
-from vramfit.memory.model_facts import read_facts
+from vramfit.memory.encoder_stream import (WINDOW, EncoderStreamer, HostLookup, encoder_device_bytes, encoder_layers,
+                                           encoder_on, plain_parts)
+from vramfit.memory.model_facts import encoder_bytes, read_facts
 from vramfit.memory.quantize import QuantizedLinear, storage_bytes
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
@@ -182,9 +183,43 @@ def test_planner_bytes_of_a_streamed_t5(cache_root, precision):
     facts = read_facts(RunConfig(model=model), cache_root / "enc")
     enc = next(e for e in facts.encoders if e.kind == "t5")
     predicted, _ = encoder_device_bytes(enc, model, MemoryConfig(stream_encoders=True), window=1)
-    whole, _ = encoder_device_bytes(enc, model, MemoryConfig())
+    whole, _ = encoder_bytes(enc, precision)  # the whole encoder, token table included
     assert actual <= predicted <= 1.10 * actual
     assert predicted < 0.7 * whole
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nf4"])
+def test_t5_token_table_stays_in_cpu_memory_while_the_rest_encodes(cache_root, precision):
+    """Unstreamed encoding moves T5 to the device but its token table: the lookup runs in CPU memory,
+    the output is the same, and afterwards the encoder is as it was (its table tied and saved).
+    The planner leaves the table out of T5's device bytes (CUDA test below: the peak drops)."""
+    _, bundle = _bundle(cache_root, "tiny:sd3", precision, widen=False)
+    t5 = bundle.text_encoders[2]
+    table = t5.get_input_embeddings()
+    keys = set(t5.state_dict())
+    ids = torch.randint(2, 100, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = t5(ids)[0]
+        moved = []
+        with encoder_on(t5, CPU, False):
+            looked_up = t5.get_input_embeddings()
+            assert isinstance(looked_up, HostLookup) and looked_up.table is table
+            assert table not in list(t5.modules())  # out of the tree that .to(device) walks
+            looked_up.table.register_forward_hook(lambda m, i, o: moved.append(o.device))
+            got = t5(ids)[0]
+    assert moved == [CPU] and torch.equal(got, ref)
+    assert t5.get_input_embeddings() is table and t5.encoder.embed_tokens is table
+    assert set(t5.state_dict()) == keys
+    model = ModelConfig(path="tiny:sd3", t5_precision=precision)
+    facts = read_facts(RunConfig(model=model), cache_root / "enc")
+    enc = next(e for e in facts.encoders if e.kind == "t5")
+    assert enc.embedding_numel == table.weight.numel()
+    whole, _ = encoder_device_bytes(enc, model, MemoryConfig())
+    streamed_rest, _ = encoder_device_bytes(enc, model, MemoryConfig(stream_encoders=True), window=0)
+    assert streamed_rest >= 2 * enc.embedding_numel  # streaming keeps the table with the resident part
+    clip = next(e for e in facts.encoders if e.kind == "clip")
+    assert encoder_device_bytes(clip, model, MemoryConfig())[0] == clip.stored_bytes  # CLIP moves whole
+    assert whole < sum(tensor_bytes(t) for t in _tensors(t5))
 
 
 def test_nf4_t5_runs_on_the_cpu_through_torchao(cache_root):
@@ -235,6 +270,28 @@ def _peak_of(fn) -> tuple[torch.Tensor, int]:
     out = fn().float().cpu()
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_t5_token_table_is_not_on_the_gpu():
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=32128, d_model=512, d_kv=64, num_heads=8, d_ff=1024, num_layers=2,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+    t5 = T5EncoderModel(config).to(torch.bfloat16).eval()
+    ids = torch.randint(2, 32128, (4, 77))
+
+    def hosted() -> torch.Tensor:
+        with encoder_on(t5, torch.device("cuda"), False):
+            return t5(ids.cuda())[0]
+
+    with torch.no_grad():
+        got, peak = _peak_of(hosted)
+        ref, whole_peak = _peak_of(lambda: t5.cuda()(ids.cuda())[0])
+        t5.cpu()
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    assert peak <= whole_peak - tensor_bytes(t5.get_input_embeddings().weight)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

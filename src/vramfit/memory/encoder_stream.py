@@ -259,30 +259,68 @@ class EncoderStreamer:
         return sum(g.nbytes for g in self.groups)
 
 
+class HostLookup(nn.Module):
+    """A token embedding left in CPU memory: the ids' rows are looked up there and only those rows
+    move to the ids' device. The table is held outside the module tree, so `.to(device)` on the
+    encoder passes it by."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self._table = (table,)
+
+    @property
+    def table(self) -> nn.Embedding:
+        return self._table[0]
+
+    @property
+    def weight(self) -> torch.Tensor:  # read by models that ask their embedding for a dtype
+        return self.table.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        home = self.table.weight.device
+        return self.table(ids.to(home)).to(ids.device)
+
+
+def keeps_embedding_on_host(encoder: nn.Module) -> bool:
+    """T5's token table (32128 x 4096: 0.25 GiB in bf16, never quantized) stays in CPU memory while
+    the rest of the encoder runs on the device; a CLIP's table is small and moves with it."""
+    return type(encoder).__name__.startswith("T5") and isinstance(encoder.get_input_embeddings(), nn.Embedding)
+
+
 @contextmanager
 def encoder_on(encoder: nn.Module, device: torch.device, stream: bool) -> Iterator[Optional[EncoderStreamer]]:
     """`encoder` runnable on `device` inside the block: streamed layer by layer (memory.stream_encoders)
-    or moved there whole; afterwards its weights are back in CPU memory either way."""
+    or moved there whole, T5's token embedding excepted (`HostLookup`); afterwards its weights are
+    back in CPU memory either way and the encoder is the module it was."""
     if stream:
         with EncoderStreamer(encoder, device) as streamer:
             yield streamer
         return
-    encoder.to(device)
+    table = encoder.get_input_embeddings() if keeps_embedding_on_host(encoder) else None
+    if table is not None:
+        table.to("cpu")
+        encoder.set_input_embeddings(HostLookup(table))
     try:
+        encoder.to(device)
         yield None
     finally:
         encoder.to("cpu")
+        if table is not None:
+            encoder.set_input_embeddings(table)
 
 
 def encoder_device_bytes(enc, model: ModelConfig, memory: MemoryConfig, window: int = WINDOW) -> tuple[int, int]:
     """(bytes of the encoder `enc` (memory/model_facts.py EncoderFacts) on the device while it
-    encodes, bytes of its widened largest linear when quantized), for the planner. With
+    encodes, bytes of its widened largest linear when quantized), for the planner. Whole: all
+    of it but T5's token table (encoder_on keeps that in CPU memory). With
     memory.stream_encoders: the resident part and `window` layers; every tensor that is not a
     linear weight (embeddings, norms, biases) is counted as resident, a small overestimate."""
     from vramfit.memory.model_facts import encoder_bytes
 
     whole, widened = encoder_bytes(enc, model.t5_precision)
     if not memory.stream_encoders or enc.layers == 0:
+        if enc.kind == "t5":  # its token table stays in CPU memory (HostLookup), bf16 as T5 runs
+            whole -= 2 * enc.embedding_numel
         return whole, widened
     per_element = 2 if enc.kind == "t5" else enc.stored_bytes / max(enc.params, 1)  # T5 is widened to bf16
     resident = int(per_element * (enc.params - enc.linear_numel))

@@ -38,6 +38,7 @@ class EncoderFacts:
     largest_linear: int
     layers: int
     hidden: int
+    embedding_numel: int = 0  # the token table (tied copies counted once)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optio
                if k.startswith(prefix) and not k.endswith("position_ids")}  # an int buffer, rebuilt
     if not entries:
         return None
-    params = stored = linear = rows = largest = hidden = 0
+    params = stored = linear = rows = largest = hidden = embedding = 0
     layers: set[str] = set()
     for key, info in entries.items():
         n = math.prod(info["shape"])
@@ -113,9 +114,10 @@ def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optio
             linear += n
             rows += info["shape"][0]
             largest = max(largest, n)
-        if any(m in key for m in ("token_embedding.weight", "shared.weight")):
+        if any(m in key for m in ("token_embedding.weight", "shared.weight", "embed_tokens.weight")):
             hidden = info["shape"][1]
-    return EncoderFacts(name, kind, params, stored, linear, rows, largest, len(layers), hidden)
+            embedding = max(embedding, n)
+    return EncoderFacts(name, kind, params, stored, linear, rows, largest, len(layers), hidden, embedding)
 
 
 def _headers(folder: Path) -> dict:
