@@ -98,3 +98,29 @@ def test_rounding_generators_are_keyed_by_device_type_and_restore_anywhere():
                        torch.randint(0, 100, (5,), generator=gens(torch.device("cpu"))))
     assert not torch.equal(first, torch.randint(0, 100, (5,), generator=again(torch.device("cpu"))))
     assert torch.equal(again.state_dict()["cuda"], fake_cuda)  # kept for a machine with a GPU
+
+
+def test_large_cpu_draws_are_chunked_over_threads_and_depend_only_on_the_generator(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vramfit.memory import stochastic_rounding as sr
+
+    monkeypatch.setattr(sr, "CPU_CHUNK", 1000)  # 10 chunks for 10,000 values
+    value = 1.0 + 3 * 2**-10
+    x = torch.full((10_000,), value)
+    runs = []
+    for threads in (1, 4):
+        pool = ThreadPoolExecutor(threads)
+        monkeypatch.setattr(sr, "_pool", lambda: pool)
+        g = torch.Generator().manual_seed(7)
+        runs.append((stochastic_round(x, g).float(), g.get_state()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    out = runs[0][0]
+    low, high = _neighbours(value)
+    assert set(out.unique().tolist()) == {low, high}
+    spacing = high - low
+    assert abs(out.double().mean().item() - value) < 5 * spacing / (2 * math.sqrt(out.numel()))
+    chunks = out.view(10, 1000)
+    assert not any(torch.equal(chunks[0], chunks[i]) for i in range(1, 10))  # each chunk its own stream
+    g = torch.Generator().manual_seed(7)
+    assert not torch.equal(stochastic_round(x[:2000], g).float(), out[:2000])  # 2 chunks: one plain draw
