@@ -346,3 +346,24 @@ def test_packs_hold_at_most_the_largest_tensor_and_a_step_that_is_not_finite_cha
     assert max(sizes) == 128 * 128 and len(sizes) > 3
     opt.step_params(pairs, finite=torch.tensor(True))
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_packs_of_scalars_and_of_tensors_sharing_storage_step_as_each_alone(cls):
+    """0-dim parameters stack into a [B] pack whose per-member statistics must stay per member;
+    two parameters on one storage must not be packed together (a pack reads before it writes)."""
+    def pairs():
+        scalars = [torch.nn.Parameter(torch.tensor(v)) for v in (1.0, -2.0, 3.0)]
+        grads = [torch.tensor(g) for g in (0.5, -4.0, 10.0)]
+        base = torch.zeros(2, 64, dtype=torch.bfloat16)
+        shared = [torch.nn.Parameter(base[0]), torch.nn.Parameter(base[1]), torch.nn.Parameter(base[0])]
+        return list(zip(scalars + shared, grads + [torch.ones(64), -torch.ones(64), torch.ones(64)]))
+
+    packed, alone = pairs(), pairs()
+    opt_p = cls([p for p, _ in packed], lr=0.1)
+    opt_p.step_params(packed)
+    opt_a = cls([p for p, _ in alone], lr=0.1)
+    for p, g in alone:
+        opt_a.step_param(p, g)
+    for (pp, _), (pa, _) in zip(packed, alone):
+        torch.testing.assert_close(pp.data, pa.data, rtol=1e-6, atol=0)

@@ -39,6 +39,8 @@ def _rms(t: torch.Tensor, batch_dims: int) -> torch.Tensor:
     dims = tuple(range(batch_dims, t.dim()))
     if not batch_dims:
         return t.norm(2) / (t.numel() ** 0.5)
+    if not dims:  # a stack of 0-dim parameters: each one's RMS is its magnitude (dim=() would mean all)
+        return t.abs()
     per_item = t[(0,) * batch_dims].numel()
     return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / (per_item ** 0.5)
 
