@@ -11,13 +11,16 @@ from vramfit.cli import main
 from vramfit.config.load import load_config
 
 
-@pytest.mark.parametrize("model,extra", [
-    ("tiny:ssd1b", ["train.precision=fp32"]),
-    ("tiny:sd3", ["train.precision=fp32"]),
+@pytest.mark.parametrize("model,extra,rel", [
+    ("tiny:ssd1b", ["train.precision=fp32"], 1e-5),
+    ("tiny:sd3", ["train.precision=fp32"], 1e-5),
     # an nf4 base's widening cannot be traced: those linears run eagerly between compiled parts
-    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"]),
+    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"], 1e-5),
+    # int8 weights are fixed-size guards: one compilation per resnet width, under the raised limit;
+    # in bf16 the compiled graphs round differently from eager ones (4e-4 relative seen by step 2)
+    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"], 2e-3),
 ])
-def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, monkeypatch, model, extra):
+def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, monkeypatch, model, extra, rel, capfd):
     # Dynamo captures each block and AOT autograd builds its backward, as on a GPU; the aot_eager
     # backend then runs those graphs without generating C++ (minutes on two CPU cores).
     compiled = []
@@ -36,7 +39,8 @@ def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, mon
         losses.append(json.loads((out / "run.json").read_text())["losses"])
     expected = {"BasicTransformerBlock", "ResnetBlock2D"} if model == "tiny:ssd1b" else {"JointTransformerBlock"}
     assert set(compiled) == expected and len(compiled) > len(expected)
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert "recompile_limit" not in capfd.readouterr().err  # every block ran compiled
+    assert losses[1] == pytest.approx(losses[0], rel=rel)
     assert len(set(losses[0])) == 3
 
 

@@ -9,7 +9,10 @@ conditioning, gradient checkpointing's wrappers) stays eager, and a block recomp
 gradient checkpointing runs the compiled code again.
 
 A bucket of another shape compiles again (torch marks the changing sizes dynamic after the
-second shape), so a dataset with a few buckets pays a few compilations.
+second shape), so a dataset with a few buckets pays a few compilations. A quantized LoRA base
+(int8, fp8) holds its weights as tensor subclasses whose sizes stay fixed guards, so each width
+of an SDXL-family resnet block compiles once (about ten); torch's default limit of 8 compilations
+per code object would leave the rest eager, so `compile_blocks` raises it to RECOMPILE_LIMIT.
 """
 from __future__ import annotations
 
@@ -22,8 +25,14 @@ REPEATED_BLOCKS = {
 }
 
 
+RECOMPILE_LIMIT = 64
+
+
 def compile_blocks(denoiser: torch.nn.Module) -> int:
     """Compile each repeated block of `denoiser` in place; returns how many were compiled."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     names = REPEATED_BLOCKS.get(type(denoiser).__name__)
     if names is None:
         raise ValueError(f"train.compile: no repeated blocks are known for {type(denoiser).__name__}; "
