@@ -107,7 +107,7 @@ def render_group(group: dict) -> str:
         lines.append(f"| {row['side']} | {row['label']} | {gib(row.get('peak_allocated'))} | "
                      f"{gib(row.get('peak_reserved'))} | {fmt(row.get('step_s'), '.3f')} | "
                      f"{fmt(row.get('images_per_s'), '.2f')} | {fmt(row.get('mfu'), '.1f', 100)}{'%' if row.get('mfu') else ''} | "
-                     f"{ratio} | {target} | {note} | {row.get('commit') or group.get('commit', '?')} |")
+                     f"{ratio} | {target} | {note} | {row.get('commit', '?')} |")
     return "\n".join(lines)
 
 

@@ -295,8 +295,8 @@ def gpu_name() -> Optional[str]:
 def environment(tiny: bool) -> dict:
     import torch
 
-    stamp = ROOT / "COMMIT"  # a source snapshot (git archive) carries its commit in this file
-    if stamp.is_file():
+    stamp = ROOT / "COMMIT"  # a source snapshot (git archive, no .git) carries its commit in this file
+    if stamp.is_file() and not (ROOT / ".git").exists():
         commit = stamp.read_text().strip()
     else:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
