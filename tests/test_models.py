@@ -145,3 +145,32 @@ def test_repo_id_offline_uses_local_cache_or_says_what_to_do(tmp_path, cache_roo
     assert again.layout == bundle.layout
     with pytest.raises(SourceError, match="not in the local Hugging Face cache"):
         resolve_source(ModelConfig(path="someone/not-downloaded"))
+
+
+@pytest.mark.parametrize("projection,dtype", [(False, torch.float32), (True, torch.float16)])
+def test_text_encoders_are_built_from_the_file_without_random_initialisation(projection, dtype, monkeypatch):
+    """The CLIP of a single file is made on the meta device and given the file's tensors in the
+    file's precision: the same model as one built the usual way, position ids included, and no
+    random initialisation runs (it took 10 s for bigG)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from vramfit.models.sdxl import SDXLFamily
+    from vramfit.models.tiny import shipped_config
+
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    torch.manual_seed(0)
+    config = CLIPTextConfig(**shipped_config("tiny_clip_l"))
+    reference = cls(config).to(dtype).eval()
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    def no_real_init(t, *args, **kwargs):  # on the meta device an initialiser costs nothing
+        return t if t.device.type == "meta" else pytest.fail("random initialisation ran on real memory")
+
+    monkeypatch.setattr(torch.Tensor, "normal_", no_real_init)
+    built = SDXLFamily()._clip(state, config.hidden_act, projection, Path("model.safetensors"))
+    monkeypatch.undo()
+    assert built.dtype == dtype
+    ids = torch.randint(0, config.vocab_size, (2, 77), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(built(ids).last_hidden_state, reference(ids).last_hidden_state, rtol=0, atol=0)
+    positions = [b for name, b in built.named_buffers() if name.endswith("position_ids")]
+    assert positions and all(torch.equal(b, torch.arange(b.shape[-1]).expand(b.shape)) for b in positions)

@@ -151,17 +151,25 @@ class SDXLFamily:
         config = CLIPTextConfig(**cfg)
         cls = CLIPTextModelWithProjection if projection else CLIPTextModel
         with torch.device("meta"):
-            probe = cls(config)
-        state = clipfmt.normalize_hf_clip_keys(state, probe)
-        # Built for real (small, and non-persistent buffers come out right), then kept in the
-        # precision the file stores: an fp16 bigG on the GPU is half the size of an fp32 one.
+            model = cls(config)
+        state = clipfmt.normalize_hf_clip_keys(state, model)
+        # Built on the meta device (no random initialisation: 10 s for bigG on two cores) and given
+        # the file's tensors, in the precision the file stores: an fp16 bigG on the GPU is half
+        # the size of an fp32 one.
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-        model = cls(config).to(stored)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [k for k in missing if not k.endswith("position_ids")]
         if missing or unexpected:
             raise CheckpointError(f"{path}: text encoder weights do not match "
                                   f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        for module in model.modules():  # the non-persistent position ids: 0 .. max positions - 1
+            ids = module._buffers.get("position_ids")
+            if ids is not None and ids.device.type == "meta":
+                module._buffers["position_ids"] = torch.arange(ids.shape[-1]).expand(ids.shape)
+        meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+        if meta:
+            raise CheckpointError(f"{path}: text encoder tensors {meta[:5]} were not initialised")
         return model.eval()
 
     def _load_diffusers(self, folder: Path):
