@@ -14,7 +14,9 @@ factors weight matrices), which shrinks that to out + in*kh*kw values per kernel
 0.02 GiB for SSD-1B. State is fp32 whatever the weight's dtype, as in transformers.
 
 Cost: the reshapes are views; fp32 temporaries of one parameter, or one pack of parameters of
-the same shape (optim/base.py), at a time.
+the same shape (optim/base.py), at a time: its fp32 copy, its fp32 gradient and one buffer that
+holds g^2, then the update, then the new value (12 bytes per value; 16 with weight decay), and
+while a bf16 result is written back the rounding's 5 bytes per value.
 """
 from __future__ import annotations
 
@@ -66,19 +68,22 @@ class Adafactor(ParamOptimizer):
         lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
         sq = grad.square().add_(EPS1)
+        # `sq` is read once more (the moments) and then holds the update, and with no weight decay
+        # the new value too: the temporaries are p32, grad and sq, 12 bytes per value.
         if "exp_avg_sq_row" in state:
             row = state["exp_avg_sq_row"].mul(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
             col = state["exp_avg_sq_col"].mul(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
             self._store(state["exp_avg_sq_row"], row, finite)
             self._store(state["exp_avg_sq_col"], col, finite)
             r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt()).mul_(grad)
+            update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=sq).mul_(grad)
         else:
             avg = state["exp_avg_sq"].mul(beta2t).add_(sq, alpha=1.0 - beta2t)
             self._store(state["exp_avg_sq"], avg, finite)
-            update = avg.rsqrt().mul_(grad)
+            update = torch.rsqrt(avg, out=sq).mul_(grad)
+            del avg
         update.div_((_rms(update, batch_dims) / CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
-        new = p32.clone()
-        if group["weight_decay"]:
-            new.add_(new, alpha=-group["weight_decay"] * lr)
-        return new.sub_(update.view(shape))
+        update = update.view(shape)
+        if group["weight_decay"]:  # p + (-wd lr) p, as transformers computes it, then the step
+            return torch.add(p32, p32, alpha=-group["weight_decay"] * lr).sub_(update)
+        return torch.sub(p32, update, out=update)
