@@ -131,8 +131,10 @@ def test_ssd1b_full_fine_tune_at_8_6_and_4_gib(ssd1b):
     assert not at8.memory.stream_weights
     at6, _ = _choose(ssd1b, FULL_1024, 6)
     assert at6.train.gradient_checkpointing and at6.train.optimizer_in_backward and not at6.memory.stream_weights
-    at4, _ = _choose(ssd1b, FULL_1024, 4)
-    assert at4.train.optimizer_in_backward and (at4.memory.offload_activations or at4.memory.stream_weights)
+    at4, _ = _choose(ssd1b, FULL_1024, 4)  # measured: 3.43 GiB with the step in backward (docs/memory.md)
+    assert at4.train.optimizer_in_backward and not at4.memory.stream_weights
+    at35, _ = _choose(ssd1b, FULL_1024, 3.5)
+    assert at35.memory.offload_activations or at35.memory.stream_weights
     at2, _ = _choose(ssd1b, FULL_1024, 2)
     assert at2.memory.stream_weights and at2.cache.vae_dtype == "bf16"
 
