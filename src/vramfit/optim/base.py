@@ -157,9 +157,10 @@ class ParamOptimizer(torch.optim.Optimizer):
             if not state:
                 state.update(self._init_state(p, group))
             layout = tuple((k, _layout(v)) for k, v in state.items() if torch.is_tensor(v))
-            # a sharded parameter (FSDP's DTensor), state this base cannot pack, or a parameter
-            # sharing its storage with one already packed (a pack reads all before it writes) steps by itself
-            storage = (p.device, p.untyped_storage().data_ptr()) if type(p.data) is torch.Tensor else None
+            # a sharded parameter (FSDP's DTensor), state this base cannot pack, or a second parameter
+            # over the same memory as one already packed (a pack reads all before it writes; views
+            # of one storage that start apart, such as a split qkv, still pack) steps by itself
+            storage = (p.device, p.data_ptr()) if type(p.data) is torch.Tensor else None
             if storage is None or storage in storages or any(kind is None for _, kind in layout):
                 key = ("alone", id(p))
             else:
