@@ -149,6 +149,10 @@ def test_several_processes_never_get_settings_that_do_not_compose(ssd1b, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     several = {k.key for k in free_knobs(_cfg(**FULL_1024), ssd1b)}
     assert single - several == {"train.optimizer_in_backward", "memory.stream_weights"}
+    # the refusals are distributed.py's own: under FSDP offloaded activations are refused too
+    fsdp = {"data": {"resolution": 1024}, "train": {"optimizer": "adamw", "distributed": "fsdp"}}
+    sharded = {k.key for k in free_knobs(_cfg(**fsdp), ssd1b)}
+    assert single - sharded == {"train.optimizer_in_backward", "memory.stream_weights", "memory.offload_activations"}
     at8, _ = _choose(ssd1b, FULL_1024, 8)
     assert composition_problems(at8, 2) == []
     with pytest.raises(PlanError):  # 6 GiB needs the step in backward, which 2 processes cannot use

@@ -456,14 +456,22 @@ def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
     return cfg.model_copy(update={s: getattr(cfg, s).model_copy(update=v) for s, v in sections.items()})
 
 
-NOT_DATA_PARALLEL = ("train.optimizer_in_backward", "memory.stream_weights")  # train/distributed.py refuses them
+def _composes(knob: Knob, cfg: RunConfig) -> bool:
+    """Whether the knob's memory-saving options compose with the processes this run was launched
+    with: train/distributed.py's own check (one problem per refused key) decides."""
+    from vramfit.train.distributed import composition_problems, launched_world
+
+    world = launched_world()
+    if world <= 1:
+        return True
+    return any(not any(p.startswith(knob.key + ":") for p in
+                       composition_problems(with_values(cfg, {knob.key: option}), world))
+               for option in knob.options[1:])
 
 
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
-    if knob.key in NOT_DATA_PARALLEL:
-        from vramfit.train.distributed import launched_world
-
-        return launched_world() <= 1
+    if not _composes(knob, cfg):
+        return False
     if knob.key == "lora.base_quantization":
         return cfg.train.mode == "lora"
     if knob.key == "model.t5_precision":
