@@ -2,8 +2,9 @@
 
 Every optimizer is vramfit's own (optim/base.py): Adafactor with a fixed learning rate and conv
 kernels factored as matrices (optim/adafactor.py), AdamW, and AdamW with torchao's 8-bit block-
-quantized moments (optim/adamw.py). All of them step one parameter at a time, so the same object
-serves a normal step and a step inside backward (optim/in_backward.py), and all write bf16
+quantized moments (optim/adamw.py). All of them update one parameter, or one pack of them
+(optim/base.py), at a time, so the same object serves a normal step and a step inside backward
+(optim/in_backward.py), and all write bf16
 weights back with stochastic rounding when train.stochastic_rounding is on, from generators
 seeded with train.seed.
 """
