@@ -144,7 +144,7 @@ def test_per_tensor_clipping_gives_each_tensor_its_share_of_the_budget():
     total = sum(p.numel() for p in params)
     seen = {}
     opt = AdamW(params, lr=1e-3)
-    opt.step_params = lambda pairs, finite=None, limit=None: seen.update(
+    opt.step_params = lambda pairs, finite=None: seen.update(
         (id(p), grad.norm().item()) for p, grad in pairs)
     hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True, max_grad_norm=max_norm)
     for i, x in enumerate(batch):

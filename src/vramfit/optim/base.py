@@ -142,12 +142,11 @@ class ParamOptimizer(torch.optim.Optimizer):
         return max(self.MIN_PACK_NUMEL, max((p.numel() for p in params), default=0))
 
     @torch.no_grad()
-    def step_params(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                    finite=None, limit: Optional[int] = None) -> None:
+    def step_params(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], finite=None) -> None:
         """Step every (parameter, gradient) pair, packed as the module docstring says. `finite`:
         None, one 0-dim bool tensor for every pair, or a list of them, one per pair (each
-        parameter is then held back or applied on its own, packed or not). `limit`: the pack
-        bound, `pack_limit` of the pairs' parameters on each device unless given."""
+        parameter is then held back or applied on its own, packed or not). Packs are bounded by
+        `pack_limit` of the pairs' parameters on each device."""
         per_member = isinstance(finite, list)
         flags = finite if per_member else [finite] * len(pairs)
         packs: dict[tuple, list[int]] = {}
@@ -178,7 +177,7 @@ class ParamOptimizer(torch.optim.Optimizer):
                 continue
             chunks: list[list[int]] = [[]]
             size = 0
-            bound = limit or limits[pairs[indices[0]][0].device]
+            bound = limits[pairs[indices[0]][0].device]
             for index in indices:
                 numel = pairs[index][0].numel()
                 if chunks[-1] and size + numel > bound:

@@ -109,7 +109,7 @@ class BackwardSteps:
             return
         pending, self._pending, self._pending_numel = self._pending, [], 0
         flags = [finite for _, _, finite in pending]
-        self.optimizer.step_params([(p, grad) for p, grad, _ in pending], finite=flags, limit=self._limit)
+        self.optimizer.step_params([(p, grad) for p, grad, _ in pending], finite=flags)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for finite in flags:
             by_device.setdefault(finite.device, []).append(finite)
