@@ -50,6 +50,12 @@ def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: P
 
     with init_empty_weights():
         model = cls(**config)
+    return _assign(model, state, what, path)
+
+
+def _assign(model, state: dict[str, torch.Tensor], what: str, path: Path):
+    """Give `model`, made under accelerate's init_empty_weights (parameters on the meta device,
+    buffers real), the checkpoint's tensors; a mismatch is a CheckpointError naming the file."""
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
@@ -143,6 +149,7 @@ class SDXLFamily:
         return vae, [enc1, enc2]
 
     def _clip(self, state: dict, act: str, projection: bool, path: Path):
+        from accelerate import init_empty_weights
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
         cfg = clipfmt.clip_config_from_keys(state, hidden_act=act, with_projection=projection)
@@ -150,27 +157,15 @@ class SDXLFamily:
         cfg.update(bos_token_id=vocab - 2, eos_token_id=vocab - 1)
         config = CLIPTextConfig(**cfg)
         cls = CLIPTextModelWithProjection if projection else CLIPTextModel
-        with torch.device("meta"):
+        with init_empty_weights():
             model = cls(config)
         state = clipfmt.normalize_hf_clip_keys(state, model)
-        # Built on the meta device (no random initialisation: 10 s for bigG on two cores) and given
-        # the file's tensors, in the precision the file stores: an fp16 bigG on the GPU is half
-        # the size of an fp32 one.
+        # Parameters on the meta device (no random initialisation: 10 s for bigG on two cores),
+        # then the file's tensors, in the precision the file stores: an fp16 bigG on the GPU is
+        # half the size of an fp32 one.
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: text encoder weights do not match "
-                                  f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        for module in model.modules():  # the non-persistent position ids: 0 .. max positions - 1
-            ids = module._buffers.get("position_ids")
-            if ids is not None and ids.device.type == "meta":
-                module._buffers["position_ids"] = torch.arange(ids.shape[-1]).expand(ids.shape)
-        meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
-        if meta:
-            raise CheckpointError(f"{path}: text encoder tensors {meta[:5]} were not initialised")
-        return model.eval()
+        return _assign(model, state, "text encoder", path)
 
     def _load_diffusers(self, folder: Path):
         from diffusers import AutoencoderKL, UNet2DConditionModel
