@@ -57,7 +57,6 @@ BUDGET_CASE = Case("budget", "planner at the seed's peak (memory.vram_budget)", 
                    ["memory.vram_budget"], bare=True)
 
 
-
 def compiled(case: Case) -> Case:
     """The same configuration with the denoiser's blocks compiled (train.compile)."""
     return Case(f"{case.name}_compile", f"{case.label} + compiled blocks", case.sets + ["train.compile=true"],

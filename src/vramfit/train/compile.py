@@ -23,8 +23,6 @@ REPEATED_BLOCKS = {
     "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
     "SD3Transformer2DModel": ("JointTransformerBlock",),
 }
-
-
 RECOMPILE_LIMIT = 64
 
 
@@ -32,11 +30,11 @@ def compile_blocks(denoiser: torch.nn.Module) -> int:
     """Compile each repeated block of `denoiser` in place; returns how many were compiled."""
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     names = REPEATED_BLOCKS.get(type(denoiser).__name__)
     if names is None:
         raise ValueError(f"train.compile: no repeated blocks are known for {type(denoiser).__name__}; "
                          f"known: {', '.join(REPEATED_BLOCKS)}")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for module in denoiser.modules():
         if type(module).__name__ in names:
