@@ -1,0 +1,157 @@
+"""Profile a few steps of `vramfit train` on one bench workload and configuration (torch.profiler).
+
+The run is the bench's own (bench/run.py's recipe plus a case's --set overrides), in this process,
+so the profiler sees the training loop as a user's run executes it. Steps are counted at the loop's
+step boundary: the first `--skip` steps run unprofiled (allocator and autotuning warm-up), the
+next `--active` are recorded. Writes under --out:
+  <tag>.trace.json.gz   the Chrome trace (open in Perfetto or chrome://tracing)
+  <tag>.ops.txt         operators by total device time, and by CPU time
+  <tag>.summary.json    per recorded step: wall time, device busy time, and device time by phase
+                        (forward, backward, optimizer step, other)
+Not run in CI.
+
+usage: python bench/trace_steps.py WORKLOAD CASE --out DIR [--tiny] [--skip N] [--active N] [--set K=V ...]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from build import ROOT, ensure_model, log, make_images
+from run import FULL_CASES, LORA_CASES, TINY_MODELS, recipe
+from seeds import TINY_RES, WORKLOADS
+
+
+def case_sets(workload: str, case: str) -> list[str]:
+    listed = LORA_CASES if WORKLOADS[workload]["mode"] == "lora" else FULL_CASES
+    found = next((c for c in listed if c.name == case), None)
+    if found is None:
+        raise SystemExit(f"unknown case {case!r} for {workload}: one of {', '.join(c.name for c in listed)}")
+    return found.sets
+
+
+class Ranges:
+    """Non-overlapping CPU time ranges of one kind (e.g. optimizer steps), looked up by time."""
+
+    def __init__(self, events: list[dict]):
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+        self.starts, self.spans = [a for a, _ in spans], spans
+
+    def __contains__(self, t: float) -> bool:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return i >= 0 and self.spans[i][0] <= t <= self.spans[i][1]
+
+
+def summarize(trace_path: Path, step_walls: list[float]) -> dict:
+    """Device busy time per phase from the Chrome trace: each kernel is matched to the CPU call that
+    launched it (correlation id), and that call's time to the optimizer-step and backward ranges."""
+    events = [e for e in json.loads(gzip.open(trace_path).read())["traceEvents"] if e.get("ph") == "X"]
+    optimizer = Ranges([e for e in events if e["name"].startswith("Optimizer.step")])
+    backward = Ranges([e for e in events if e["name"].startswith("autograd::engine::evaluate_function")])
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_phase: dict[str, float] = {}
+    by_kind: dict[str, float] = {}
+    for k in events:
+        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        t = launches.get(k.get("args", {}).get("correlation"))
+        phase = "unmatched" if t is None else "optimizer" if t in optimizer else "backward" if t in backward \
+            else "forward and other"
+        by_phase[phase] = by_phase.get(phase, 0.0) + k["dur"] / 1e6
+        by_kind[k["cat"]] = by_kind.get(k["cat"], 0.0) + k["dur"] / 1e6
+    n = max(1, len(step_walls))
+    return dict(steps=len(step_walls), step_wall_s=step_walls, mean_step_s=sum(step_walls) / n,
+                device_busy_s_per_step=round(sum(by_kind.values()) / n, 5),
+                device_s_per_step_by_phase={k: round(v / n, 5) for k, v in sorted(by_phase.items())},
+                device_s_per_step_by_kind={k: round(v / n, 5) for k, v in sorted(by_kind.items())})
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("workload", choices=list(WORKLOADS))
+    ap.add_argument("case", help="a bench/run.py vramfit case name (recipe, fastest, inbwd, ...)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vramfit-bench-run"))
+    ap.add_argument("--skip", type=int, default=2, help="steps run before recording")
+    ap.add_argument("--active", type=int, default=3, help="steps recorded")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra overrides")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"{args.workload}_{args.case}"
+    w = WORKLOADS[args.workload]
+    ckpt = TINY_MODELS[w["layout"]] if args.tiny else str(ensure_model(w["layout"], args.work))
+    res = TINY_RES if args.tiny else w["res"]
+    n_images = max(4, 2 * w["batch"])
+    images = make_images(args.work / f"images{res}x{n_images}", n_images, res)
+    steps = args.skip + args.active
+    config, sets = recipe(args.workload, ckpt, images, args.work, steps, args.tiny)
+    run_dir = args.work / "runs" / f"profile-{tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = sets + case_sets(args.workload, args.case) + args.sets + [
+        f"output.dir={run_dir}", "logging.tensorboard=false", "save.name=profile"]
+
+    import vramfit.train.loop as loop
+    from vramfit.cli import main as vramfit_main
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                     if torch.cuda.is_available() else [])
+    trace = args.out / f"{tag}.trace.json.gz"
+    walls: list[float] = []
+    marks = [time.perf_counter()]
+
+    def ready(prof) -> None:
+        prof.export_chrome_trace(str(trace))
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        (args.out / f"{tag}.ops.txt").write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=60) + "\n\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+
+    prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
+        wait=max(0, args.skip - 1), warmup=1 if args.skip else 0, active=args.active, repeat=1), on_trace_ready=ready)
+    original = loop._after_step
+
+    def after_step(hooks, progress, value, schedule, cfg):
+        original(hooks, progress, value, schedule, cfg)
+        now = time.perf_counter()
+        if progress.step > args.skip:
+            walls.append(round(now - marks[-1], 5))
+        marks.append(now)
+        prof.step()
+
+    loop._after_step = after_step  # the loop looks this name up at each step
+    cmd = ["train", "--no-progress"] + ([str(config)] if config else [])
+    for s in sets:
+        cmd += ["--set", s]
+    log("vramfit " + " ".join(cmd))
+    with prof:
+        try:
+            rc = vramfit_main(cmd)
+        except SystemExit as exc:
+            rc = exc.code
+    if rc:
+        sys.exit(f"vramfit train exited with {rc}")
+    summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)
+    summary.update(workload=args.workload, case=args.case, sets=sets, commit=_commit(),
+                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    (args.out / f"{tag}.summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "sets"}, indent=2))
+
+
+def _commit() -> str:
+    stamp = ROOT / "COMMIT"
+    return stamp.read_text().strip() if stamp.is_file() else "working tree"
+
+
+if __name__ == "__main__":
+    main()
