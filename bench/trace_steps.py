@@ -10,7 +10,7 @@ next `--active` are recorded. Writes under --out:
                         (forward, backward, optimizer step, other)
 Not run in CI.
 
-usage: python bench/trace_steps.py WORKLOAD CASE --out DIR [--tiny] [--skip N] [--active N] [--set K=V ...]
+usage: python bench/trace_steps.py WORKLOAD CASE|seed:CASE --out DIR [--tiny] [--skip N] [--active N] [--set K=V ...]
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{args.workload}_{args.case}"
     w = WORKLOADS[args.workload]
-    ckpt = TINY_MODELS[w["layout"]] if args.tiny else str(ensure_model(w["layout"], args.work))
+    seed = args.case.startswith("seed:")
+    ckpt = TINY_MODELS[w["layout"]] if args.tiny or seed else str(ensure_model(w["layout"], args.work))
     res = TINY_RES if args.tiny else w["res"]
     n_images = max(4, 2 * w["batch"])
     images = make_images(args.work / f"images{res}x{n_images}", n_images, res)
@@ -98,17 +99,13 @@ def main(argv=None) -> None:
     config, sets = recipe(args.workload, ckpt, images, args.work, steps, args.tiny)
     run_dir = args.work / "runs" / f"profile-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = sets + case_sets(args.workload, args.case) + args.sets + [
+    sets = sets + ([] if seed else case_sets(args.workload, args.case)) + args.sets + [
         f"output.dir={run_dir}", "logging.tensorboard=false", "save.name=profile"]
-
-    import vramfit.train.loop as loop
-    from vramfit.cli import main as vramfit_main
 
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                      if torch.cuda.is_available() else [])
     trace = args.out / f"{tag}.trace.json.gz"
     walls: list[float] = []
-    marks = [time.perf_counter()]
 
     def ready(prof) -> None:
         prof.export_chrome_trace(str(trace))
@@ -119,7 +116,26 @@ def main(argv=None) -> None:
 
     prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
         wait=max(0, args.skip - 1), warmup=1 if args.skip else 0, active=args.active, repeat=1), on_trace_ready=ready)
-    original = loop._after_step
+    with prof:
+        if args.case.startswith("seed:"):
+            rc = _seed_case(args, prof, walls, steps)
+        else:
+            rc = _vramfit_case(config, sets, args, prof, walls)
+    if rc:
+        sys.exit(f"vramfit train exited with {rc}")
+    summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)
+    summary.update(workload=args.workload, case=args.case, sets=sets, commit=_commit(),
+                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    (args.out / f"{tag}.summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "sets"}, indent=2))
+
+
+def _vramfit_case(config, sets: list[str], args, prof, walls: list[float]) -> int:
+    """`vramfit train` in this process; the profiler steps at the loop's step boundary."""
+    import vramfit.train.loop as loop
+    from vramfit.cli import main as vramfit_main
+
+    original, marks = loop._after_step, [time.perf_counter()]
 
     def after_step(hooks, progress, value, schedule, cfg):
         original(hooks, progress, value, schedule, cfg)
@@ -134,18 +150,35 @@ def main(argv=None) -> None:
     for s in sets:
         cmd += ["--set", s]
     log("vramfit " + " ".join(cmd))
-    with prof:
-        try:
-            rc = vramfit_main(cmd)
-        except SystemExit as exc:
-            rc = exc.code
-    if rc:
-        sys.exit(f"vramfit train exited with {rc}")
-    summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)
-    summary.update(workload=args.workload, case=args.case, sets=sets, commit=_commit(),
-                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-    (args.out / f"{tag}.summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: v for k, v in summary.items() if k != "sets"}, indent=2))
+    try:
+        return vramfit_main(cmd)
+    except SystemExit as exc:
+        return exc.code
+
+
+def _seed_case(args, prof, walls: list[float], steps: int) -> int:
+    """A bench/seeds.py case (seed:fast, seed:seed, ...): its steps, the profiler stepping after each."""
+    import seeds
+
+    original, count = seeds.timed_steps, [0]
+
+    def timed(step, n, device):
+        def profiled():
+            t0 = time.perf_counter()
+            step()
+            seeds.sync(device)
+            count[0] += 1
+            if count[0] > args.skip:
+                walls.append(round(time.perf_counter() - t0, 5))
+            prof.step()  # after the time is taken: the last one writes the trace
+
+        return original(profiled, n, device)
+
+    seeds.timed_steps = timed
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    log(f"seeds {args.workload} {args.case[5:]}")
+    seeds.Bench(args.workload, args.tiny, device).run(args.case[5:], steps)
+    return 0
 
 
 def _commit() -> str:
