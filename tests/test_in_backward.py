@@ -62,6 +62,9 @@ def _train(cls, dtype, accum, in_backward, max_grad_norm=0.0, steps=4, round_sum
     model = _Deep(dtype) if deep else _model(dtype)
     params = list(model.parameters())
     opt = cls(params, lr=1e-3, rounding=RoundingGenerators(0))
+    # AdamW's in-place fp32 step through its foreach fallback: the operations of the packs inside
+    # backward, so the two compare bitwise (torch's fused kernel is an ulp apart: test_optim.py)
+    opt.fused = False
     if min_pack is not None:
         opt.MIN_PACK_NUMEL = min_pack
     if updates is not None:

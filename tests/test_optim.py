@@ -79,10 +79,15 @@ def test_adafactor_saves_conv_state_and_still_trains():
     assert a[0].weight.grad is None and a[0].weight.shape == (16, 8, 3, 3)
 
 
-def test_adamw_equals_torch_adamw():
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_equals_torch_adamw(fused):
+    """fp32: bitwise torch's fused AdamW (the kernel it runs), or its single-tensor AdamW (the
+    foreach fallback runs the same operations)."""
     a, b = _model(), _model()
-    _train(a, AdamW(a.parameters(), lr=1e-3, weight_decay=0.01), steps=4)
-    _train(b, torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.01, foreach=False), steps=4)
+    ours = AdamW(a.parameters(), lr=1e-3, weight_decay=0.01)
+    ours.fused = fused
+    _train(a, ours, steps=4)
+    _train(b, torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.01, foreach=False, fused=fused or None), steps=4)
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
 
 
@@ -293,19 +298,22 @@ def _packed_and_alone(cls, dtype, rounding=None, steps=3):
 def test_packed_step_equals_one_parameter_at_a_time(cls, dtype):
     packed, alone, opt_p, opt_a, calls = _packed_and_alone(cls, dtype)
     count = len(list(packed.parameters()))
+    # fp32 AdamW moments step in place in torch's fused kernel, which rounds its intermediate terms
+    # in its own order: an ulp of the weights apart (AdamW8bit: its tensors too small to quantize)
+    atol = 1e-7 if issubclass(cls, AdamW) and dtype == torch.float32 else 0
     if cls is AdamW and dtype == torch.float32:
-        assert calls == []  # fp32 throughout: foreach ops in place, no packs
+        assert calls == []  # fp32 throughout: in place, no packs
     else:
         assert 0 < len(calls) < count / 2 * 3  # 3 steps, fewer than half an update per tensor
     for (name, pp), pa in zip(packed.named_parameters(), alone.parameters()):
-        torch.testing.assert_close(pp, pa, rtol=1e-6, atol=0, msg=name)
+        torch.testing.assert_close(pp, pa, rtol=1e-6, atol=atol, msg=name)
         for key, value in opt_a.state[pa].items():
             if torch.is_tensor(value):
                 got = opt_p.state[pp][key]
                 assert type(got) is type(value)
                 if hasattr(value, "codes"):
                     got, value = got.dequantize(), value.dequantize()
-                torch.testing.assert_close(got, value, rtol=1e-6, atol=0, msg=f"{name} {key}")
+                torch.testing.assert_close(got, value, rtol=1e-6, atol=atol and 1e-8, msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
@@ -404,3 +412,30 @@ def test_adafactor_temporaries_are_its_copy_its_gradient_and_one_buffer():
     with tracker:
         opt.step_param(p, grad)
     assert tracker.peak / p.numel() <= 13.5
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_in_place_adamw_matches_the_foreach_path_and_the_packed_math(weight_decay, monkeypatch):
+    """fp32 AdamW steps in place through torch's fused kernel; the same values as the foreach
+    fallback and as step_param's _update, one tensor at a time."""
+    models = [_Blocks(torch.float32) for _ in range(3)]
+    opts = [AdamW(m.parameters(), lr=1e-3, weight_decay=weight_decay) for m in models]
+    opts[1].fused = False
+    kernel, calls = torch._fused_adamw_, []
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or kernel(*a, **k))
+    for _ in range(4):
+        for m, opt in zip(models[:2], opts[:2]):
+            _grads(m)
+            opt.step()
+            opt.zero_grad()
+        for p, grad in _grads(models[2]):
+            opts[2].step_param(p, grad)
+        opts[2].zero_grad()
+    assert calls and sum(calls) == 4 * len(list(models[0].parameters()))  # every tensor, every step, fused
+    for (name, fused), foreach, alone in zip(models[0].named_parameters(), models[1].parameters(),
+                                            models[2].parameters()):
+        assert not torch.equal(fused, _Blocks(torch.float32).state_dict()[name])  # it trained
+        torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(fused, alone, rtol=1e-6, atol=1e-7, msg=name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opts[0].state[fused][key], opts[1].state[foreach][key], rtol=1e-6, atol=1e-8)

@@ -16,7 +16,8 @@ quantized with the dynamic maps of 8-bit optimizers (Dettmers et al.), a quarter
 moments; smaller tensors keep moments in the parameter's dtype, as torchao's AdamW8bit does.
 
 Cost: fp32 temporaries of one parameter or pack at a time (about 21 bytes per value of a bf16
-weight alone, 27 in a pack; fp32 weights in place: 4); for AdamW8bit also a dequantize and a
+weight alone, 27 in a pack; fp32 weights in place: none with torch's fused kernel, 4 with the
+foreach fallback); for AdamW8bit also a dequantize and a
 quantize (an 8-step search in a 256-entry map) per moment and step.
 """
 from __future__ import annotations
@@ -61,13 +62,25 @@ class AdamW(ParamOptimizer):
         return new.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+    # torch's fused AdamW kernel (one pass over each tensor's memory for the whole update, as
+    # torch.optim.AdamW(fused=True) runs it) where this torch has it; else the foreach ops below
+    fused = True
+
     def _update_in_place(self, params, grads, states, group):
-        # The same operations as _update, in the same order, on lists of tensors.
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         step = states[0]["step"]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        kernel = getattr(torch, "_fused_adamw_", None)
+        if self.fused and kernel is not None and params[0].device.type in ("cuda", "cpu"):
+            # The same math as _update; the kernel reads the step count from a tensor on the device
+            # (a fill, not a host-to-device copy) and does not change it.
+            count = torch.full((), float(step), device=params[0].device)
+            kernel(params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), lr=lr, beta1=beta1,
+                   beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+            return True
+        # The same operations as _update, in the same order, on lists of tensors.
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)

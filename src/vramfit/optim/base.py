@@ -38,8 +38,9 @@ member keeps its value and state while the rest of its pack steps.
 
 Where a pack would be fp32 throughout (fp32 parameters, gradients and state, as under
 mixed_bf16 with AdamW) there is nothing to round, and an optimizer may instead update the
-tensors in place with foreach ops (`_update_in_place`; AdamW does, in _update's order of
-operations, chunked like the packs), which saves the packing copies.
+tensors in place (`_update_in_place`; AdamW does, with torch's fused AdamW kernel where torch
+has one, else with foreach ops in _update's order of operations, chunked like the packs), which
+saves the packing copies.
 
 Cost: one pass of packing and unpacking (a copy of each parameter, gradient and state tensor)
 in exchange for about ten kernel launches per pack instead of per parameter: SSD-1B's UNet has
