@@ -63,6 +63,12 @@ def compiled(case: Case) -> Case:
                 case.requires + ["train.compile"], case.role)
 
 
+def graphed(case: Case) -> Case:
+    """The same configuration with the denoiser's forward and backward replayed as CUDA graphs."""
+    return Case(f"{case.name}_graphs", f"{case.label} + CUDA graphs", case.sets + ["train.cuda_graphs=true"],
+                case.requires + ["train.cuda_graphs"], case.role)
+
+
 FULL_CASES = [
     Case("recipe", "recipe", []),
     Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
@@ -101,6 +107,8 @@ LORA_CASES = [
 ]
 FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "fastest")]
+FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "fastest", "fastest_bf16")]
+LORA_CASES += [graphed(c) for c in LORA_CASES if c.name in ("recipe", "fastest")]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
 DEFAULT_CASE_SECONDS = {"seed": 30.0, "vramfit": 60.0}  # guesses for --deadline until a case has run

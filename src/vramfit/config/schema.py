@@ -175,6 +175,13 @@ class TrainConfig(_Section):
         "shape, before the first step. Fewer kernel launches and fused elementwise work: faster "
         "steps on a GPU after a start-up of a minute or two. Not with memory.stream_weights or "
         "memory.offload_activations, whose hooks move tensors around the blocks.")
+    cuda_graphs: bool = Field(
+        False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
+        "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
+        "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
+        "memory.offload_activations, optimizer_in_backward, compile, a quantized LoRA base or LoRA "
+        "dropout. The graphs keep their activations and gradients in a memory pool of their own "
+        "(with grad_accum > 1 one more set of gradients): the memory report shows the peak.")
     noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
     min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
@@ -369,6 +376,20 @@ class RunConfig(_Section):
             raise ValueError(f"train.compile with memory.{' and memory.'.join(moving)}: their hooks move "
                              "weights and saved tensors between devices around each block, which a "
                              "compiled block cannot contain; turn one of them off")
+        if self.train.cuda_graphs:
+            clash = [name for name, on in (
+                ("memory.stream_weights", self.memory.stream_weights),
+                ("memory.offload_activations", self.memory.offload_activations),
+                ("train.optimizer_in_backward", self.train.optimizer_in_backward),
+                ("train.compile", self.train.compile),
+                ("lora.base_quantization", self.train.mode == "lora" and self.lora.base_quantization != "none"),
+                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
+            if clash:
+                raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
+                                 "backward replay the same weights at the same places with no host work "
+                                 "or random draws between their kernels, which these settings need "
+                                 "(moving weights, stepping in backward hooks, compiled guards, "
+                                 "quantized weights, dropout masks); turn one of them off")
         if self.sample.every_steps and self.memory.stream_weights:
             raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
                              "whole denoiser on the GPU while they render; render them after training "

@@ -469,8 +469,20 @@ def _composes(knob: Knob, cfg: RunConfig) -> bool:
                for option in knob.options[1:])
 
 
+def _allowed(knob: Knob, cfg: RunConfig) -> bool:
+    """Whether some memory-saving option of the knob passes the config's own checks beside the
+    user's other settings (train.cuda_graphs refuses streamed weights, for one)."""
+    for option in knob.options[1:]:
+        try:
+            type(cfg).model_validate(with_values(cfg, {knob.key: option}).model_dump())
+            return True
+        except ValueError:
+            continue
+    return False
+
+
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
-    if not _composes(knob, cfg):
+    if not _composes(knob, cfg) or not _allowed(knob, cfg):
         return False
     if knob.key == "lora.base_quantization":
         return cfg.train.mode == "lora"

@@ -6,6 +6,7 @@ run resumed at any optimizer-step boundary continues exactly as if it had never 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -58,8 +59,9 @@ class LoopResult:
 def micro_step_loss(family: Family, bundle: ModelBundle, batch: dict, cfg: TrainConfig,
                     generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Loss of one micro-batch (not yet divided by the accumulation count)."""
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "mixed_bf16"
-                else nullcontext())
+    # CUDA graphs record the casts themselves; autocast's cache of cast weights cannot be recorded
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not cfg.cuda_graphs)
+                if cfg.precision == "mixed_bf16" else nullcontext())
     with autocast:
         return family.training_loss(bundle, batch, cfg, generator, device, dtype)
 
@@ -103,6 +105,13 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         return micro_step_loss(family, loss_bundle, data.batch(group), cfg, micro_batch_generator(cfg.seed, index),
                                device, dtype)
 
+    copy_hooks: list = []
+    if cfg.cuda_graphs:  # train/graphs.py: record the denoiser per input signature, replay after
+        from vramfit.train.graphs import GraphedDenoiser, check_device, own_gradients
+
+        check_device(device)
+        loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser))
+        copy_hooks = own_gradients(params) if cfg.grad_accum > 1 else []
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
                                 max_grad_norm=cfg.max_grad_norm)
@@ -130,6 +139,8 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     finally:
         if grad_hooks is not None:
             grad_hooks.remove()
+        for handle in copy_hooks:
+            handle.remove()
     return result
 
 

@@ -169,7 +169,9 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
             lora_in_base_dtype(unet)
         quantize_frozen_base(unet, cfg.lora, device)
     if cfg.train.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        from vramfit.train.graphs import graph_safe_checkpoint
+
+        unet.enable_gradient_checkpointing(graph_safe_checkpoint if cfg.train.cuda_graphs else None)
     else:
         unet.disable_gradient_checkpointing()
     if cfg.train.compile:
@@ -299,6 +301,10 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
     ranks = distributed.start(cfg)  # one process unless launched on several: checks the planned config
     device = ranks.device or pick_device(cfg.train.device)
+    if cfg.train.cuda_graphs:  # before any weight loads
+        from vramfit.train.graphs import check_device
+
+        check_device(device)
     check_resumable(cfg, resume, ranks.world)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
