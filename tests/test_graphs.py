@@ -1,6 +1,7 @@
-"""train.cuda_graphs on CPU: the recording is stood in for by a recorder that keeps torch's
-contract (the replayed backward hands each gradient over in a buffer the graph owns and
-overwrites at the next replay), so the loop's handling of those buffers is what is tested."""
+"""train.cuda_graphs on CPU: the CUDA recording is stood in for by one that keeps its contract
+where gradients go (the replayed backward adds into the buffers that were `p.grad` when it was
+recorded, whatever `p.grad` is at replay time), so the loop's handling of those buffers, the
+first eager call and the per-signature recordings are what is tested."""
 from __future__ import annotations
 
 import json
@@ -15,46 +16,41 @@ from vramfit.config.load import load_config
 from vramfit.train import graphs
 
 
-def graph_like_recorder(calls: list):
-    """Record as torch.cuda.make_graphed_callables does, as far as gradients go: one buffer per
-    weight, written by every backward, handed to autograd as that weight's gradient."""
-    def record(module, sample_args):
-        calls.append(tuple(tuple(t.shape) for t in sample_args))
-        params = tuple(module.parameters())
-        buffers: dict[int, torch.Tensor] = {}
-        original = module.forward
+class BakedRecording:
+    def __init__(self, flat, tensors, prepare):
+        self.flat = flat
+        self.static_in = [t.detach().clone() for t in tensors]
+        with torch.enable_grad():
+            outs = flat(*self.static_in)
+        prepare(outs)
+        self.params = graphs.used_parameters(outs)
+        self.targets = [p.grad for p in self.params]  # the addresses a recorded backward writes to
+        assert all(t is not None for t in self.targets)
 
-        class Replay(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, count, *inputs_and_params):
-                with torch.enable_grad():
-                    ctx.outs = original(*inputs_and_params[:count])
-                ctx.count = count
-                return tuple(o.detach() for o in ctx.outs)
+    def forward(self, tensors):
+        with torch.enable_grad():
+            self.outs = self.flat(*tensors)
+        return list(self.outs)
 
-            @staticmethod
-            def backward(ctx, *grad_outs):
-                wanted = [p for p in params if p.requires_grad]
-                found = iter(torch.autograd.grad(ctx.outs, wanted, grad_outs, allow_unused=True))
-                handed = []
-                for p in params:
-                    grad = next(found) if p.requires_grad else None
-                    if grad is not None:
-                        buffer = buffers.setdefault(id(p), torch.empty_like(grad))
-                        buffer.copy_(grad)
-                        grad = buffer.detach()
-                    handed.append(grad)
-                return (None,) * (1 + ctx.count) + tuple(handed)
-
-        module.forward = lambda *tensors: Replay.apply(len(tensors), *tensors, *params)
-        return module
-    return record
+    def backward(self, grads):
+        found = torch.autograd.grad(self.outs, self.params, grads, allow_unused=True)
+        with torch.no_grad():
+            for target, grad in zip(self.targets, found):
+                if grad is not None:
+                    target.add_(grad)
+        self.outs = None
 
 
 @pytest.fixture
 def recorded(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(graphs, "make_graphed", graph_like_recorder(calls))
+
+    def init(self, denoiser, recorder=None):
+        original_init(self, denoiser, recorder=lambda flat, tensors, prepare: (
+            calls.append(tuple(tuple(t.shape) for t in tensors)) or BakedRecording(flat, tensors, prepare)))
+
+    original_init = graphs.GraphedDenoiser.__init__
+    monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", init)
     monkeypatch.setattr(graphs, "check_device", lambda device: None)
     return calls
 
@@ -81,37 +77,57 @@ def test_graphed_training_with_accumulation_equals_training_without(images, tmp_
     plain = _train(images, tmp_path / "plain", cache, *sets)
     assert recorded == []
     graphed = _train(images, tmp_path / "graphed", cache, *sets, "train.cuda_graphs=true")
-    # one recording per input signature (bucket shape), none again when a shape comes back
+    # each input signature (bucket shape) recorded at its second call, never twice
     assert recorded and len(recorded) == len(set(recorded))
     _assert_same(graphed, plain)
 
 
-def test_without_the_gradient_copies_accumulation_would_be_wrong(images, tmp_path, cache_root, recorded,
-                                                                  monkeypatch):
-    """The recorder above is strict enough to catch a sum left in a graph's buffer."""
+def test_the_stand_in_recording_catches_gradients_that_miss_the_recorded_buffers(images, tmp_path, cache_root,
+                                                                                 recorded, monkeypatch):
+    """Without the owned buffers put back after each optimizer step, a replay's gradients land
+    where the loop no longer looks: the stand-in is strict enough to show it."""
     cache = cache_root / "graphs"
-    sets = ["train.grad_accum=2", "train.steps=2", "train.gradient_checkpointing=false"]
+    sets = ["train.grad_accum=2", "train.steps=3", "train.gradient_checkpointing=false"]
     plain = _train(images, tmp_path / "plain", cache, *sets)
-    monkeypatch.setattr(graphs, "own_gradients", lambda params: [])
+    adopt = graphs.GraphedDenoiser._adopt
+
+    def first_time_only(self, params):
+        if not self._used:
+            adopt(self, params)
+
+    monkeypatch.setattr(graphs.GraphedDenoiser, "_adopt", first_time_only)
     broken = _train(images, tmp_path / "broken", cache, *sets, "train.cuda_graphs=true")
+    assert recorded
     with pytest.raises(AssertionError):
         _assert_same(broken, plain)
 
 
 def test_a_failed_recording_warns_and_runs_those_inputs_without_graphs(images, tmp_path, cache_root, monkeypatch,
                                                                        caplog):
-    def refuse(module, sample_args):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def refuse(self, denoiser, recorder=None):
+        def fail(flat, tensors, prepare):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        original_init(self, denoiser, recorder=fail)
 
-    monkeypatch.setattr(graphs, "make_graphed", refuse)
+    original_init = graphs.GraphedDenoiser.__init__
+    monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", refuse)
     monkeypatch.setattr(graphs, "check_device", lambda device: None)
     cache = cache_root / "graphs"
-    plain = _train(images, tmp_path / "plain", cache, "train.gradient_checkpointing=false")
+    sets = ["train.gradient_checkpointing=false", "train.steps=4", "train.grad_accum=2"]
+    plain = _train(images, tmp_path / "plain", cache, *sets)
     with caplog.at_level("WARNING", logger="vramfit"):
-        fallback = _train(images, tmp_path / "fallback", cache, "train.gradient_checkpointing=false",
-                          "train.cuda_graphs=true")
+        fallback = _train(images, tmp_path / "fallback", cache, *sets, "train.cuda_graphs=true")
     assert "run without CUDA graphs" in caplog.text and "not permitted" in caplog.text
     _assert_same(fallback, plain)
+
+
+def test_used_parameters_finds_the_weights_an_output_depends_on():
+    used, unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    x = torch.randn(2, 4)
+    found = graphs.used_parameters((used(frozen(x)).sum(dim=1),))
+    assert {id(p) for p in found} == {id(used.weight), id(used.bias)}
+    assert not any(p is unused.weight for p in found)
 
 
 def test_on_the_cpu_the_run_stops_before_any_weight_loads(images, tmp_path, cache_root, capsys):
@@ -128,6 +144,15 @@ def test_on_the_cpu_the_run_stops_before_any_weight_loads(images, tmp_path, cach
 def test_settings_a_replay_cannot_hold_are_refused(setting):
     with pytest.raises(ValueError, match=f"train.cuda_graphs with {setting.split('=')[0]}"):
         load_config(None, ["train.cuda_graphs=true", setting], need_data=False)
+
+
+def test_rounded_bf16_gradient_sums_are_refused_and_their_alternatives_pass():
+    bf16 = ["train.cuda_graphs=true", "train.precision=full_bf16", "train.grad_accum=4"]
+    with pytest.raises(ValueError, match="grad_accum > 1 on bf16 weights with train.stochastic_rounding"):
+        load_config(None, bf16, need_data=False)
+    for fix in ("train.grad_accum=1", "train.stochastic_rounding=false", "train.precision=mixed_bf16",
+                "train.mode=lora"):
+        load_config(None, [*bf16, fix], need_data=False)
 
 
 @pytest.mark.parametrize("setting", ["lora.base_quantization=int8", "lora.dropout=0.1"])

@@ -179,9 +179,10 @@ class TrainConfig(_Section):
         False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
         "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
-        "memory.offload_activations, optimizer_in_backward, compile, a quantized LoRA base or LoRA "
-        "dropout. The graphs keep their activations and gradients in a memory pool of their own "
-        "(with grad_accum > 1 one more set of gradients): the memory report shows the peak.")
+        "memory.offload_activations, optimizer_in_backward, compile, a quantized LoRA base, LoRA "
+        "dropout, or grad_accum > 1 on full_bf16 weights with stochastic_rounding. The gradients "
+        "stay allocated between steps and the graphs keep their activations in a memory pool of "
+        "their own: the memory report shows the peak.")
     noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
     min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
@@ -383,13 +384,16 @@ class RunConfig(_Section):
                 ("train.optimizer_in_backward", self.train.optimizer_in_backward),
                 ("train.compile", self.train.compile),
                 ("lora.base_quantization", self.train.mode == "lora" and self.lora.base_quantization != "none"),
-                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
+                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0),
+                ("train.grad_accum > 1 on bf16 weights with train.stochastic_rounding",
+                 self.train.mode == "full" and self.train.precision == "full_bf16"
+                 and self.train.stochastic_rounding and self.train.grad_accum > 1)) if on]
             if clash:
                 raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
                                  "backward replay the same weights at the same places with no host work "
                                  "or random draws between their kernels, which these settings need "
-                                 "(moving weights, stepping in backward hooks, compiled guards, "
-                                 "quantized weights, dropout masks); turn one of them off")
+                                 "(moving weights, stepping or rounding in gradient hooks, compiled "
+                                 "guards, quantized weights, dropout masks); turn one of them off")
         if self.sample.every_steps and self.memory.stream_weights:
             raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
                              "whole denoiser on the GPU while they render; render them after training "

@@ -7,36 +7,36 @@ the next one (docs/benchmarks.md: SSD-1B's forward takes about 100 ms of host ti
 backward once and replays each with a single launch, so the host cost of a step no longer grows
 with the number of kernels.
 
-`GraphedDenoiser` stands in for the denoiser inside the training loss. The first training call
-with inputs of a new signature (shapes, dtypes, which arguments are given, autocast) records
-graphs for that signature with torch.cuda.make_graphed_callables (three warm-up passes, then
-the capture); later calls with it replay them. Each aspect-ratio bucket records once. Calls in
-eval mode or without grad (sample grids) run the denoiser as usual.
+`GraphedDenoiser` stands in for the denoiser inside the training loss. Calls are grouped by
+input signature (shapes, dtypes, which arguments are given, autocast): the first call of a
+signature runs eagerly (it warms up what a recording must not do for the first time: kernel
+selection, workspaces), the second records the forward and the backward, and that call and
+every later one replay them. Each aspect-ratio bucket records once; all of them share one
+memory pool. Calls in eval mode or without grad (sample grids) run the denoiser as usual.
+
+Gradients. The recorded backward adds each weight's gradient into a buffer that this module
+owns and that stays put (`p.grad` is that buffer whenever a replay runs): autograd's own
+accumulation, recorded, so micro-batches accumulate as they do eagerly. When the loop sets
+`p.grad` to None after an optimizer step, the next call zeroes the buffers and puts them back.
+The gradients are therefore held through the whole step (eager training frees them after the
+optimizer step), and a weight the forward does not use keeps no gradient, as eagerly.
 
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations), a quantized LoRA base, train.compile and the optimizer step
-  inside backward (its hooks step each weight while backward runs; a replayed backward hands
-  over every gradient at its end) are refused beside cuda_graphs (config/schema.py).
-- no host work inside the recorded forward: gradient checkpointing runs without saving and
-  restoring the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw
-  no random numbers in their forward (LoRA dropout would: refused).
-- gradients: the replayed backward writes each weight's gradient into a buffer that belongs to
-  the graph, and autograd takes that buffer as `p.grad` when the weight has no gradient yet; the
-  next replay would overwrite it. So with grad_accum > 1 `own_gradients` copies a gradient that
-  arrives at an empty `p.grad` (a hook on each trainable weight), and the later micro-batches add
-  into that copy; with grad_accum 1 the optimizer reads the graph's buffers before the next
-  replay and nothing is copied.
+  memory.offload_activations), a quantized LoRA base, train.compile, the optimizer step inside
+  backward and bf16 gradient sums with stochastic rounding (both are gradient hooks that a
+  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py).
+- no host work inside the recording: gradient checkpointing runs without saving and restoring
+  the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw no random
+  numbers in their forward (LoRA dropout would: refused).
 
-Memory: the graphs' activations and gradient buffers live in a pool of their own, which eager
-work (the optimizer step) does not reuse, and with grad_accum > 1 the copied gradients come on
-top of the graph's; the memory report's train phase measures the result, and the fit probe
+Memory: the recordings' activations live in a pool of their own, which eager work (the optimizer
+step) does not reuse; the memory report's train phase measures the peak, and the fit probe
 records graphs as the run does.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -44,12 +44,6 @@ import torch
 import torch.utils._pytree as pytree
 
 log = logging.getLogger("vramfit")
-
-
-def make_graphed(module: torch.nn.Module, sample_args: tuple[torch.Tensor, ...]) -> torch.nn.Module:
-    """Record `module`'s forward and backward for inputs like `sample_args` (torch's recorder;
-    a weight the forward does not use gets no gradient rather than an error)."""
-    return torch.cuda.make_graphed_callables(module, sample_args, allow_unused_input=True)
 
 
 def check_device(device: torch.device) -> None:
@@ -65,7 +59,7 @@ def graph_safe_checkpoint(module: Callable, *args):
 
 class _Flat(torch.nn.Module):
     """The denoiser called with the tensors of one call signature as a flat tuple, its output
-    flattened likewise (what the recorder takes and gives)."""
+    flattened likewise."""
 
     def __init__(self, denoiser: torch.nn.Module, template: list, positions: list[int], spec):
         super().__init__()
@@ -84,19 +78,87 @@ class _Flat(torch.nn.Module):
         return tuple(out)
 
 
+def used_parameters(outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that `outs` were computed from (their AccumulateGrad nodes)."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    keep: list = []  # holds the node wrappers so their ids stay unique while walking
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+class CudaRecording:
+    """One signature's forward and backward, recorded as two CUDA graphs on `stream` into `pool`.
+
+    `prepare(outs)` runs between the two recordings with the recorded forward's outputs: it puts
+    the owned gradient buffers in place, so that the recorded backward adds into them."""
+
+    def __init__(self, flat: _Flat, tensors: tuple[torch.Tensor, ...], prepare: Callable, pool, stream):
+        self.static_in = [t.detach().clone() for t in tensors]
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
+            outs = flat(*self.static_in)
+        prepare(outs)
+        self.static_grad_out = [torch.zeros_like(o) for o in outs]
+        with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
+            torch.autograd.backward(outs, self.static_grad_out)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.static_out = [o.detach() for o in outs]
+
+    def forward(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        for static, tensor in zip(self.static_in, tensors):
+            static.copy_(tensor)
+        self.fwd.replay()
+        return self.static_out
+
+    def backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        for static, grad in zip(self.static_grad_out, grads):
+            static.copy_(grad) if grad is not None else static.zero_()
+        self.bwd.replay()
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recording, anchor, *tensors):
+        ctx.recording = recording
+        return tuple(o.detach() for o in recording.forward(tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.recording.backward(grads)
+        return (None, None) + (None,) * len(ctx.recording.static_in)
+
+
 class GraphedDenoiser(torch.nn.Module):
-    """The denoiser, with each training call signature recorded once and replayed after."""
+    """The denoiser, with each training call signature recorded at its second call and replayed
+    after (see the module doc)."""
 
     def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None):
         super().__init__()
         self.denoiser = denoiser
-        self._recorder = recorder or make_graphed
-        self._graphed: dict[Any, Optional[_Flat]] = {}
+        self._recorder = recorder
+        self._recordings: dict[Any, Optional[object]] = {}
+        self._owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, its gradient buffer)
+        self._used: dict[Any, list[torch.Tensor]] = {}
+        self._pool = self._stream = None
+        device = next(denoiser.parameters()).device
+        self._anchor = torch.zeros((), device=device, requires_grad=True)  # makes replayed outputs need grad
 
     @property
     def captures(self) -> int:
         """Signatures recorded so far (each bucket shape once)."""
-        return sum(1 for v in self._graphed.values() if v is not None)
+        return sum(1 for v in self._recordings.values() if v is not None)
 
     def forward(self, *args, **kwargs):
         if not (self.denoiser.training and torch.is_grad_enabled()):
@@ -105,26 +167,68 @@ class GraphedDenoiser(torch.nn.Module):
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         tensors = tuple(leaves[i] for i in positions)
         key = _signature(spec, leaves, tensors)
-        if key not in self._graphed:
-            self._graphed[key] = self._record(leaves, positions, spec, tensors)
-        flat = self._graphed[key]
-        if flat is None:  # recording failed for this signature: it runs as it would without graphs
+        if key not in self._recordings:  # first call: eager, as a warm-up
+            self._recordings[key] = None
+            self._adopt([p for p, _ in self._owned.values()])
             return self.denoiser(*args, **kwargs)
-        return pytree.tree_unflatten(list(flat(*tensors)), flat.out_spec)
+        recording = self._recordings[key]
+        if recording is None and key not in self._used:
+            recording = self._recordings[key] = self._record(key, leaves, positions, spec, tensors)
+        if recording is None:  # recording failed for this signature: it runs as it would without graphs
+            self._adopt([p for p, _ in self._owned.values()])
+            return self.denoiser(*args, **kwargs)
+        self._adopt(self._used[key])
+        outs = _Replay.apply(recording, self._anchor, *tensors)
+        return pytree.tree_unflatten(list(outs), recording.out_spec)
 
-    def _record(self, leaves: list, positions: list[int], spec, tensors: tuple) -> Optional[_Flat]:
+    @torch.no_grad()
+    def _adopt(self, params: list[torch.Tensor]) -> None:
+        """Make each parameter's gradient its owned buffer: zeroed where the loop cleared
+        `p.grad`, holding the sum so far where an eager call left one elsewhere."""
+        cleared: list[torch.Tensor] = []
+        for p in params:
+            entry = self._owned.get(id(p))
+            if entry is None:
+                entry = self._owned[id(p)] = (p, torch.zeros_like(p))
+                if p.grad is None:
+                    p.grad = entry[1]
+                    continue
+            buffer = entry[1]
+            if p.grad is None:
+                cleared.append(buffer)
+                p.grad = buffer
+            elif p.grad is not buffer:
+                buffer.copy_(p.grad)
+                p.grad = buffer
+        if cleared:
+            torch._foreach_zero_(cleared)
+
+    def _record(self, key, leaves: list, positions: list[int], spec, tensors: tuple):
         chosen = set(positions)
         template = [None if i in chosen else leaf for i, leaf in enumerate(leaves)]
         flat = _Flat(self.denoiser, template, positions, spec)
-        shapes = ", ".join("x".join(map(str, t.shape)) for t in tensors)
+        shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
+
+        def prepare(outs):
+            self._used[key] = used_parameters(outs)
+            self._adopt(self._used[key])
+
         try:
-            self._recorder(flat, tensors)
+            if self._recorder is not None:
+                recording = self._recorder(flat, tensors, prepare)
+            else:
+                if self._pool is None:
+                    self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+                recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
         except RuntimeError as err:  # an operation that a graph cannot hold: warn, go on without
+            self._used.setdefault(key, [])
             log.warning("train.cuda_graphs: recording the denoiser for inputs %s failed (%s); these "
-                        "inputs run without CUDA graphs", shapes, str(err).splitlines()[0] if str(err) else err)
+                        "inputs run without CUDA graphs", shapes, (str(err).splitlines() or [""])[0])
             return None
-        log.info("train.cuda_graphs: recorded the denoiser's forward and backward for inputs %s", shapes)
-        return flat
+        recording.out_spec = flat.out_spec
+        log.info("train.cuda_graphs: recorded the denoiser's forward and backward for inputs %s "
+                 "(%d weights get gradients)", shapes, len(self._used[key]))
+        return recording
 
 
 def _signature(spec, leaves: list, tensors: tuple) -> tuple:
@@ -132,12 +236,3 @@ def _signature(spec, leaves: list, tensors: tuple) -> tuple:
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     return (str(spec), tuple(repr(leaf) for leaf in leaves if not torch.is_tensor(leaf)),
             tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors), autocast)
-
-
-def own_gradients(params: list[torch.nn.Parameter]) -> list:
-    """Hooks that copy a gradient arriving at an empty `p.grad`, so that a sum over micro-batches
-    never lives in a graph's buffer (see the module doc); returns the handles to remove."""
-    def copy_if_first(grad: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-        return grad.clone() if p.grad is None else grad
-
-    return [p.register_hook(functools.partial(copy_if_first, p=p)) for p in params]

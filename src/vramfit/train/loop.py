@@ -105,13 +105,11 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         return micro_step_loss(family, loss_bundle, data.batch(group), cfg, micro_batch_generator(cfg.seed, index),
                                device, dtype)
 
-    copy_hooks: list = []
     if cfg.cuda_graphs:  # train/graphs.py: record the denoiser per input signature, replay after
-        from vramfit.train.graphs import GraphedDenoiser, check_device, own_gradients
+        from vramfit.train.graphs import GraphedDenoiser, check_device
 
         check_device(device)
         loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser))
-        copy_hooks = own_gradients(params) if cfg.grad_accum > 1 else []
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
                                 max_grad_norm=cfg.max_grad_norm)
@@ -139,8 +137,6 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     finally:
         if grad_hooks is not None:
             grad_hooks.remove()
-        for handle in copy_hooks:
-            handle.remove()
     return result
 
 
@@ -166,6 +162,7 @@ def _accumulate(forward, batches: Iterator[list[Record]], grad_hooks: Optional[B
             if grad_hooks is not None:
                 grad_hooks.begin(last)
             (loss / cfg.grad_accum).backward()
+            del loss  # its graph too: a recording (train.cuda_graphs) must not meet nodes of an eager step
     return total, used, True
 
 
