@@ -279,3 +279,23 @@ def test_a_diffusers_folder_gives_the_same_facts_as_the_single_file(tmp_path):
     for x, y in zip(a.encoders, b.encoders):  # SD3 files carry no CLIP-L projection; the folder does
         assert x.params <= y.params <= x.params + x.hidden ** 2 and x.layers == y.layers
     assert device_terms(a, single) == device_terms(b, folder)
+
+
+def test_on_a_gpu_the_planner_records_cuda_graphs_where_they_fit(ssd1b, monkeypatch):
+    """Graphs are the fastest rung; they hold their gradients and activation pool, so a tight
+    budget turns them off before anything slower; never beside a setting they refuse."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    roomy, _ = _choose(ssd1b, FULL_1024, 40)
+    assert roomy.train.cuda_graphs and not roomy.train.gradient_checkpointing
+    at8, _ = _choose(ssd1b, FULL_1024, 8)  # predicted 6.17 GiB with graphs and checkpointing
+    assert at8.train.cuda_graphs and at8.train.gradient_checkpointing
+    at6, choice = _choose(ssd1b, FULL_1024, 6.44)  # the seed's peak: 5.80 GiB usable
+    assert not at6.train.cuda_graphs and at6.train.gradient_checkpointing
+    assert any(r.startswith("train.cuda_graphs = false: with true the train phase") for r in choice.reasons)
+    at4, choice = _choose(ssd1b, FULL_1024, 4)
+    assert at4.train.optimizer_in_backward and not at4.train.cuda_graphs
+    assert any(r.startswith("train.cuda_graphs = false: true does not go with") for r in choice.reasons)
+    bf16_sums, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "grad_accum": 8}}, 40)
+    assert not bf16_sums.train.cuda_graphs  # stochastically rounded bf16 gradient sums: refused together
+    on_cpu, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "device": "cpu"}}, 40)
+    assert not on_cpu.train.cuda_graphs

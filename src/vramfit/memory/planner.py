@@ -350,6 +350,12 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
+    if t.cuda_graphs:
+        # train/graphs.py: the gradient buffers stay allocated, and the recordings' pool keeps the
+        # room of the activations while the optimizer steps
+        return {**base, **max([{"gradients": grads, **act, "autocast copies": terms["autocast copies"]},
+                               {"gradients": grads, **act, "step temporaries": temps}],
+                              key=lambda c: sum(c.values()))}
     # autocast's bf16 copies of the fp32 weights live until forward ends
     candidates = [{"gradients": accumulated, **act, "autocast copies": terms["autocast copies"]}]
     if t.optimizer_in_backward:
@@ -405,8 +411,10 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
 class Knob:
     """A memory setting the planner may choose: options fastest first, a rank each, the phase group
     it acts on. Ranks are powers of two, so sorting combinations by their sum follows the ladder
-    no checkpointing > checkpointing > + step in backward > + offloaded activations > + quantized
-    base (LoRA) > + streamed weights: a rung is taken only when no mix of the earlier ones fits."""
+    CUDA graphs without checkpointing > with checkpointing > no graphs > + step in backward >
+    + offloaded activations > + quantized base (LoRA) > + streamed weights: a rung is taken only
+    when no mix of the earlier ones fits. A combination the config's own checks refuse (graphs
+    beside streamed weights, say) is skipped."""
 
     key: str  # section.name
     options: tuple
@@ -416,10 +424,12 @@ class Knob:
 
 KNOBS = (
     Knob("train.gradient_checkpointing", (False, True), (0, 1), "train"),
-    Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
-    Knob("memory.offload_activations", (False, True), (0, 4), "train"),
-    Knob("lora.base_quantization", ("none", "int8", "nf4"), (0, 8, 16), "train"),
-    Knob("memory.stream_weights", (False, True), (0, 32), "train"),
+    # recorded steps hold their gradients and activation pool: off saves memory, costs the most speed
+    Knob("train.cuda_graphs", (True, False), (0, 2), "train"),
+    Knob("train.optimizer_in_backward", (False, True), (0, 4), "train"),
+    Knob("memory.offload_activations", (False, True), (0, 8), "train"),
+    Knob("lora.base_quantization", ("none", "int8", "nf4"), (0, 16, 32), "train"),
+    Knob("memory.stream_weights", (False, True), (0, 64), "train"),
     Knob("cache.vae_dtype", ("fp32", "bf16"), (0, 1), "cache_latents"),
     Knob("cache.vae_tiling", (False, True), (0, 2), "cache_latents"),
     Knob("model.t5_precision", ("bf16", "int8", "nf4"), (0, 1, 2), "cache_text"),  # never "none" by itself
@@ -488,7 +498,24 @@ def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
         return cfg.train.mode == "lora"
     if knob.key == "model.t5_precision":
         return any(e.kind == "t5" for e in facts.encoders)
+    if knob.key == "train.cuda_graphs":  # a GPU run only
+        device = cfg.train.device
+        return device != "cpu" and (device != "auto" or torch.cuda.is_available())
     return True
+
+
+def _valid(cfg: RunConfig, combo: dict[str, object]) -> bool:
+    """Whether the config with `combo` passes its own checks and adds no problem of composing
+    with the processes it was launched with."""
+    from vramfit.train.distributed import composition_problems, launched_world
+
+    trial = with_values(cfg, combo)
+    try:
+        type(cfg).model_validate(trial.model_dump())
+    except ValueError:
+        return False
+    world = launched_world()
+    return world <= 1 or not any(p.startswith(k + ":") for k in combo for p in composition_problems(trial, world))
 
 
 def free_knobs(cfg: RunConfig, facts: ModelFacts) -> list[Knob]:
@@ -526,6 +553,8 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
             trial = with_values(cfg, {**values, **combo})
             if combo.get("memory.offload_activations") and combo.get("train.gradient_checkpointing") is False:
                 continue  # offloading every activation of a step is slower than recomputing them
+            if not _valid(cfg, {**values, **combo}):
+                continue
             pred = predict(facts, trial, captions)
             fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
             worst = max(fits, key=lambda p: p.peak, default=None)
@@ -572,6 +601,10 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         value = values[knob.key]
         if value == knob.options[0]:
             reasons.append(f"{knob.key} = {json.dumps(value)}: the fastest option fits")
+            continue
+        if not _valid(cfg, {**values, knob.key: knob.options[0]}):
+            reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
+                           "the other settings")
             continue
         fastest = with_values(cfg, {**values, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
