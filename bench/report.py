@@ -36,38 +36,65 @@ def load(paths: list[Path]) -> list[dict]:
             old["flops"] = g.get("flops", {})
         if g.get("commit") not in str(old.get("commit")).split(", "):
             old["commit"] = f"{old.get('commit')}, {g.get('commit')}"
+        refs = old.setdefault("references", [])
+        for r in [*g.get("references", []), *g["rows"]]:  # every run's own references stay for its rows
+            if r.get("role") in REF_ROLES and r.get("status") == "ok" and \
+                    not any((x["role"], run_of(x)) == (r["role"], run_of(r)) for x in refs):
+                refs.append(r)
         new = {(r["side"], r["case"]): r for r in g["rows"]}
         old["rows"] = [newer(new.pop((r["side"], r["case"]), r), r) for r in old["rows"]] + list(new.values())
     for g in merged.values():
+        shown = {(r["role"], run_of(r)) for r in g["rows"]}
+        g["references"] = [r for r in g["references"] if (r["role"], run_of(r)) not in shown]
         g["rows"].sort(key=lambda r: (r["side"] != "seed", r.get("role") == "fastest"))
     return sorted(merged.values(), key=lambda g: ORDER.index(g["workload"]) if g["workload"] in ORDER else 99)
 
 
 def newer(row: dict, earlier: dict) -> dict:
-    """A later command's row replaces an earlier one, unless it only says the case was skipped."""
-    return earlier if row.get("status") == "skipped" and earlier.get("status") == "ok" else row
+    """The row of the later command (by its date) wins, unless it only says the case was skipped."""
+    if row.get("status") == "skipped" and earlier.get("status") == "ok":
+        return earlier
+    return earlier if str(earlier.get("date", "")) > str(row.get("date", "")) else row
 
 
-def reference(group: dict, role: str) -> Optional[dict]:
-    return next((r for r in group["rows"] if r.get("role") == role and r.get("status") == "ok"), None)
+REF_ROLES = ("seed_ref", "fast_ref")
+
+
+def run_of(row: dict) -> Optional[str]:
+    """Where a row was measured: its machine and boot (bench/run.py), else its command's start."""
+    return row.get("machine") or row.get("date")
+
+
+def reference(group: dict, role: str, run: Optional[str] = None) -> Optional[dict]:
+    """The reference row of `role`: the one measured on the machine `run` (run_of) where there is
+    one, else the table's own."""
+    rows = [r for r in group["rows"] if r.get("role") == role and r.get("status") == "ok"]
+    same = [r for r in rows + group.get("references", []) if run and r.get("role") == role
+            and r.get("status") == "ok" and run_of(r) == run]
+    return (same or rows or [None])[0]
 
 
 def target_check(row: dict, group: dict) -> tuple[str, str]:
-    """(step time against its reference, how far from the target) for one row."""
-    seed, fast = reference(group, "seed_ref"), reference(group, "fast_ref")
+    """(step time against its reference, how far from the target) for one row. The lent GPU
+    machines differ in host speed (a launch-bound step more than doubles on a slow host), so a
+    row is judged against the reference measured on its own machine; without one it is compared
+    with the table's reference and marked as not comparable."""
     if row.get("status") != "ok":
         return "", ""
+    role = "fast_ref" if row["role"] == "fastest" else "seed_ref"
+    ref = reference(group, role, run_of(row))
+    if not ref:
+        return "", "no stock fast row" if role == "fast_ref" else "no seed row"
+    elsewhere = " (reference from another machine)" if run_of(ref) != run_of(row) else ""
+    own = ref is not reference(group, role) and not elsewhere
+    where = f" of its machine ({ref['step_s']:.3f} s)" if own else elsewhere
+    ratio = row["step_s"] / ref["step_s"]
     if row["role"] == "fastest":
-        if not fast:
-            return "", "no stock fast row"
-        ratio = row["step_s"] / fast["step_s"]
         verdict = "met" if ratio <= FAST_TARGET else f"missed: {ratio:.2f}x > {FAST_TARGET}x"
-        return f"{ratio:.2f}x fast", verdict
-    if not seed:
-        return "", "no seed row"
-    ratio = row["step_s"] / seed["step_s"]
+        return f"{ratio:.2f}x fast{where}", verdict + ("; not comparable" if elsewhere else "")
+    seed = ref
     if row["side"] == "seed":
-        return f"{ratio:.2f}x seed", ""
+        return f"{ratio:.2f}x seed{where}", ""
     misses = [f"{ratio:.2f}x > {MEMORY_TARGET}x"] if ratio > MEMORY_TARGET else []
     peak = ""
     if row.get("peak_allocated") is not None and seed.get("peak_allocated") is not None:
@@ -75,7 +102,7 @@ def target_check(row: dict, group: dict) -> tuple[str, str]:
         peak = f"peak {over:+.2f} GiB"
         misses += [peak] if over > 0 else []
     verdict = f"missed: {', '.join(misses)}" if misses else "met" + (f" ({peak})" if peak else "")
-    return f"{ratio:.2f}x seed", verdict
+    return f"{ratio:.2f}x seed{where}", verdict + ("; not comparable" if elsewhere else "")
 
 
 def gib(x) -> str:
@@ -92,11 +119,12 @@ def render_group(group: dict) -> str:
         else "FLOPs not counted"
     where = group.get("gpu") or "CPU, tiny models (not a measurement of speed)"
     lines = [f"### {group['title']}", "",
-             f"{where}; vramfit commit per row (the file's last: `{group.get('commit', '?')}`), torch {group.get('torch', '?')}, {group.get('date', '')}; "
-             f"{group['steps']} steps per case, median after the first; {tflop}."
+             f"{where}; torch {group.get('torch', '?')}; {group['steps']} steps per case, median after the first; "
+             f"{tflop}. Last column: the vramfit commit and the start (UTC) of the bench command of each row; "
+             "each row is judged against the reference measured on the same lent machine."
              + (f" Not run (out of time): {', '.join(group['not_run'])}." if group.get("not_run") else ""), "",
              "| side | configuration | peak alloc GiB | peak resv GiB | step s | img/s | MFU | vs reference | target | note "
-             "| commit |",
+             "| commit, run |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in group["rows"]:
         ratio, target = target_check(row, group)
@@ -107,7 +135,7 @@ def render_group(group: dict) -> str:
         lines.append(f"| {row['side']} | {row['label']} | {gib(row.get('peak_allocated'))} | "
                      f"{gib(row.get('peak_reserved'))} | {fmt(row.get('step_s'), '.3f')} | "
                      f"{fmt(row.get('images_per_s'), '.2f')} | {fmt(row.get('mfu'), '.1f', 100)}{'%' if row.get('mfu') else ''} | "
-                     f"{ratio} | {target} | {note} | {row.get('commit', '?')} |")
+                     f"{ratio} | {target} | {note} | {row.get('commit', '?')} {str(row.get('date', ''))[5:16]} |")
     return "\n".join(lines)
 
 
@@ -122,8 +150,11 @@ def render_tables(groups: list[dict]) -> str:
             "over the training phase (vramfit: its memory report's train phase; seeds: after the model and "
             "optimizer are built). Each case ran in a fresh process, produced by `python bench/run.py GROUP --out DIR`.")
     targets = (f"Targets (issue 5): each memory-saving configuration's median step <= {MEMORY_TARGET}x the seed "
-               "recipe's (the first seed row of its workload) at equal or lower peak allocated memory (\"peak\": "
-               f"its peak minus the seed's); the fastest configuration <= {FAST_TARGET}x the stock fast step.")
+               "recipe's at equal or lower peak allocated memory (\"peak\": its peak minus the seed's); the fastest "
+               f"configuration <= {FAST_TARGET}x the stock fast step. The reference is the one measured on the same lent "
+               "machine (its step time is named where it is not the table's); a row without one on its machine is "
+               "marked \"not comparable\": machines of the same GPU differ in host speed, and steps bound by kernel "
+               "launches follow the host.")
     return "\n\n".join([head, targets] + [render_group(g) for g in groups])
 
 
@@ -190,10 +221,15 @@ def main(argv=None) -> None:
     ap.add_argument("inputs", type=Path, nargs="+", help="folders of bench/run.py JSON, or JSON files")
     ap.add_argument("--md", type=Path, help="markdown file to put the table into (between the bench markers)")
     ap.add_argument("--plot", type=Path, help="PNG to draw (needs matplotlib)")
+    ap.add_argument("--merge-into", type=Path, help="write each merged workload to FOLDER/<workload>.json")
     args = ap.parse_args(argv)
     groups = load(args.inputs)
     if not groups:
         raise SystemExit("no bench JSON found in " + ", ".join(map(str, args.inputs)))
+    if args.merge_into:
+        args.merge_into.mkdir(parents=True, exist_ok=True)
+        for g in groups:
+            (args.merge_into / f"{g['workload']}.json").write_text(json.dumps(g, indent=2))
     body = render_tables(groups)
     drew = plot(groups, args.plot) if args.plot else False
     if args.md:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -258,6 +259,8 @@ class GroupRun:
         self.rows: list[dict] = [r for r in old.get("rows", [])] if keep else []
         self.data = dict(workload=workload, **WORKLOADS[workload], tiny=args.tiny, steps=args.steps,
                          peak_tflops=args.peak_tflops, **environment(args.tiny))
+        if keep and old.get("references"):
+            self.data["references"] = old["references"]
         self.walls: dict[str, list[float]] = {}  # seconds each case of a kind took in this command
 
     def selected(self, name: str) -> bool:
@@ -279,7 +282,11 @@ class GroupRun:
     def put(self, row: dict) -> None:
         row = add_rates(row, self.data.get("flops", {}), self.args.peak_tflops, not self.args.tiny and
                         self.data.get("gpu") is not None)
-        row = dict(row, commit=self.data.get("commit"), date=self.data.get("date"))
+        row = dict(row, commit=self.data.get("commit"), date=self.data.get("date"), machine=self.data.get("machine"))
+        for old in self.rows:  # a reference replaced keeps judging the rows of its own machine (report.py)
+            if (old["side"], old["case"]) == (row["side"], row["case"]) and old.get("role") in ("seed_ref", "fast_ref") \
+                    and old.get("status") == "ok" and old.get("date") != row.get("date"):
+                self.data.setdefault("references", []).append(old)
         self.rows = [r for r in self.rows if (r["side"], r["case"]) != (row["side"], row["case"])] + [row]
         self.write()
         brief = {k: row.get(k) for k in ("status", "step_s", "images_per_s", "mfu", "peak_allocated")}
@@ -315,8 +322,18 @@ def environment(tiny: bool) -> dict:
                                cwd=ROOT).stdout
         commit += "+dirty" if dirty.strip() else ""
     return dict(commit=commit, torch=torch.__version__,
-                gpu=None if tiny else gpu_name(),
+                gpu=None if tiny else gpu_name(), machine=machine_id(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def machine_id() -> str:
+    """Which machine and boot this ran on: rows are judged against references from the same one
+    (bench/report.py), since lent machines of one GPU kind differ in host speed."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{platform.node()}/{boot}"
 
 
 def run_workload(workload: str, args) -> Path:
