@@ -91,13 +91,15 @@ def stand_in(bundle, dtype: torch.dtype):
     return dataclasses.replace(bundle, denoiser=model, vae=None, text_encoders=[])
 
 
-def cuda_peak(device: torch.device) -> Measure:
+def cuda_peak(device: torch.device, reserved: bool = False) -> Measure:
+    """The peak allocated bytes of `run`; with `reserved` the peak reserved instead (CUDA graphs
+    keep their pool's room reserved, not allocated, while eager work runs beside it)."""
     def measure(run: Callable[[], object]) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
     return measure
 
 
@@ -138,7 +140,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         if device.type != "cuda":
             log.debug("fit probe skipped: it measures CUDA memory and the device is %s", device)
             return None
-        measure = cuda_peak(device)
+        measure = cuda_peak(device, reserved=cfg.train.cuda_graphs)
     if limit is None:
         limit = budget_of(cfg) or torch.cuda.get_device_properties(device).total_memory
     bucket = max(buckets, key=lambda b: b[0] * b[1])

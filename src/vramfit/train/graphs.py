@@ -8,18 +8,24 @@ backward once and replays each with a single launch, so the host cost of a step 
 with the number of kernels.
 
 `GraphedDenoiser` stands in for the denoiser inside the training loss. Calls are grouped by
-input signature (shapes, dtypes, which arguments are given, autocast): the first call of a
-signature runs eagerly (it warms up what a recording must not do for the first time: kernel
-selection, workspaces), the second records the forward and the backward, and that call and
-every later one replay them. Each aspect-ratio bucket records once; all of them share one
-memory pool. Calls in eval mode or without grad (sample grids) run the denoiser as usual.
+input signature (shapes, dtypes, which arguments are given, autocast). The very first training
+call runs eagerly (it warms up what a recording must not do for the first time: library handles,
+workspaces, kernel selection); from then on the first call of each signature records the forward
+and the backward, and that call and every later one of the signature replay them. Each
+aspect-ratio bucket (and a smaller last batch) records once; all of them share one memory pool,
+so no eager activations ever sit beside it. Calls in eval mode or without grad (sample grids)
+run the denoiser as usual. When the weights have moved since the recordings (sample grids put
+the denoiser through CPU offload, which gives each weight new GPU memory), the recordings are
+dropped and made again.
 
 Gradients. The recorded backward adds each weight's gradient into a buffer that this module
 owns and that stays put (`p.grad` is that buffer whenever a replay runs): autograd's own
 accumulation, recorded, so micro-batches accumulate as they do eagerly. When the loop sets
 `p.grad` to None after an optimizer step, the next call zeroes the buffers and puts them back.
 The gradients are therefore held through the whole step (eager training frees them after the
-optimizer step), and a weight the forward does not use keeps no gradient, as eagerly.
+optimizer step), and a weight the forward does not use keeps no gradient, as eagerly. A
+signature whose recording fails (a warning says why) runs eagerly, adding into whatever `p.grad`
+holds.
 
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
@@ -32,8 +38,9 @@ What a replay needs, and how a run provides it:
   numbers in their forward (LoRA dropout would: refused).
 
 Memory: the recordings' activations live in a pool of their own, which eager work (the optimizer
-step) does not reuse; the memory report's train phase measures the peak, and the fit probe
-records graphs as the run does.
+step) does not reuse. While that work runs the pool's room is reserved, not allocated, so
+`torch.cuda.max_memory_allocated` leaves it out: the planner adds it to the step's temporaries,
+and the fit probe (which records graphs as the run does) measures reserved memory instead.
 """
 from __future__ import annotations
 
@@ -88,6 +95,9 @@ def used_parameters(outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
+        if type(node).__name__ == "CheckpointFunctionBackward":  # reentrant checkpointing hides its weights
+            raise RuntimeError("reentrant gradient checkpointing runs its own backward, which a recording "
+                               "cannot follow")
         seen.add(id(node))
         keep.append(node)
         variable = getattr(node, "variable", None)
@@ -104,6 +114,7 @@ class CudaRecording:
     the owned gradient buffers in place, so that the recorded backward adds into them."""
 
     def __init__(self, flat: _Flat, tensors: tuple[torch.Tensor, ...], prepare: Callable, pool, stream):
+        self.device = stream.device
         self.static_in = [t.detach().clone() for t in tensors]
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
@@ -117,15 +128,17 @@ class CudaRecording:
         self.static_out = [o.detach() for o in outs]
 
     def forward(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        for static, tensor in zip(self.static_in, tensors):
-            static.copy_(tensor)
-        self.fwd.replay()
+        with torch.cuda.device(self.device):
+            for static, tensor in zip(self.static_in, tensors):
+                static.copy_(tensor)
+            self.fwd.replay()
         return self.static_out
 
     def backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        for static, grad in zip(self.static_grad_out, grads):
-            static.copy_(grad) if grad is not None else static.zero_()
-        self.bwd.replay()
+        with torch.cuda.device(self.device):
+            for static, grad in zip(self.static_grad_out, grads):
+                static.copy_(grad) if grad is not None else static.zero_()
+            self.bwd.replay()
 
 
 class _Replay(torch.autograd.Function):
@@ -141,8 +154,7 @@ class _Replay(torch.autograd.Function):
 
 
 class GraphedDenoiser(torch.nn.Module):
-    """The denoiser, with each training call signature recorded at its second call and replayed
-    after (see the module doc)."""
+    """The denoiser, with each training call signature recorded and replayed (see the module doc)."""
 
     def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None):
         super().__init__()
@@ -152,8 +164,10 @@ class GraphedDenoiser(torch.nn.Module):
         self._owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, its gradient buffer)
         self._used: dict[Any, list[torch.Tensor]] = {}
         self._pool = self._stream = None
-        device = next(denoiser.parameters()).device
-        self._anchor = torch.zeros((), device=device, requires_grad=True)  # makes replayed outputs need grad
+        self._warm = False  # the first training call ran (eagerly)
+        self._weights_at: Optional[list[int]] = None  # the weights' addresses the recordings use
+        self.device = next(denoiser.parameters()).device
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # makes replayed outputs need grad
 
     @property
     def captures(self) -> int:
@@ -166,16 +180,15 @@ class GraphedDenoiser(torch.nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         tensors = tuple(leaves[i] for i in positions)
-        key = _signature(spec, leaves, tensors)
-        if key not in self._recordings:  # first call: eager, as a warm-up
-            self._recordings[key] = None
-            self._adopt([p for p, _ in self._owned.values()])
+        if not self._warm or any(t.requires_grad for t in tensors):  # warm-up; or inputs that want gradients
+            self._warm = True
             return self.denoiser(*args, **kwargs)
+        self._forget_if_moved()
+        key = _signature(spec, leaves, tensors)
+        if key not in self._recordings:
+            self._recordings[key] = self._record(key, leaves, positions, spec, tensors)
         recording = self._recordings[key]
-        if recording is None and key not in self._used:
-            recording = self._recordings[key] = self._record(key, leaves, positions, spec, tensors)
         if recording is None:  # recording failed for this signature: it runs as it would without graphs
-            self._adopt([p for p, _ in self._owned.values()])
             return self.denoiser(*args, **kwargs)
         self._adopt(self._used[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
@@ -203,6 +216,16 @@ class GraphedDenoiser(torch.nn.Module):
         if cleared:
             torch._foreach_zero_(cleared)
 
+    def _forget_if_moved(self) -> None:
+        """Drop every recording when a weight no longer lives where they read it."""
+        now = [p.data_ptr() for p in self.denoiser.parameters()]
+        if self._weights_at is not None and now != self._weights_at and self.captures:
+            log.info("train.cuda_graphs: the denoiser's weights moved (sample grids offload it); recording again")
+            self._recordings.clear()
+            self._used.clear()
+            self._pool = self._stream = None
+        self._weights_at = now
+
     def _record(self, key, leaves: list, positions: list[int], spec, tensors: tuple):
         chosen = set(positions)
         template = [None if i in chosen else leaf for i, leaf in enumerate(leaves)]
@@ -217,9 +240,12 @@ class GraphedDenoiser(torch.nn.Module):
             if self._recorder is not None:
                 recording = self._recorder(flat, tensors, prepare)
             else:
-                if self._pool is None:
-                    self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-                recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
+                with torch.cuda.device(self.device):
+                    if self._pool is None:
+                        self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+                    recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
+        except torch.OutOfMemoryError:
+            raise  # a run that does not fit is the fit probe's and the user's business, not a fallback
         except RuntimeError as err:  # an operation that a graph cannot hold: warn, go on without
             self._used.setdefault(key, [])
             log.warning("train.cuda_graphs: recording the denoiser for inputs %s failed (%s); these "
