@@ -170,6 +170,9 @@ def test_what_does_not_compose_is_refused_before_launching(images, tmp_path, cap
     assert [p.split(":")[0] for p in composition_problems(compiled, 2)] == ["train.compile"]
     ddp = RunConfig.model_validate({"train": {"compile": True}})
     assert composition_problems(ddp, 2) == []
+    graphed = RunConfig.model_validate({"train": {"cuda_graphs": True}})
+    assert [p.split(":")[0] for p in composition_problems(graphed, 2)] == ["train.cuda_graphs"]
+    assert composition_problems(graphed, 1) == []
 
 
 def test_fsdp_full_fine_tune_matches_one_process_and_its_state_resumes_anywhere(two_ranks, one_process, tmp_path,
