@@ -299,3 +299,13 @@ def test_on_a_gpu_the_planner_records_cuda_graphs_where_they_fit(ssd1b, monkeypa
     assert not bf16_sums.train.cuda_graphs  # stochastically rounded bf16 gradient sums: refused together
     on_cpu, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "device": "cpu"}}, 40)
     assert not on_cpu.train.cuda_graphs
+
+
+def test_sample_grids_between_graphed_steps_carry_the_gradients_and_the_pool(ssd1b):
+    sections = {**FULL_1024, "sample": {"every_steps": 10, "prompts": ["a cat"]}}
+    plain = predict(ssd1b, _cfg(**sections))
+    graphed = predict(ssd1b, _cfg(**{**sections, "train": {"optimizer": "adafactor", "cuda_graphs": True}}))
+    grids = {p.name: p for p in plain.phases}["samples"]
+    held = {p.name: p for p in graphed.phases}["samples"]
+    assert held.parts["gradients"] == device_terms(ssd1b, _cfg(**sections))["gradients"]
+    assert held.peak > grids.peak + held.parts["gradients"]  # the pool's room on top
