@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from build import ROOT, ensure_model, log, make_images, run_train, train_phase
+from report import REF_ROLES
 from seeds import SEED_CASES, TINY_RES, WORKLOADS
 
 # Peak dense bf16 matrix rate used for model FLOP utilization, in TFLOP/s. 989 is NVIDIA's
@@ -284,7 +285,7 @@ class GroupRun:
                         self.data.get("gpu") is not None)
         row = dict(row, commit=self.data.get("commit"), date=self.data.get("date"), machine=self.data.get("machine"))
         for old in self.rows:  # a reference replaced keeps judging the rows of its own machine (report.py)
-            if (old["side"], old["case"]) == (row["side"], row["case"]) and old.get("role") in ("seed_ref", "fast_ref") \
+            if (old["side"], old["case"]) == (row["side"], row["case"]) and old.get("role") in REF_ROLES \
                     and old.get("status") == "ok" and old.get("date") != row.get("date"):
                 self.data.setdefault("references", []).append(old)
         self.rows = [r for r in self.rows if (r["side"], r["case"]) != (row["side"], row["case"])] + [row]

@@ -471,33 +471,10 @@ def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
     return cfg.model_copy(update={s: getattr(cfg, s).model_copy(update=v) for s, v in sections.items()})
 
 
-def _composes(knob: Knob, cfg: RunConfig) -> bool:
-    """Whether the knob's memory-saving options compose with the processes this run was launched
-    with: train/distributed.py's own check (one problem per refused key) decides."""
-    from vramfit.train.distributed import composition_problems, launched_world
-
-    world = launched_world()
-    if world <= 1:
-        return True
-    return any(not any(p.startswith(knob.key + ":") for p in
-                       composition_problems(with_values(cfg, {knob.key: option}), world))
-               for option in knob.options[1:])
-
-
-def _allowed(knob: Knob, cfg: RunConfig) -> bool:
-    """Whether some memory-saving option of the knob passes the config's own checks beside the
-    user's other settings (train.cuda_graphs refuses streamed weights, for one)."""
-    for option in knob.options[1:]:
-        try:
-            type(cfg).model_validate(with_values(cfg, {knob.key: option}).model_dump())
-            return True
-        except ValueError:
-            continue
-    return False
-
-
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
-    if not _composes(knob, cfg) or not _allowed(knob, cfg):
+    # some memory-saving option must pass the config's own checks beside the user's settings
+    # (train.cuda_graphs refuses streamed weights, for one) and compose with the launched processes
+    if not any(_valid(cfg, {knob.key: option}) for option in knob.options[1:]):
         return False
     if knob.key == "lora.base_quantization":
         return cfg.train.mode == "lora"
@@ -511,7 +488,8 @@ def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
 
 def _valid(cfg: RunConfig, combo: dict[str, object]) -> bool:
     """Whether the config with `combo` passes its own checks and adds no problem of composing
-    with the processes it was launched with."""
+    with the processes it was launched with: train/distributed.py's own check (one problem per
+    refused key) decides."""
     from vramfit.train.distributed import composition_problems, launched_world
 
     trial = with_values(cfg, combo)

@@ -247,7 +247,6 @@ class GraphedDenoiser(torch.nn.Module):
         except torch.OutOfMemoryError:
             raise  # a run that does not fit is the fit probe's and the user's business, not a fallback
         except RuntimeError as err:  # an operation that a graph cannot hold: warn, go on without
-            self._used.setdefault(key, [])
             log.warning("train.cuda_graphs: recording the denoiser for inputs %s failed (%s); these "
                         "inputs run without CUDA graphs", shapes, (str(err).splitlines() or [""])[0])
             return None
