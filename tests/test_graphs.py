@@ -156,11 +156,35 @@ def test_rounded_bf16_gradient_sums_are_refused_and_their_alternatives_pass():
         load_config(None, [*bf16, fix], need_data=False)
 
 
-@pytest.mark.parametrize("setting", ["lora.base_quantization=int8", "lora.dropout=0.1"])
-def test_lora_settings_a_replay_cannot_hold_are_refused(setting):
-    with pytest.raises(ValueError, match=f"train.cuda_graphs with {setting.split('=')[0]}"):
-        load_config(None, ["train.cuda_graphs=true", "train.mode=lora", setting], need_data=False)
-    load_config(None, ["train.cuda_graphs=true", "train.mode=lora"], need_data=False)  # a plain base is fine
+def test_lora_dropout_is_refused_and_a_plain_or_quantized_base_passes():
+    with pytest.raises(ValueError, match="train.cuda_graphs with lora.dropout"):
+        load_config(None, ["train.cuda_graphs=true", "train.mode=lora", "lora.dropout=0.1"], need_data=False)
+    for base in ("none", "int8", "nf4"):
+        load_config(None, ["train.cuda_graphs=true", "train.mode=lora", f"lora.base_quantization={base}"],
+                    need_data=False)
+
+
+@pytest.mark.parametrize("base", ["int8", "nf4"])
+def test_graphed_lora_over_a_quantized_base_equals_training_without(images, tmp_path, cache_root, recorded, base):
+    cache = cache_root / "graphs"
+    sets = ["train.mode=lora", f"lora.base_quantization={base}", "train.grad_accum=2", "train.steps=3"]
+    plain = _train(images, tmp_path / "plain", cache, *sets)
+    graphed = _train(images, tmp_path / "graphed", cache, *sets, "train.cuda_graphs=true")
+    assert recorded
+    _assert_same(graphed, plain)
+
+
+def test_moving_a_quantized_weight_counts_as_the_weights_moving():
+    """torchao's quantized tensors report data_ptr 0; their inner tensors say where they live."""
+    from vramfit.memory.quantize import quantize_base
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16).requires_grad_(False)
+    quantize_base(model, "int8")
+    before = graphs.weight_addresses(model)
+    assert len(before) > 2 and 0 not in before  # data, scale (and zero point) of the weight, the bias
+    model[0].weight = model[0].weight.clone()  # what offloading to another device and back does
+    after = graphs.weight_addresses(model)
+    assert after != before and after[0] == before[0]  # the bias (a parameter, listed first) stayed
 
 
 def test_the_planner_leaves_out_what_cuda_graphs_refuses():

@@ -179,8 +179,8 @@ class TrainConfig(_Section):
         False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
         "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
-        "memory.offload_activations, optimizer_in_backward, compile, a quantized LoRA base, LoRA "
-        "dropout, or grad_accum > 1 on full_bf16 weights with stochastic_rounding. The gradients "
+        "memory.offload_activations, optimizer_in_backward, compile, LoRA dropout, or grad_accum > 1 "
+        "on full_bf16 weights with stochastic_rounding. A quantized LoRA base records too. The gradients "
         "stay allocated between steps and the graphs keep their activations in a memory pool of "
         "their own: the memory report shows the peak.")
     noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
@@ -383,7 +383,6 @@ class RunConfig(_Section):
                 ("memory.offload_activations", self.memory.offload_activations),
                 ("train.optimizer_in_backward", self.train.optimizer_in_backward),
                 ("train.compile", self.train.compile),
-                ("lora.base_quantization", self.train.mode == "lora" and self.lora.base_quantization != "none"),
                 ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0),
                 ("train.grad_accum > 1 on bf16 weights with train.stochastic_rounding",
                  self.train.mode == "full" and self.train.precision == "full_bf16"
@@ -393,7 +392,7 @@ class RunConfig(_Section):
                                  "backward replay the same weights at the same places with no host work "
                                  "or random draws between their kernels, which these settings need "
                                  "(moving weights, stepping or rounding in gradient hooks, compiled "
-                                 "guards, quantized weights, dropout masks); turn one of them off")
+                                 "guards, dropout masks); turn one of them off")
         if self.sample.every_steps and self.memory.stream_weights:
             raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
                              "whole denoiser on the GPU while they render; render them after training "

@@ -30,9 +30,11 @@ holds.
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations), a quantized LoRA base, train.compile, the optimizer step inside
-  backward and bf16 gradient sums with stochastic rounding (both are gradient hooks that a
-  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py).
+  memory.offload_activations), train.compile, the optimizer step inside backward and bf16
+  gradient sums with stochastic rounding (both are gradient hooks that a recorded backward would
+  bake in) are refused beside cuda_graphs (config/schema.py). A quantized LoRA base records as it
+  is: widening its weights is GPU work like any other, and replaying it removes the host cost of
+  torchao's tensor subclasses, which otherwise dominates such a step.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
   the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw no random
   numbers in their forward (LoRA dropout would: refused).
@@ -49,6 +51,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger("vramfit")
 
@@ -218,7 +221,7 @@ class GraphedDenoiser(torch.nn.Module):
 
     def _forget_if_moved(self) -> None:
         """Drop every recording when a weight no longer lives where they read it."""
-        now = [p.data_ptr() for p in self.denoiser.parameters()]
+        now = weight_addresses(self.denoiser)
         if self._weights_at is not None and now != self._weights_at and self.captures:
             log.info("train.cuda_graphs: the denoiser's weights moved (sample grids offload it); recording again")
             self._recordings.clear()
@@ -254,6 +257,22 @@ class GraphedDenoiser(torch.nn.Module):
         log.info("train.cuda_graphs: recorded the denoiser's forward and backward for inputs %s "
                  "(%d weights get gradients)", shapes, len(self._used[key]))
         return recording
+
+
+def weight_addresses(module: torch.nn.Module) -> list[int]:
+    """Where the module's parameters and buffers live; for a tensor subclass (torchao's quantized
+    weights, whose own data_ptr is 0) where its inner tensors do."""
+    found: list[int] = []
+    stack = [*module.parameters(), *module.buffers()]
+    stack.reverse()
+    while stack:
+        t = stack.pop()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            stack.extend(getattr(t, name) for name in reversed(names))
+        else:
+            found.append(t.data_ptr())
+    return found
 
 
 def _signature(spec, leaves: list, tensors: tuple) -> tuple:
