@@ -249,3 +249,42 @@ def test_fp8_keeps_a_layer_with_a_zero_row_unquantized():
     assert summary.kept == ["1"] and summary.layers == 1
     out = model(torch.randn(2, 64, dtype=torch.bfloat16))
     assert bool(torch.isfinite(out).all())
+
+
+class _LargestTemporary(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of the largest tensor any op makes, the op's `out=` targets aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if "out" not in (kwargs or {}) and not func._schema.is_mutable:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if torch.is_tensor(t) and t._base is None:
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nf4_widening_equals_torchaos_and_keeps_its_temporaries_small(monkeypatch, dtype):
+    import math
+
+    from torchao.quantization import to_nf4
+
+    from vramfit.memory import quantize
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 640, dtype=dtype)
+    nf4 = to_nf4(weight, 64, math.gcd(weight.numel() // 64, 256))
+    monkeypatch.setattr(quantize, "NF4_CHUNK", 1024)  # several passes over the 30,720 packed bytes
+    reference = nf4.get_original_weight()
+    with _LargestTemporary() as ours:
+        widened = quantize.dequantize(nf4)
+    assert widened.dtype == dtype and torch.equal(widened, reference)
+    assert ours.largest == tensor_bytes(widened)  # the result itself; every temporary is smaller
+    with _LargestTemporary() as theirs:
+        nf4.get_original_weight()
+    # torchao's int64 codes: half the weights, 8 bytes each (4x the bf16 result, 2x the fp32 one)
+    assert theirs.largest >= 4 * weight.numel()
