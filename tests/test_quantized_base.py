@@ -288,3 +288,21 @@ def test_nf4_widening_equals_torchaos_and_keeps_its_temporaries_small(monkeypatc
         nf4.get_original_weight()
     # torchao's int64 codes: half the weights, 8 bytes each (4x the bf16 result, 2x the fp32 one)
     assert theirs.largest >= 4 * weight.numel()
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_widening_equals_torchaos_and_makes_only_the_result(method, dtype):
+    from vramfit.memory.quantize import dequantize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 96)).to(dtype).requires_grad_(False)
+    quantize_base(model, method)
+    weight = model[0].weight
+    with _LargestTemporary() as ours:
+        widened = dequantize(weight)
+    assert widened.dtype == dtype and torch.equal(widened, weight.dequantize())
+    assert ours.largest == tensor_bytes(widened)
+    with _LargestTemporary() as theirs:
+        weight.dequantize()
+    assert theirs.largest >= 4 * weight.numel()  # torchao's product of the codes and scales is fp32

@@ -120,7 +120,29 @@ def dequantize(weight: torch.Tensor) -> torch.Tensor:
     """A plain tensor in the precision the weight had before it was quantized."""
     if hasattr(weight, "quantized_scalers"):  # torchao's NF4Tensor
         return widen_nf4(weight)
-    return weight.dequantize()
+    widened = widen_rowwise(weight)
+    return widened if widened is not None else weight.dequantize()
+
+
+def widen_rowwise(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """An int8 or fp8 weight with one scale per row (what quantize_base makes) in its original
+    dtype, equal bit for bit to torchao's `dequantize`; None for any other layout.
+
+    torchao widens the codes to the output dtype or to fp32, subtracts the zero point into a new
+    tensor and multiplies by the fp32 scales into a third, fp32 one (up to 10 bytes of
+    temporaries per weight for a bf16 result). Here the codes are widened once into the result
+    and the zero point and scales applied in place; the product is still computed in fp32 and
+    rounded once, so the values are the same."""
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if qdata is None or scale is None or qdata.dim() != 2 or scale.numel() != qdata.shape[0]:
+        return None
+    if qdata.dtype not in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
+    out = qdata.to(weight.dtype)  # exact: int8 and fp8 values are all bf16 (and fp32) values
+    zero_point = getattr(weight, "zero_point", None)
+    if zero_point is not None:
+        out.sub_(zero_point.reshape(-1, 1).to(weight.dtype))
+    return out.mul_(scale.reshape(-1, 1))
 
 
 NF4_CHUNK = 1 << 23  # packed bytes (two weights each) widened per pass: 32 MiB of int32 codes
