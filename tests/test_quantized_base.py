@@ -299,10 +299,12 @@ def test_rowwise_widening_equals_torchaos_and_makes_only_the_result(method, dtyp
     model = torch.nn.Sequential(torch.nn.Linear(256, 96)).to(dtype).requires_grad_(False)
     quantize_base(model, method)
     weight = model[0].weight
-    with _LargestTemporary() as ours:
-        widened = dequantize(weight)
-    assert widened.dtype == dtype and torch.equal(widened, weight.dequantize())
-    assert ours.largest == tensor_bytes(widened)
+    assert model[0].zero_free  # symmetric int8: its zero point is all zeros
+    for zero_free in (False, True):  # the in-place path, and the one-kernel path of int8
+        with _LargestTemporary() as ours:
+            widened = dequantize(weight, zero_free)
+        assert widened.dtype == dtype and torch.equal(widened, weight.dequantize())
+        assert ours.largest == tensor_bytes(widened)
     with _LargestTemporary() as theirs:
         weight.dequantize()
     assert theirs.largest >= 4 * weight.numel()  # torchao's product of the codes and scales is fp32

@@ -116,30 +116,37 @@ def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Ten
     return linear.weight.detach()
 
 
-def dequantize(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor in the precision the weight had before it was quantized."""
+def dequantize(weight: torch.Tensor, zero_free: bool = False) -> torch.Tensor:
+    """A plain tensor in the precision the weight had before it was quantized (`zero_free`: its
+    zero point, if it has one, is known to be all zeros)."""
     if hasattr(weight, "quantized_scalers"):  # torchao's NF4Tensor
         return widen_nf4(weight)
-    widened = widen_rowwise(weight)
+    widened = widen_rowwise(weight, zero_free)
     return widened if widened is not None else weight.dequantize()
 
 
-def widen_rowwise(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def widen_rowwise(weight: torch.Tensor, zero_free: bool = False) -> Optional[torch.Tensor]:
     """An int8 or fp8 weight with one scale per row (what quantize_base makes) in its original
     dtype, equal bit for bit to torchao's `dequantize`; None for any other layout.
 
     torchao widens the codes to the output dtype or to fp32, subtracts the zero point into a new
     tensor and multiplies by the fp32 scales into a third, fp32 one (up to 10 bytes of
-    temporaries per weight for a bf16 result). Here the codes are widened once into the result
-    and the zero point and scales applied in place; the product is still computed in fp32 and
-    rounded once, so the values are the same."""
+    temporaries per weight for a bf16 result, and three passes over memory). Here, without a zero
+    point (or with `zero_free`: the caller knows it is all zeros, as quantize_base's symmetric
+    int8 makes it), one kernel reads the codes and scales and writes the result; otherwise the
+    codes are widened once into the result and the zero point and scales applied in place. The
+    product is computed in fp32 and rounded once either way, so the values are the same."""
     qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
     if qdata is None or scale is None or qdata.dim() != 2 or scale.numel() != qdata.shape[0]:
         return None
     if qdata.dtype not in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
         return None
-    out = qdata.to(weight.dtype)  # exact: int8 and fp8 values are all bf16 (and fp32) values
     zero_point = getattr(weight, "zero_point", None)
+    if qdata.dtype == torch.int8 and (zero_point is None or zero_free):
+        # one kernel: codes times scales in fp32, rounded once (torch does not promote fp8 so)
+        return torch.mul(qdata, scale.reshape(-1, 1), out=torch.empty(qdata.shape, dtype=weight.dtype,
+                                                                        device=qdata.device))
+    out = qdata.to(weight.dtype)  # exact: int8 and fp8 values are all bf16 (and fp32) values
     if zero_point is not None:
         out.sub_(zero_point.reshape(-1, 1).to(weight.dtype))
     return out.mul_(scale.reshape(-1, 1))
@@ -177,14 +184,16 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                zero_free: bool = False) -> torch.Tensor:
         ctx.weight = weight  # a module buffer, alive anyway; not saved through autograd's hooks
-        return torch.nn.functional.linear(x, dequantize(weight), bias)
+        ctx.zero_free = zero_free
+        return torch.nn.functional.linear(x, dequantize(weight, zero_free), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         # autograd casts the result to the input's dtype (it can differ under autocast)
-        return grad_out @ dequantize(ctx.weight).to(grad_out.dtype), None, None
+        return grad_out @ dequantize(ctx.weight, ctx.zero_free).to(grad_out.dtype), None, None, None
 
 
 @torch.compiler.disable
@@ -201,11 +210,13 @@ class QuantizedLinear(torch.nn.Module):
         self.method = method
         self.register_buffer("weight", weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        zero_point = getattr(weight, "zero_point", None)  # symmetric int8: all zeros, known once here
+        self.zero_free = zero_point is None or not bool(zero_point.any())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "nf4":  # torch.compile cannot trace NF4Tensor's widening: run it eagerly
             return _eager_linear(x, self.weight, self.bias)
-        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
+        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias, self.zero_free)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"
