@@ -4,6 +4,7 @@ fits, explicit settings kept, `vramfit plan`, and `vramfit train` with a budget.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -309,3 +310,23 @@ def test_sample_grids_between_graphed_steps_carry_the_gradients_and_the_pool(ssd
     held = {p.name: p for p in graphed.phases}["samples"]
     assert held.parts["gradients"] == device_terms(ssd1b, _cfg(**sections))["gradients"]
     assert held.peak > grids.peak + held.parts["gradients"]  # the pool's room on top
+
+
+def test_on_a_gpu_a_lora_over_a_quantized_base_is_recorded_too(sd3m, monkeypatch):
+    """Graphs record over a quantized base, so at a budget that needs one the planner keeps
+    graphs beside it rather than giving them up first (SD3-M LoRA 512 batch 4, T5 nf4)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lora = {**SD3_LORA, "model": {"t5_precision": "nf4"}, "train": {**SD3_LORA["train"], "grad_accum": 1}}
+    at4, _ = _choose(sd3m, lora, 4)  # bf16 base with graphs is predicted at 4.75 GiB
+    assert at4.lora.base_quantization != "none" and at4.train.cuda_graphs
+    # at 3 GiB: int8 with graphs is predicted at 2.87 GiB, over the 2.70 usable; the cost order
+    # then prefers offloaded activations over an nf4 base, and those refuse graphs
+    at3, choice = _choose(sd3m, lora, 3)
+    assert at3.lora.base_quantization == "int8" and at3.memory.offload_activations and not at3.train.cuda_graphs
+    assert at3.train.gradient_checkpointing
+    assert any(r.startswith("train.gradient_checkpointing = true: beside memory.offload_activations")
+               for r in choice.reasons)  # no reason that quotes a peak under the usable budget
+    for reason in choice.reasons:
+        if "over the" in reason:
+            predicted, usable = (float(x) for x in re.findall(r"at ([\d.]+) GiB, over the ([\d.]+) GiB", reason)[0])
+            assert predicted > usable, reason

@@ -523,6 +523,12 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     return knob.group
 
 
+def _slower_than_recomputing(values: dict[str, object]) -> bool:
+    """Offloading every activation of a step (no checkpointing) is slower than recomputing them:
+    the search never tries it."""
+    return bool(values.get("memory.offload_activations")) and values.get("train.gradient_checkpointing") is False
+
+
 def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
     """(values, prediction) of the fastest fitting assignment, or (None, (peak, phase, values)) of
     the smallest prediction of the first phase group that cannot fit. Groups are searched in
@@ -534,8 +540,8 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
         found = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
-            if combo.get("memory.offload_activations") and combo.get("train.gradient_checkpointing") is False:
-                continue  # offloading every activation of a step is slower than recomputing them
+            if _slower_than_recomputing(combo):
+                continue
             if not _valid(cfg, {**values, **combo}):
                 continue
             pred = predict(facts, trial, captions)
@@ -588,6 +594,10 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         if not _valid(cfg, {**values, knob.key: knob.options[0]}):
             reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
                            "the other settings")
+            continue
+        if _slower_than_recomputing({**values, knob.key: knob.options[0]}):
+            reasons.append(f"{knob.key} = {json.dumps(value)}: beside memory.offload_activations = true; "
+                           "offloading every activation of a step is slower than recomputing them")
             continue
         fastest = with_values(cfg, {**values, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
