@@ -29,6 +29,10 @@ CASES = {
         "sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]),
     "sd3-lora-nf4": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"]),
     "sdxl-lora-int8": ("tiny:sdxl", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"]),
+    # sample grids move the quantized base too: its inner tensors' new addresses force new recordings
+    "sd3-lora-fp8-samples": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=fp8", "train.lr=1e-4",
+                                          "sample.every_steps=2", "sample.prompts=['a red circle']",
+                                          "sample.steps=2"]),
 }
 
 

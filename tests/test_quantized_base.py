@@ -308,3 +308,25 @@ def test_rowwise_widening_equals_torchaos_and_makes_only_the_result(method, dtyp
     with _LargestTemporary() as theirs:
         weight.dequantize()
     assert theirs.largest >= 4 * weight.numel()  # torchao's product of the codes and scales is fp32
+
+
+def test_widening_applies_a_zero_point_and_leaves_other_layouts_to_torchao():
+    """An asymmetric int8 weight (nonzero zero points) and layouts without one scale per row
+    (per tensor, per row along the other dimension, blocks) are widened as torchao widens them."""
+    from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
+    from torchao.quantization.quant_primitives import MappingType
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    from vramfit.memory.quantize import dequantize, widen_rowwise
+
+    torch.manual_seed(0)
+    w = (torch.randn(64, 64) * 3 + 1).to(torch.bfloat16)
+    asymmetric = Int8Tensor.from_hp(w, PerRow(), mapping_type=MappingType.ASYMMETRIC)
+    assert bool(asymmetric.zero_point.any())
+    assert torch.equal(dequantize(asymmetric), asymmetric.dequantize())
+    others = [Int8Tensor.from_hp(w, PerTensor()), Float8Tensor.from_hp(w, granularity=PerTensor()),
+              Float8Tensor.from_hp(w, granularity=PerRow(dim=0)), Float8Tensor.from_hp(w, granularity=PerBlock([8, 8]))]
+    for weight in others:
+        assert widen_rowwise(weight) is None
+        assert torch.equal(dequantize(weight), weight.dequantize())

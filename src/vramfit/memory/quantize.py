@@ -137,7 +137,13 @@ def widen_rowwise(weight: torch.Tensor, zero_free: bool = False) -> Optional[tor
     codes are widened once into the result and the zero point and scales applied in place. The
     product is computed in fp32 and rounded once either way, so the values are the same."""
     qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
-    if qdata is None or scale is None or qdata.dim() != 2 or scale.numel() != qdata.shape[0]:
+    if qdata is None or scale is None or qdata.dim() != 2:
+        return None
+    rows = qdata.shape[0]
+    if tuple(scale.shape) not in ((rows, 1), (rows,)):  # one scale per row, not a block or column layout
+        return None
+    block = getattr(weight, "block_size", None)
+    if block is not None and list(block) != [1, qdata.shape[1]]:
         return None
     if qdata.dtype not in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
         return None
@@ -210,7 +216,9 @@ class QuantizedLinear(torch.nn.Module):
         self.method = method
         self.register_buffer("weight", weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        zero_point = getattr(weight, "zero_point", None)  # symmetric int8: all zeros, known once here
+        # symmetric int8: all zeros, known once here (a weight's values never change: moving the
+        # module between devices copies them, and nothing assigns this buffer another weight)
+        zero_point = getattr(weight, "zero_point", None)
         self.zero_free = zero_point is None or not bool(zero_point.any())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
