@@ -14,7 +14,7 @@ from transformers.optimization import Adafactor as TransformersAdafactor
 from vramfit.config.schema import TrainConfig
 from vramfit.optim.adafactor import Adafactor
 from vramfit.optim.adamw import AdamW, AdamW8bit
-from vramfit.optim.base import ParamOptimizer, RoundingGenerators, state_bytes
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, state_bytes
 from vramfit.optim.build import build_optimizer, build_schedule
 
 OPTIMIZERS = [Adafactor, AdamW, AdamW8bit]
@@ -391,7 +391,7 @@ class _NewStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if type(t) is torch.Tensor}
+                  if isinstance(t, torch.Tensor)}  # a view of a Parameter makes no storage
         for t in tree_leaves(out):
             if type(t) is torch.Tensor and t.untyped_storage().data_ptr() not in inputs:
                 entry = self.alive.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), []))
@@ -412,6 +412,57 @@ def test_adafactor_temporaries_are_its_copy_its_gradient_and_one_buffer():
     with tracker:
         opt.step_param(p, grad)
     assert tracker.peak / p.numel() <= 13.5
+
+
+@pytest.mark.parametrize("shape", [(96, 160), (24, 16, 3, 3)])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adafactor_chunked_step_equals_the_whole_step(shape, weight_decay):
+    """Row chunks of a matrix and of a conv kernel's [out, in*kh*kw] view, a gradient given as a
+    bf16 buffer plus a bf16 gradient times a clipping factor: the same weights and factored
+    moments as the whole step on that fp32 gradient, over steps whose RMS clip is active."""
+    torch.manual_seed(0)
+    whole = torch.nn.Parameter(torch.randn(*shape))
+    chunked = torch.nn.Parameter(whole.detach().clone())
+    opt_w = Adafactor([whole], lr=1e-2, weight_decay=weight_decay)
+    opt_c = Adafactor([chunked], lr=1e-2, weight_decay=weight_decay)
+    opt_c.MIN_PACK_NUMEL = 1000  # several chunks of whole rows (160 and 144 values a row)
+    assert opt_c.chunks(chunked) and not opt_w.chunks(whole)
+    scale = torch.tensor(0.7)
+    for _ in range(4):
+        parts = [torch.randn(*shape).bfloat16() for _ in range(2)]
+        opt_w.step_param(whole, (parts[0].float() + parts[1]) * scale)
+        grad = ChunkedGrad(parts, scale)
+        assert len(grad.spans(opt_c.MIN_PACK_NUMEL)) > 3
+        opt_c.step_chunked(chunked, grad, finite=None)
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col"):
+        torch.testing.assert_close(opt_c.state[chunked][key], opt_w.state[whole][key], rtol=1e-6, atol=0)
+    assert opt_c.state[chunked]["step"] == 4
+    before = {k: v.clone() for k, v in opt_c.state[chunked].items() if torch.is_tensor(v)}
+    value = chunked.detach().clone()
+    opt_c.step_chunked(chunked, ChunkedGrad([torch.randn(*shape)]), finite=torch.tensor(False))
+    assert torch.equal(chunked, value)  # held back: the weight and its moments keep their values
+    assert all(torch.equal(opt_c.state[chunked][k], v) for k, v in before.items())
+
+
+def test_adafactor_chunked_step_keeps_its_temporaries_to_one_chunk():
+    """It saves: a bf16 [1024, 1024] weight stepped in chunks of 64 Ki values makes temporaries of
+    about 17 bytes per chunk value (its gradient, its update, the rounding's int32 draw and NaN
+    mask) plus the factors, where the whole step makes 13 bytes per weight value beside the
+    4-byte fp32 gradient it needs."""
+    p = torch.nn.Parameter(torch.randn(1024, 1024).bfloat16())
+    grad = torch.randn(1024, 1024).bfloat16()
+    opt = Adafactor([p], lr=1e-3, rounding=RoundingGenerators(0))
+    opt.MIN_PACK_NUMEL = 1 << 16
+    opt.step_chunked(p, ChunkedGrad([grad]), None)  # the state exists before measuring
+    tracker = _NewStorages()
+    with tracker:
+        opt.step_chunked(p, ChunkedGrad([grad]), None)
+    assert tracker.peak <= 17 * opt.MIN_PACK_NUMEL + 4 * 4 * 1024
+    whole = _NewStorages()
+    with whole:
+        opt.step_param(p, grad)
+    assert whole.peak >= 12 * p.numel() and tracker.peak < whole.peak / 10
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

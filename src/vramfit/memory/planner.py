@@ -15,7 +15,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
   work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
   step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
-  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T. The fp32
+  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor steps
+  a tensor of more than 4 Mi values in chunks there: T of at most 4 Mi values). The fp32
   gradients waiting for a pack in backward (up to 4 bytes x the pack) are not a term of their
   own: on the runs measured (SSD-1B, SD3-M) the share of T covers them (+5.1%, -0.3%).
 - samples (with sample.every_steps; under train.cuda_graphs also G and the recordings' pool, which
@@ -77,6 +78,9 @@ TEXT_CHUNK = 64  # captions per encode call (train/data.py)
 # Adafactor 15, AdamW 27; one tensor alone 13 and 21)
 STEP_TEMP_BYTES = {"adafactor": 15, "adamw": 24, "adamw8bit": 24}
 IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
+# optimizers whose step inside backward reads a tensor of more than MIN_PACK_NUMEL values in row
+# chunks of at most that many (the `chunks` method of optim/base.py's optimizers)
+CHUNKED_IN_BACKWARD = {"adafactor"}
 WORKSPACE = 64 * MIB
 SAVE_WORKSPACE = 100 * MIB
 
@@ -360,6 +364,8 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     # autocast's bf16 copies of the fp32 weights live until forward ends
     candidates = [{"gradients": accumulated, **act, "autocast copies": terms["autocast copies"]}]
     if t.optimizer_in_backward:
+        if t.optimizer in CHUNKED_IN_BACKWARD:  # larger tensors step in chunks of one pack limit
+            temps = STEP_TEMP_BYTES[t.optimizer] * min(terms["pack numel"], ParamOptimizer.MIN_PACK_NUMEL)
         candidates.append({"gradients": max(accumulated, terms["largest bytes"]), **act,
                            "step temporaries": int(IN_BACKWARD_TEMP_SHARE * temps)})
     else:

@@ -17,6 +17,16 @@ Cost: the reshapes are views; fp32 temporaries of one parameter, or one pack of 
 the same shape (optim/base.py), at a time: its fp32 copy, its fp32 gradient and one buffer that
 holds g^2, then the update, then the new value (12 bytes per value; 16 with weight decay), and
 while a bf16 result is written back the rounding's 5 bytes per value.
+
+Chunked (`step_chunked`, used by the step inside backward for a tensor of more than
+MIN_PACK_NUMEL values): the same update read from the gradient in chunks of whole rows of the
+matrix view, in three passes: g^2's row means and column sums (the factors then follow), the
+update's RMS, then the update itself, each chunk written back (with stochastic rounding) as it is
+done. The gradient is read three times (the clipping norm in optim/in_backward.py a fourth), and
+the temporaries are those of one chunk (its gradient, its update, the rounding's draw and NaN
+mask: about 16 bytes per value of at most MIN_PACK_NUMEL values, measured on CPU) instead of 12
+to 13 bytes per value of the whole tensor beside an fp32 copy of its gradient. Equal to the whole update within float
+rounding (the column means are a sum of chunk sums, the RMS a sum of chunk dot products).
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.optim.base import ParamOptimizer, RoundingGenerators
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators
 
 EPS1 = 1e-30
 CLIP_THRESHOLD = 1.0
@@ -61,6 +71,55 @@ class Adafactor(ParamOptimizer):
         else:
             state["exp_avg_sq"] = torch.zeros(shape, device=p.device)
         return state
+
+    def chunks(self, p: torch.Tensor) -> bool:
+        return (p.dim() >= 2 and p.numel() > self.MIN_PACK_NUMEL and type(p.data) is torch.Tensor
+                and p.is_contiguous())
+
+    @torch.no_grad()
+    def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, finite: Optional[torch.Tensor]) -> None:
+        group, state = self._group_of(p), self.state[p]
+        if not state:
+            state.update(self._init_state(p, group))
+        state["step"] += 1
+        if finite is not None:
+            finite = finite.to(p.device)
+        rows, cols = grad.shape
+        spans = grad.spans(self.MIN_PACK_NUMEL)
+        lr = group["lr"]
+        beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
+        row_mean = torch.empty(rows, dtype=torch.float32, device=p.device)
+        col_sum = torch.zeros(cols, dtype=torch.float32, device=p.device)
+        for start, stop in spans:  # pass 1: the second moment's row means and column sums
+            sq = grad.rows(start, stop).square_().add_(EPS1)
+            torch.mean(sq, dim=-1, out=row_mean[start:stop])
+            col_sum.add_(sq.sum(dim=0))
+            del sq
+        row = state["exp_avg_sq_row"].mul(beta2t).add_(row_mean, alpha=1.0 - beta2t)
+        col = state["exp_avg_sq_col"].mul(beta2t).add_(col_sum.div_(rows), alpha=1.0 - beta2t)
+        self._store(state["exp_avg_sq_row"], row, finite)
+        self._store(state["exp_avg_sq_col"], col, finite)
+        r_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
+        c_factor = col.rsqrt_()
+
+        def update(start: int, stop: int) -> torch.Tensor:
+            return torch.mul(r_factor[start:stop], c_factor).mul_(grad.rows(start, stop))
+
+        square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
+        for start, stop in spans:  # pass 2: the update's RMS
+            flat = update(start, stop).view(-1)
+            square_sum.add_(torch.dot(flat, flat))
+        divisor = (square_sum.div_(rows * cols).sqrt_() / CLIP_THRESHOLD).clamp_(min=1.0)
+        matrix = p.view(rows, cols)
+        for start, stop in spans:  # pass 3: the update, written back chunk by chunk
+            step = update(start, stop).div_(divisor).mul_(lr)
+            old = matrix[start:stop]
+            if group["weight_decay"]:
+                old32 = old.float()
+                new = torch.add(old32, old32, alpha=-group["weight_decay"] * lr).sub_(step)
+            else:
+                new = torch.sub(old, step, out=step)
+            self._store(old, new, finite)
 
     def _update(self, p32, grad, state, group, finite, batch_dims):
         shape = p32.shape

@@ -137,6 +137,16 @@ class ParamOptimizer(torch.optim.Optimizer):
     elementwise = False
     MIN_PACK_NUMEL = 1 << 22
 
+    def chunks(self, p: torch.Tensor) -> bool:
+        """Whether `step_chunked` can step `p`: an optimizer that implements it says so for tensors
+        of more than MIN_PACK_NUMEL values. The base steps every tensor whole."""
+        return False
+
+    def step_chunked(self, p: torch.Tensor, grad: "ChunkedGrad", finite: Optional[torch.Tensor]) -> None:
+        """Step `p` reading its gradient in row chunks (ChunkedGrad), so that no fp32 temporary
+        holds more than about MIN_PACK_NUMEL values (see `chunks`)."""
+        raise NotImplementedError
+
     def pack_limit(self, params) -> int:
         """The most values one pack of these parameters holds: the largest of them, or
         MIN_PACK_NUMEL, whichever is more."""
@@ -303,6 +313,43 @@ class ParamOptimizer(torch.optim.Optimizer):
                     live[key] = value.to(params[index].device)
         if generators is not None and self.rounding is not None:
             self.rounding.load_state_dict(generators)
+
+
+class ChunkedGrad:
+    """A parameter's gradient read in chunks of whole rows (of its [shape[0], rest] matrix view) as
+    new fp32 tensors: the sum of `parts` (tensors of the parameter's shape in any float dtype, such
+    as a bf16 accumulation buffer and the fresh bf16 gradient) times `scale` (a 0-dim tensor, a
+    clipping factor, or None). Each chunk holds the values the whole fp32 gradient would hold
+    there (`buffer.float() + grad`, then times the factor), so a chunked step computes what a whole
+    one does, without an fp32 copy of the whole gradient."""
+
+    def __init__(self, parts: list[torch.Tensor], scale: Optional[torch.Tensor] = None):
+        rows = parts[0].shape[0]
+        self.parts = [t.reshape(rows, -1) for t in parts]
+        self.scale = scale
+        self.shape = self.parts[0].shape
+
+    def spans(self, numel: int) -> list[tuple[int, int]]:
+        """Row ranges [start, stop) of at most `numel` values each (at least one row)."""
+        rows, cols = self.shape
+        step = max(1, numel // max(cols, 1))
+        return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        out = self.parts[0][start:stop].to(torch.float32, copy=True)
+        for extra in self.parts[1:]:
+            out.add_(extra[start:stop])
+        return out if self.scale is None else out.mul_(self.scale)
+
+    def norm(self, numel: int) -> torch.Tensor:
+        """The L2 norm of the whole gradient (before `scale`), a 0-dim fp32 tensor, chunk by chunk."""
+        scale, self.scale = self.scale, None
+        total = torch.zeros((), dtype=torch.float32, device=self.parts[0].device)
+        for start, stop in self.spans(numel):
+            flat = self.rows(start, stop).view(-1)
+            total.add_(torch.dot(flat, flat))
+        self.scale = scale
+        return total.sqrt_()
 
 
 def _layout(t: torch.Tensor) -> Optional[tuple]:

@@ -17,7 +17,10 @@ full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, t
 pending values past the optimizer's pack limit (`pack_limit` of the trainable parameters:
 the largest of them or 4 Mi values, whichever is more), the pending ones are stepped together
 with `optimizer.step_params`, packed as optim/base.py packs the normal step, and freed;
-`finish()` steps the rest. So at most one pack limit of gradients waits at a time instead of
+`finish()` steps the rest. A tensor the optimizer can step in chunks (`chunks`: Adafactor, for
+tensors of more than MIN_PACK_NUMEL values; the pack limit then leaves them out) does not wait:
+its hook steps it at once from its bf16 gradient (and accumulation buffer) read in row chunks
+(`step_chunked`), so neither an fp32 copy of it nor a pack of its size is made. So at most one pack limit of gradients waits at a time instead of
 all of them (for a full fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the
 optimizer runs once per pack rather than once per tensor. What this changes:
 - clipping is per tensor, since the global norm is not known before every gradient exists:
@@ -31,10 +34,12 @@ optimizer runs once per pack rather than once per tensor. What this changes:
   parameters update during backward (each after its own gradient is complete, at the latest
   in `finish()`), which is safe because autograd saved what it needs.
 Cost: pending fp32 gradients of at most one pack limit of values, 4 bytes each (16 MiB, or
-4 bytes per value of the largest trainable tensor where that is more: for a full SDXL/SSD-1B
-UNet its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB), besides the gradient whose hook runs;
-the optimizer's pack temporaries while a pack steps (as in the normal step); one norm per
-tensor; the optimizer's Python work runs during backward instead of after it, once per pack.
+4 bytes per value of the largest trainable tensor where that is more and the optimizer does not
+chunk: AdamW on a full SDXL/SSD-1B UNet, its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB),
+besides the gradient whose hook runs; the optimizer's pack (or chunk) temporaries while a pack
+steps; one norm per tensor; the optimizer's Python work runs during backward instead of after
+it, once per pack or per chunk of a chunked tensor (a chunked tensor's gradient is read four
+times: the norm and the three passes of optim/adafactor.py).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from typing import Optional
 import torch
 
 from vramfit.memory.stochastic_rounding import copy_stochastic_
-from vramfit.optim.base import ParamOptimizer
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer
 
 
 class BackwardSteps:
@@ -59,7 +64,10 @@ class BackwardSteps:
         # (parameter, clipped fp32 gradient, finite flag) waiting to step; at most _limit values
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_numel = 0
-        self._limit = optimizer.pack_limit(params) if in_backward else 0
+        # tensors the optimizer steps in chunks (`chunks`) never wait: they step from the hook
+        self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)}
+        waiting = [p for p in params if id(p) not in self._chunked]
+        self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
@@ -77,6 +85,10 @@ class BackwardSteps:
             return
         if self.in_backward and self._last:
             buffer = self._buffers.pop(id(p), None)
+            if id(p) in self._chunked and p.grad.device == p.device:
+                self._step_chunked(p, [p.grad] if buffer is None else [buffer, p.grad])
+                p.grad = None
+                return
             grad = p.grad.float() if buffer is None else buffer.float().add_(p.grad)
             p.grad = None
             self._step(p, grad)
@@ -103,6 +115,17 @@ class BackwardSteps:
         self._pending.append((p, grad, finite))
         self._pending_numel += grad.numel()
 
+    def _step_chunked(self, p: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Clip and step one large tensor now, its gradient read in chunks (optim/base.py
+        ChunkedGrad): no fp32 copy of the whole gradient is made."""
+        grad = ChunkedGrad(parts)
+        norm = grad.norm(self.optimizer.MIN_PACK_NUMEL)
+        finite = torch.isfinite(norm)
+        if self.max_grad_norm > 0:
+            grad.scale = (self._clip_to[id(p)] / (norm + 1e-6)).clamp_(max=1.0)
+        self.optimizer.step_chunked(p, grad, finite)
+        self._count_held([finite])
+
     def _flush(self) -> None:
         """Step the pending parameters, packed, and count the held-back tensors."""
         if not self._pending:
@@ -110,6 +133,9 @@ class BackwardSteps:
         pending, self._pending, self._pending_numel = self._pending, [], 0
         flags = [finite for _, _, finite in pending]
         self.optimizer.step_params([(p, grad) for p, grad, _ in pending], finite=flags)
+        self._count_held(flags)
+
+    def _count_held(self, flags: list[torch.Tensor]) -> None:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for finite in flags:
             by_device.setdefault(finite.device, []).append(finite)
@@ -134,7 +160,11 @@ class BackwardSteps:
         self._flush()
         for p in self.params:
             buffer = self._buffers.pop(id(p), None)
-            if buffer is not None:
+            if buffer is None:
+                continue
+            if id(p) in self._chunked and buffer.device == p.device:
+                self._step_chunked(p, [buffer])
+            else:
                 self._step(p, buffer.float())
         self._flush()
         held = sum(int(h) for h in self._held_back.values())
