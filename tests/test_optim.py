@@ -416,10 +416,12 @@ def test_adafactor_temporaries_are_its_copy_its_gradient_and_one_buffer():
 
 @pytest.mark.parametrize("shape", [(96, 160), (24, 16, 3, 3)])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adafactor_chunked_step_equals_the_whole_step(shape, weight_decay):
+@pytest.mark.parametrize("max_norm", [0.0, 20.0])
+def test_adafactor_chunked_step_equals_the_whole_step(shape, weight_decay, max_norm):
     """Row chunks of a matrix and of a conv kernel's [out, in*kh*kw] view, a gradient given as a
-    bf16 buffer plus a bf16 gradient times a clipping factor: the same weights and factored
-    moments as the whole step on that fp32 gradient, over steps whose RMS clip is active."""
+    bf16 buffer plus a bf16 gradient, clipped or not: the same weights and factored moments as
+    the whole step on that fp32 gradient clipped as clip_grad_norm_ would, over steps whose RMS
+    clip is active."""
     torch.manual_seed(0)
     whole = torch.nn.Parameter(torch.randn(*shape))
     chunked = torch.nn.Parameter(whole.detach().clone())
@@ -427,38 +429,51 @@ def test_adafactor_chunked_step_equals_the_whole_step(shape, weight_decay):
     opt_c = Adafactor([chunked], lr=1e-2, weight_decay=weight_decay)
     opt_c.MIN_PACK_NUMEL = 1000  # several chunks of whole rows (160 and 144 values a row)
     assert opt_c.chunks(chunked) and not opt_w.chunks(whole)
-    scale = torch.tensor(0.7)
+    clipped = 0
     for _ in range(4):
         parts = [torch.randn(*shape).bfloat16() for _ in range(2)]
-        opt_w.step_param(whole, (parts[0].float() + parts[1]) * scale)
-        grad = ChunkedGrad(parts, scale)
-        assert len(grad.spans(opt_c.MIN_PACK_NUMEL)) > 3
-        opt_c.step_chunked(chunked, grad, finite=None)
-        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+        clipped += bool((parts[0].float() + parts[1]).norm() > max_norm > 0)
+        opt_w.step_param(whole, _clipped(parts, max_norm))
+        chunks = ChunkedGrad(parts)
+        assert len(chunks.spans(opt_c.MIN_PACK_NUMEL)) > 3
+        assert opt_c.step_chunked(chunked, chunks, max_norm)
+        torch.testing.assert_close(chunked, whole, rtol=2e-6, atol=1e-7)
+    assert clipped == (4 if max_norm else 0)  # the norms are about 2 x sqrt(15360) or 2 x sqrt(3456)
     for key in ("exp_avg_sq_row", "exp_avg_sq_col"):
-        torch.testing.assert_close(opt_c.state[chunked][key], opt_w.state[whole][key], rtol=1e-6, atol=0)
+        torch.testing.assert_close(opt_c.state[chunked][key], opt_w.state[whole][key], rtol=2e-6, atol=0)
     assert opt_c.state[chunked]["step"] == 4
     before = {k: v.clone() for k, v in opt_c.state[chunked].items() if torch.is_tensor(v)}
     value = chunked.detach().clone()
-    opt_c.step_chunked(chunked, ChunkedGrad([torch.randn(*shape)]), finite=torch.tensor(False))
+    poisoned = torch.randn(*shape)
+    poisoned.view(-1)[7] = float("nan")
+    assert not opt_c.step_chunked(chunked, ChunkedGrad([poisoned]), max_norm)
     assert torch.equal(chunked, value)  # held back: the weight and its moments keep their values
     assert all(torch.equal(opt_c.state[chunked][k], v) for k, v in before.items())
 
 
+def _clipped(parts: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The fp32 sum of `parts`, scaled as torch.nn.utils.clip_grad_norm_ scales a gradient."""
+    holder = torch.nn.Parameter(torch.zeros_like(parts[0], dtype=torch.float32))
+    holder.grad = parts[0].float() + parts[1]
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_([holder], max_norm)
+    return holder.grad
+
+
 def test_adafactor_chunked_step_keeps_its_temporaries_to_one_chunk():
     """It saves: a bf16 [1024, 1024] weight stepped in chunks of 64 Ki values makes temporaries of
-    about 17 bytes per chunk value (its gradient, its update, the rounding's int32 draw and NaN
-    mask) plus the factors, where the whole step makes 13 bytes per weight value beside the
+    about 13 bytes per chunk value (its update, the finite-masked new value, the rounding's int32
+    draw and NaN mask) plus the factors, where the whole step makes 13 bytes per weight value beside the
     4-byte fp32 gradient it needs."""
     p = torch.nn.Parameter(torch.randn(1024, 1024).bfloat16())
     grad = torch.randn(1024, 1024).bfloat16()
     opt = Adafactor([p], lr=1e-3, rounding=RoundingGenerators(0))
     opt.MIN_PACK_NUMEL = 1 << 16
-    opt.step_chunked(p, ChunkedGrad([grad]), None)  # the state exists before measuring
+    opt.step_chunked(p, ChunkedGrad([grad]))  # the state exists before measuring
     tracker = _NewStorages()
     with tracker:
-        opt.step_chunked(p, ChunkedGrad([grad]), None)
-    assert tracker.peak <= 17 * opt.MIN_PACK_NUMEL + 4 * 4 * 1024
+        opt.step_chunked(p, ChunkedGrad([grad]))
+    assert tracker.peak <= 14 * opt.MIN_PACK_NUMEL + 4 * 4 * 1024
     whole = _NewStorages()
     with whole:
         opt.step_param(p, grad)

@@ -20,13 +20,15 @@ while a bf16 result is written back the rounding's 5 bytes per value.
 
 Chunked (`step_chunked`, used by the step inside backward for a tensor of more than
 MIN_PACK_NUMEL values): the same update read from the gradient in chunks of whole rows of the
-matrix view, in three passes: g^2's row means and column sums (the factors then follow), the
-update's RMS, then the update itself, each chunk written back (with stochastic rounding) as it is
-done. The gradient is read three times (the clipping norm in optim/in_backward.py a fourth), and
-the temporaries are those of one chunk (its gradient, its update, the rounding's draw and NaN
-mask: about 16 bytes per value of at most MIN_PACK_NUMEL values, measured on CPU) instead of 12
+matrix view, in three passes: g^2's row and column sums (whose total is the gradient's norm, for
+the finite check and the clipping; the factors follow), the update's RMS, then the update
+itself, each chunk written back (with stochastic rounding) as it is done. The gradient is read
+three times, and
+the temporaries are those of one chunk (its update, the new value, the rounding's draw and NaN
+mask: about 13 bytes per value of at most MIN_PACK_NUMEL values, measured on CPU) instead of 12
 to 13 bytes per value of the whole tensor beside an fp32 copy of its gradient. Equal to the whole update within float
-rounding (the column means are a sum of chunk sums, the RMS a sum of chunk dot products).
+rounding (sums of chunk sums and chunk dot products; a clipped gradient's squares are the squares
+times the scale's square).
 """
 from __future__ import annotations
 
@@ -77,49 +79,66 @@ class Adafactor(ParamOptimizer):
                 and p.is_contiguous())
 
     @torch.no_grad()
-    def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, finite: Optional[torch.Tensor]) -> None:
+    def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
         group, state = self._group_of(p), self.state[p]
         if not state:
             state.update(self._init_state(p, group))
         state["step"] += 1
-        if finite is not None:
-            finite = finite.to(p.device)
         rows, cols = grad.shape
         spans = grad.spans(self.MIN_PACK_NUMEL)
-        lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
-        row_mean = torch.empty(rows, dtype=torch.float32, device=p.device)
+        # pass 1: g^2's row and column sums, unscaled; the norm is their total
+        row_sum = torch.empty(rows, dtype=torch.float32, device=p.device)
         col_sum = torch.zeros(cols, dtype=torch.float32, device=p.device)
-        for start, stop in spans:  # pass 1: the second moment's row means and column sums
-            sq = grad.rows(start, stop).square_().add_(EPS1)
-            torch.mean(sq, dim=-1, out=row_mean[start:stop])
+        for start, stop in spans:
+            sq = grad.rows(start, stop).square_()
+            torch.sum(sq, dim=-1, out=row_sum[start:stop])
             col_sum.add_(sq.sum(dim=0))
             del sq
+        norm = row_sum.sum().sqrt_()
+        finite = torch.isfinite(norm)
+        # clipped, the gradient is s g: its squares s^2 g^2, its update's RMS s times that of g
+        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
+        if scale is not None:
+            squared = scale.square()
+            row_sum.mul_(squared)
+            col_sum.mul_(squared)
+        row_mean, col_mean = row_sum.div_(cols).add_(EPS1), col_sum.div_(rows).add_(EPS1)
         row = state["exp_avg_sq_row"].mul(beta2t).add_(row_mean, alpha=1.0 - beta2t)
-        col = state["exp_avg_sq_col"].mul(beta2t).add_(col_sum.div_(rows), alpha=1.0 - beta2t)
+        col = state["exp_avg_sq_col"].mul(beta2t).add_(col_mean, alpha=1.0 - beta2t)
         self._store(state["exp_avg_sq_row"], row, finite)
         self._store(state["exp_avg_sq_col"], col, finite)
         r_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
         c_factor = col.rsqrt_()
 
-        def update(start: int, stop: int) -> torch.Tensor:
+        def unscaled_update(start: int, stop: int) -> torch.Tensor:
             return torch.mul(r_factor[start:stop], c_factor).mul_(grad.rows(start, stop))
 
         square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 2: the update's RMS
-            flat = update(start, stop).view(-1)
+            flat = unscaled_update(start, stop).view(-1)
             square_sum.add_(torch.dot(flat, flat))
-        divisor = (square_sum.div_(rows * cols).sqrt_() / CLIP_THRESHOLD).clamp_(min=1.0)
+            del flat
+        rms = square_sum.div_(rows * cols).sqrt_()
+        if scale is not None:
+            rms.mul_(scale)
+        # the step is update * factor: the clipping scale, the RMS clip and the learning rate at once
+        factor = (rms / CLIP_THRESHOLD).clamp_(min=1.0).reciprocal_().mul_(group["lr"])
+        if scale is not None:
+            factor.mul_(scale)
         matrix = p.view(rows, cols)
+        decay = -group["weight_decay"] * group["lr"]
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
-            step = update(start, stop).div_(divisor).mul_(lr)
+            step = unscaled_update(start, stop).mul_(factor)
             old = matrix[start:stop]
-            if group["weight_decay"]:
+            if decay:
                 old32 = old.float()
-                new = torch.add(old32, old32, alpha=-group["weight_decay"] * lr).sub_(step)
+                new = torch.add(old32, old32, alpha=decay).sub_(step)
             else:
                 new = torch.sub(old, step, out=step)
             self._store(old, new, finite)
+            del step, new
+        return finite
 
     def _update(self, p32, grad, state, group, finite, batch_dims):
         shape = p32.shape

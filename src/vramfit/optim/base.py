@@ -142,9 +142,11 @@ class ParamOptimizer(torch.optim.Optimizer):
         of more than MIN_PACK_NUMEL values. The base steps every tensor whole."""
         return False
 
-    def step_chunked(self, p: torch.Tensor, grad: "ChunkedGrad", finite: Optional[torch.Tensor]) -> None:
+    def step_chunked(self, p: torch.Tensor, grad: "ChunkedGrad", max_norm: float = 0.0) -> torch.Tensor:
         """Step `p` reading its gradient in row chunks (ChunkedGrad), so that no fp32 temporary
-        holds more than about MIN_PACK_NUMEL values (see `chunks`)."""
+        holds more than about MIN_PACK_NUMEL values (see `chunks`). With `max_norm` > 0 the
+        gradient is first scaled as clip_grad_norm_ would scale it to that norm. Returns the
+        finite flag (0-dim bool tensor): when False, `p` and its state keep their values."""
         raise NotImplementedError
 
     def pack_limit(self, params) -> int:
@@ -275,7 +277,7 @@ class ParamOptimizer(torch.optim.Optimizer):
                 dst.scale.copy_(torch.where(keep_scale, dst.scale, old[1]))
             return
         if finite is not None:
-            value = torch.where(finite, value, dst.float())  # dst's own value rounds to itself
+            value = torch.where(finite, value, dst)  # fp32 (promoted); dst's own value rounds to itself
         if self.rounding is not None and dst.dtype == torch.bfloat16:
             copy_stochastic_(dst, value, self.rounding(dst.device))
         else:
@@ -318,15 +320,13 @@ class ParamOptimizer(torch.optim.Optimizer):
 class ChunkedGrad:
     """A parameter's gradient read in chunks of whole rows (of its [shape[0], rest] matrix view) as
     new fp32 tensors: the sum of `parts` (tensors of the parameter's shape in any float dtype, such
-    as a bf16 accumulation buffer and the fresh bf16 gradient) times `scale` (a 0-dim tensor, a
-    clipping factor, or None). Each chunk holds the values the whole fp32 gradient would hold
-    there (`buffer.float() + grad`, then times the factor), so a chunked step computes what a whole
-    one does, without an fp32 copy of the whole gradient."""
+    as a bf16 accumulation buffer and the fresh bf16 gradient). Each chunk holds the values the
+    whole fp32 gradient would hold there (`buffer.float() + grad`), so a chunked step computes
+    what a whole one does, without an fp32 copy of the whole gradient."""
 
-    def __init__(self, parts: list[torch.Tensor], scale: Optional[torch.Tensor] = None):
+    def __init__(self, parts: list[torch.Tensor]):
         rows = parts[0].shape[0]
         self.parts = [t.reshape(rows, -1) for t in parts]
-        self.scale = scale
         self.shape = self.parts[0].shape
 
     def spans(self, numel: int) -> list[tuple[int, int]]:
@@ -339,17 +339,7 @@ class ChunkedGrad:
         out = self.parts[0][start:stop].to(torch.float32, copy=True)
         for extra in self.parts[1:]:
             out.add_(extra[start:stop])
-        return out if self.scale is None else out.mul_(self.scale)
-
-    def norm(self, numel: int) -> torch.Tensor:
-        """The L2 norm of the whole gradient (before `scale`), a 0-dim fp32 tensor, chunk by chunk."""
-        scale, self.scale = self.scale, None
-        total = torch.zeros((), dtype=torch.float32, device=self.parts[0].device)
-        for start, stop in self.spans(numel):
-            flat = self.rows(start, stop).view(-1)
-            total.add_(torch.dot(flat, flat))
-        self.scale = scale
-        return total.sqrt_()
+        return out
 
 
 def _layout(t: torch.Tensor) -> Optional[tuple]:

@@ -38,8 +38,8 @@ Cost: pending fp32 gradients of at most one pack limit of values, 4 bytes each (
 chunk: AdamW on a full SDXL/SSD-1B UNet, its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB),
 besides the gradient whose hook runs; the optimizer's pack (or chunk) temporaries while a pack
 steps; one norm per tensor; the optimizer's Python work runs during backward instead of after
-it, once per pack or per chunk of a chunked tensor (a chunked tensor's gradient is read four
-times: the norm and the three passes of optim/adafactor.py).
+it, once per pack or per chunk of a chunked tensor (whose gradient is read three times: the
+passes of optim/adafactor.py, the first of which also gives its norm).
 """
 from __future__ import annotations
 
@@ -118,13 +118,8 @@ class BackwardSteps:
     def _step_chunked(self, p: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """Clip and step one large tensor now, its gradient read in chunks (optim/base.py
         ChunkedGrad): no fp32 copy of the whole gradient is made."""
-        grad = ChunkedGrad(parts)
-        norm = grad.norm(self.optimizer.MIN_PACK_NUMEL)
-        finite = torch.isfinite(norm)
-        if self.max_grad_norm > 0:
-            grad.scale = (self._clip_to[id(p)] / (norm + 1e-6)).clamp_(max=1.0)
-        self.optimizer.step_chunked(p, grad, finite)
-        self._count_held([finite])
+        max_norm = self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
+        self._count_held([self.optimizer.step_chunked(p, ChunkedGrad(parts), max_norm)])
 
     def _flush(self) -> None:
         """Step the pending parameters, packed, and count the held-back tensors."""
