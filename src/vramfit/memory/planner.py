@@ -48,6 +48,8 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
   layer's input, which memory/lora_compute.py no longer makes).
 - WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
+  With streamed weights SAVE_WORKSPACE_STREAMED 83 MiB: the save phase of the streamed SSD-1B and
+  SDXL runs (97.2 MiB each, of which 14 MiB weights kept on the GPU); 100 MiB put them at +17%.
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
 (the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
@@ -83,6 +85,7 @@ IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak
 CHUNKED_IN_BACKWARD = {"adafactor"}
 WORKSPACE = 64 * MIB
 SAVE_WORKSPACE = 100 * MIB
+SAVE_WORKSPACE_STREAMED = 83 * MIB
 
 
 @dataclass(frozen=True)
@@ -411,7 +414,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
             samples["graph pool"] = sum(_activations(facts, cfg, side).values())
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
     parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}
-    parts["workspace"] = SAVE_WORKSPACE
+    parts["workspace"] = SAVE_WORKSPACE_STREAMED if cfg.memory.stream_weights else SAVE_WORKSPACE
     phases.append(PhaseEstimate("save", sum(parts.values()), parts))
     return Prediction(phases)
 
