@@ -319,14 +319,13 @@ def test_on_a_gpu_a_lora_over_a_quantized_base_is_recorded_too(sd3m, monkeypatch
     lora = {**SD3_LORA, "model": {"t5_precision": "nf4"}, "train": {**SD3_LORA["train"], "grad_accum": 1}}
     at4, _ = _choose(sd3m, lora, 4)  # bf16 base with graphs is predicted at 4.75 GiB
     assert at4.lora.base_quantization != "none" and at4.train.cuda_graphs
-    # at 3 GiB: int8 with graphs is predicted at 2.87 GiB, over the 2.70 usable; the cost order
-    # then prefers offloaded activations over an nf4 base, and those refuse graphs
+    # at 3 GiB: int8 with graphs is predicted at 2.87 GiB, over the 2.70 usable; an nf4 base keeps
+    # graphs (measured 0.204 s a step, against 0.423 s for int8 without graphs)
     at3, choice = _choose(sd3m, lora, 3)
-    assert at3.lora.base_quantization == "int8" and at3.memory.offload_activations and not at3.train.cuda_graphs
-    assert at3.train.gradient_checkpointing
-    assert any(r.startswith("train.gradient_checkpointing = true: beside memory.offload_activations")
-               for r in choice.reasons)  # no reason that quotes a peak under the usable budget
-    for reason in choice.reasons:
+    assert at3.lora.base_quantization == "nf4" and at3.train.cuda_graphs
+    assert not at3.memory.offload_activations and not at3.train.optimizer_in_backward
+    assert any(r.startswith("lora.base_quantization = \"nf4\"") for r in choice.reasons)
+    for reason in choice.reasons:  # no reason that quotes a peak under the usable budget
         if "over the" in reason:
             predicted, usable = (float(x) for x in re.findall(r"at ([\d.]+) GiB, over the ([\d.]+) GiB", reason)[0])
             assert predicted > usable, reason
