@@ -290,8 +290,8 @@ def _chunked_train(chunk: bool, monkeypatch, **kw):
     Returns the model, the optimizer and the number of chunks of each chunked step."""
     monkeypatch.setattr(Adafactor, "chunks", _CHUNKS if chunk else lambda self, p: False)
     calls = []
-    monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, finite: calls.append(
-        len(grad.spans(self.MIN_PACK_NUMEL))) or _STEP_CHUNKED(self, p, grad, finite))
+    monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, max_norm: calls.append(
+        len(grad.spans(self.MIN_PACK_NUMEL))) or _STEP_CHUNKED(self, p, grad, max_norm))
     model, opt = _train(Adafactor, kw.pop("dtype", torch.float32), kw.pop("accum"), in_backward=True,
                         deep=True, min_pack=1000, **kw)
     return model, opt, calls
@@ -306,6 +306,61 @@ def test_adafactor_in_backward_steps_large_tensors_in_chunks_as_it_steps_them_wh
     for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
     assert state_bytes(opt_c) == state_bytes(opt_w)
+
+
+def test_only_tensors_on_the_compute_device_step_in_chunks(monkeypatch):
+    """A streamed weight's home lives in CPU memory while the run computes on the GPU: with the
+    run's device given as another one than the weights', nothing is chunked (and it still
+    trains as the chunked run does)."""
+    results = {}
+    for device in (torch.device("cpu"), torch.device("meta")):
+        calls = []
+        monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, max_norm: calls.append(
+            p.shape) or _STEP_CHUNKED(self, p, grad, max_norm))
+        model = _Deep()
+        params = list(model.parameters())
+        opt = Adafactor(params, lr=1e-2)
+        opt.MIN_PACK_NUMEL = 1000
+        hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True, device=device)
+        for x in _inputs(1, 2, torch.float32, shape=(2, 64)):
+            hooks.begin(last=True)
+            _loss(model, x[0]).backward()
+            hooks.finish()
+        results[device.type] = (model, len(calls))
+    assert results["cpu"][1] == 6 * 2 and results["meta"][1] == 0
+    for a, b in zip(results["cpu"][0].parameters(), results["meta"][0].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_gradient_from_earlier_micro_batches_only_steps_in_finish(chunked, monkeypatch):
+    """fp32 weights, accumulation 2, a layer used only by the first micro-batch: autograd keeps its
+    gradient in p.grad, and finish() steps it (clipped and checked as every tensor is) instead of
+    leaving it to a later optimizer.step()."""
+    monkeypatch.setattr(Adafactor, "MIN_PACK_NUMEL", 1000 if chunked else Adafactor.MIN_PACK_NUMEL)
+    results = {}
+    for in_backward in (False, True):
+        model = _Deep()
+        params = list(model.parameters())
+        opt = Adafactor(params, lr=1e-2)
+        hooks = BackwardSteps(params, opt, in_backward=in_backward, round_sums=True)
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+        for i, layers in enumerate((model.layers, model.layers[:3])):  # the second skips layers 3 to 5
+            hooks.begin(last=i == 1)
+            h = x
+            for layer in layers:
+                h = h + torch.tanh(layer(h))
+            (h.pow(2).mean() / 2).backward()
+        hooks.finish()
+        if in_backward:
+            assert all(p.grad is None for p in params)  # every gradient used inside finish()
+        else:
+            opt.step()
+        results[in_backward] = model
+    start = _Deep()
+    for (name, a), b, s in zip(results[False].named_parameters(), results[True].parameters(), start.parameters()):
+        assert not torch.equal(b, s), name  # layers 3 to 5 stepped too
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_adafactor_in_backward_holds_back_a_non_finite_chunked_tensor(monkeypatch):
@@ -371,8 +426,8 @@ def test_cli_in_backward_trains_and_matches_the_normal_step(images, tmp_path, ca
     chunked = []
     if min_pack:
         monkeypatch.setattr(Adafactor, "MIN_PACK_NUMEL", min_pack)
-        monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, finite: chunked.append(
-            p.numel()) or _STEP_CHUNKED(self, p, grad, finite))
+        monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, max_norm: chunked.append(
+            p.numel()) or _STEP_CHUNKED(self, p, grad, max_norm))
     outs = {}
     for flag in ("false", "true"):
         outs[flag] = tmp_path / flag

@@ -429,6 +429,9 @@ def test_adafactor_chunked_step_equals_the_whole_step(shape, weight_decay, max_n
     opt_c = Adafactor([chunked], lr=1e-2, weight_decay=weight_decay)
     opt_c.MIN_PACK_NUMEL = 1000  # several chunks of whole rows (160 and 144 values a row)
     assert opt_c.chunks(chunked) and not opt_w.chunks(whole)
+    # a chunk is whole rows: rows of more than the limit, vectors and non-contiguous tensors step whole
+    assert not any(opt_c.chunks(t) for t in (torch.zeros(2, 3000), torch.zeros(1, 5000), torch.zeros(5000),
+                                             torch.zeros(160, 96).t()))
     clipped = 0
     for _ in range(4):
         parts = [torch.randn(*shape).bfloat16() for _ in range(2)]

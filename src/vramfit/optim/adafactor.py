@@ -75,8 +75,9 @@ class Adafactor(ParamOptimizer):
         return state
 
     def chunks(self, p: torch.Tensor) -> bool:
-        return (p.dim() >= 2 and p.numel() > self.MIN_PACK_NUMEL and type(p.data) is torch.Tensor
-                and p.is_contiguous())
+        # a chunk is whole rows of the matrix view: a row of more than the limit could not be bounded
+        return (p.dim() >= 2 and p.numel() > self.MIN_PACK_NUMEL and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
+                and type(p.data) is torch.Tensor and p.is_contiguous())
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:

@@ -17,12 +17,14 @@ full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, t
 pending values past the optimizer's pack limit (`pack_limit` of the trainable parameters:
 the largest of them or 4 Mi values, whichever is more), the pending ones are stepped together
 with `optimizer.step_params`, packed as optim/base.py packs the normal step, and freed;
-`finish()` steps the rest. A tensor the optimizer can step in chunks (`chunks`: Adafactor, for
-tensors of more than MIN_PACK_NUMEL values; the pack limit then leaves them out) does not wait:
-its hook steps it at once from its bf16 gradient (and accumulation buffer) read in row chunks
-(`step_chunked`), so neither an fp32 copy of it nor a pack of its size is made. So at most one pack limit of gradients waits at a time instead of
-all of them (for a full fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the
-optimizer runs once per pack rather than once per tensor. What this changes:
+`finish()` steps the rest (and any tensor whose gradient came only from earlier micro-batches).
+So at most one pack limit of gradients waits at a time instead of all of them (for a full
+fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the optimizer runs once per pack
+rather than once per tensor. A tensor on the compute device that the optimizer can step in chunks
+(`chunks`: Adafactor, for tensors of more than MIN_PACK_NUMEL values; the pack limit then leaves
+them out) does not wait: its hook steps it at once from its bf16 gradient (and accumulation
+buffer) read in row chunks (`step_chunked`), so neither an fp32 copy of it nor a pack of its size
+is made. What this changes:
 - clipping is per tensor, since the global norm is not known before every gradient exists:
   a tensor of n values out of N trainable values is clipped to max_norm * sqrt(n / N), its
   share of the global budget. If every tensor is at its limit the global norm is exactly
@@ -54,7 +56,7 @@ from vramfit.optim.base import ChunkedGrad, ParamOptimizer
 
 class BackwardSteps:
     def __init__(self, params: list[torch.nn.Parameter], optimizer: ParamOptimizer, *, in_backward: bool,
-                 round_sums: bool, max_grad_norm: float = 0.0):
+                 round_sums: bool, max_grad_norm: float = 0.0, device: Optional[torch.device] = None):
         self.params, self.optimizer = params, optimizer
         self.in_backward, self.round_sums, self.max_grad_norm = in_backward, round_sums, max_grad_norm
         total = sum(p.numel() for p in params)
@@ -64,8 +66,11 @@ class BackwardSteps:
         # (parameter, clipped fp32 gradient, finite flag) waiting to step; at most _limit values
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_numel = 0
-        # tensors the optimizer steps in chunks (`chunks`) never wait: they step from the hook
-        self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)}
+        # tensors the optimizer steps in chunks (`chunks`) never wait: they step from the hook. Only
+        # those on the compute `device` (when given): a streamed weight's home is in CPU memory, where
+        # chunks save nothing and slow the CPU step
+        self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)
+                         and (device is None or _same_device(p.device, device))}
         waiting = [p for p in params if id(p) not in self._chunked]
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
@@ -154,13 +159,16 @@ class BackwardSteps:
             return 0
         self._flush()
         for p in self.params:
-            buffer = self._buffers.pop(id(p), None)
-            if buffer is None:
+            # a gradient that came only from earlier micro-batches: in a bf16 sum's buffer, or (fp32,
+            # or sums rounded to nearest) accumulated by autograd in p.grad
+            parts = [t for t in (self._buffers.pop(id(p), None), p.grad) if t is not None]
+            if not parts:
                 continue
-            if id(p) in self._chunked and buffer.device == p.device:
-                self._step_chunked(p, [buffer])
+            p.grad = None
+            if id(p) in self._chunked and all(t.device == p.device for t in parts):
+                self._step_chunked(p, parts)
             else:
-                self._step(p, buffer.float())
+                self._step(p, parts[0].float() if len(parts) == 1 else parts[0].float().add_(parts[1]))
         self._flush()
         held = sum(int(h) for h in self._held_back.values())
         self._held_back.clear()
@@ -187,12 +195,23 @@ class BackwardSteps:
                 + sum(tensor_bytes(grad) for _, grad, _ in self._pending))
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` is `b`, where "cuda" without an index means the current GPU."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (
+        b.index if b.index is not None else torch.cuda.current_device())
+
+
 def optional_steps(params: list[torch.nn.Parameter], optimizer, *, in_backward: bool, round_sums: bool,
-                   grad_accum: int, max_grad_norm: float) -> Optional[BackwardSteps]:
+                   grad_accum: int, max_grad_norm: float,
+                   device: Optional[torch.device] = None) -> Optional[BackwardSteps]:
     """The hooks a run needs, or None when autograd's own accumulation does the job."""
     if not BackwardSteps.needed(params, in_backward, round_sums, grad_accum):
         return None
     if in_backward and not isinstance(optimizer, ParamOptimizer):
         raise TypeError(f"optimizer in backward needs a vramfit optimizer, not {type(optimizer).__name__}")
     return BackwardSteps(params, optimizer, in_backward=in_backward, round_sums=round_sums,
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, device=device)

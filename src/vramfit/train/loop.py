@@ -112,7 +112,7 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser))
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
-                                max_grad_norm=cfg.max_grad_norm)
+                                max_grad_norm=cfg.max_grad_norm, device=device)
     result = LoopResult()
     unet.train()
     try:
