@@ -97,7 +97,7 @@ class Adafactor(ParamOptimizer):
             col_sum.add_(sq.sum(dim=0))
             del sq
         norm = row_sum.sum().sqrt_()
-        finite = torch.isfinite(norm)
+        finite = norm < math.inf  # a norm is >= 0 or NaN: one kernel where isfinite takes four
         # clipped, the gradient is s g: its squares s^2 g^2, its update's RMS s times that of g
         scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
         if scale is not None:
@@ -112,12 +112,9 @@ class Adafactor(ParamOptimizer):
         r_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
         c_factor = col.rsqrt_()
 
-        def unscaled_update(start: int, stop: int) -> torch.Tensor:
-            return torch.mul(r_factor[start:stop], c_factor).mul_(grad.rows(start, stop))
-
         square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 2: the update's RMS
-            flat = unscaled_update(start, stop).view(-1)
+            flat = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop).view(-1)
             square_sum.add_(torch.dot(flat, flat))
             del flat
         rms = square_sum.div_(rows * cols).sqrt_()
@@ -127,10 +124,11 @@ class Adafactor(ParamOptimizer):
         factor = (rms / CLIP_THRESHOLD).clamp_(min=1.0).reciprocal_().mul_(group["lr"])
         if scale is not None:
             factor.mul_(scale)
+        r_factor.mul_(factor)
         matrix = p.view(rows, cols)
         decay = -group["weight_decay"] * group["lr"]
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
-            step = unscaled_update(start, stop).mul_(factor)
+            step = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop)
             old = matrix[start:stop]
             if decay:
                 old32 = old.float()

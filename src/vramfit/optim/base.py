@@ -341,6 +341,13 @@ class ChunkedGrad:
             out.add_(extra[start:stop])
         return out
 
+    def times(self, factor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """`factor` (a new fp32 tensor of the rows' shape) times the rows, in place: a single part
+        is read as it is (widened inside the kernel, exactly), with no fp32 copy of its own."""
+        if len(self.parts) == 1:
+            return factor.mul_(self.parts[0][start:stop])
+        return factor.mul_(self.rows(start, stop))
+
 
 def _layout(t: torch.Tensor) -> Optional[tuple]:
     """What must agree for state tensors to share a pack; None for one that cannot be packed."""
