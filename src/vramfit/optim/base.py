@@ -276,9 +276,13 @@ class ParamOptimizer(torch.optim.Optimizer):
                 dst.codes.copy_(torch.where(keep, dst.codes, old[0]))
                 dst.scale.copy_(torch.where(keep_scale, dst.scale, old[1]))
             return
+        rounds = self.rounding is not None and dst.dtype == torch.bfloat16
         if finite is not None:
+            if not rounds and value.dtype == dst.dtype and value.shape == dst.shape:
+                torch.where(finite, value, dst, out=dst)  # one kernel: the masked write itself
+                return
             value = torch.where(finite, value, dst)  # fp32 (promoted); dst's own value rounds to itself
-        if self.rounding is not None and dst.dtype == torch.bfloat16:
+        if rounds:
             copy_stochastic_(dst, value, self.rounding(dst.device))
         else:
             dst.copy_(value)
