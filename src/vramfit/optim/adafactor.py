@@ -48,15 +48,16 @@ def _matrix_shape(shape: torch.Size) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:])) if len(shape) > 2 else tuple(shape)
 
 
-def _rms(t: torch.Tensor, batch_dims: int) -> torch.Tensor:
-    """Root mean square over the dimensions after the first `batch_dims`, kept for broadcasting."""
+def _rms(t: torch.Tensor, batch_dims: int, over: float = 1.0) -> torch.Tensor:
+    """Root mean square over the dimensions after the first `batch_dims`, kept for broadcasting,
+    divided by `over` in the same kernel (a new tensor)."""
     dims = tuple(range(batch_dims, t.dim()))
     if not batch_dims:
-        return t.norm(2) / (t.numel() ** 0.5)
+        return t.norm(2) / (t.numel() ** 0.5 * over)
     if not dims:  # a stack of 0-dim parameters: each one's RMS is its magnitude (dim=() would mean all)
-        return t.abs()
+        return t.abs() / over
     per_item = t[(0,) * batch_dims].numel()
-    return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / (per_item ** 0.5)
+    return torch.linalg.vector_norm(t, 2, dim=dims, keepdim=True) / (per_item ** 0.5 * over)
 
 
 class Adafactor(ParamOptimizer):
@@ -159,7 +160,7 @@ class Adafactor(ParamOptimizer):
             self._store(state["exp_avg_sq"], avg, finite)
             update = torch.rsqrt(avg, out=sq).mul_(grad)
             del avg
-        update.div_((_rms(update, batch_dims) / CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
+        update.div_(_rms(update, batch_dims, CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
         update = update.view(shape)
         if group["weight_decay"]:  # p + (-wd lr) p, as transformers computes it, then the step
             return torch.add(p32, p32, alpha=-group["weight_decay"] * lr).sub_(update)
