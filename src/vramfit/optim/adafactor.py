@@ -19,16 +19,16 @@ holds g^2, then the update, then the new value (12 bytes per value; 16 with weig
 while a bf16 result is written back the rounding's 5 bytes per value.
 
 Chunked (`step_chunked`, used by the step inside backward for a tensor of more than
-MIN_PACK_NUMEL values): the same update read from the gradient in chunks of whole rows of the
-matrix view, in three passes: g^2's row and column sums (whose total is the gradient's norm, for
-the finite check and the clipping; the factors follow), the update's RMS, then the update
-itself, each chunk written back (with stochastic rounding) as it is done. The gradient is read
-three times, and
-the temporaries are those of one chunk (its update, the new value, the rounding's draw and NaN
-mask: about 13 bytes per value of at most MIN_PACK_NUMEL values, measured on CPU) instead of 12
-to 13 bytes per value of the whole tensor beside an fp32 copy of its gradient. Equal to the whole update within float
-rounding (sums of chunk sums and chunk dot products; a clipped gradient's squares are the squares
-times the scale's square).
+MIN_PACK_NUMEL values whose rows each fit in that many): the same update read from the gradient
+in chunks of whole rows of the matrix view, in three passes: g^2's row and column sums (whose
+total is the gradient's norm, for the finite check and the clipping; the factors follow), the
+update's RMS, then the update itself, each chunk written back (with stochastic rounding) as it
+is done. The gradient is read three times, and the temporaries are those of one chunk (its
+update, the new value, the rounding's draw and NaN mask: about 13 bytes per value of at most
+MIN_PACK_NUMEL values, measured on CPU) instead of 12 to 13 bytes per value of the whole tensor
+beside an fp32 copy of its gradient. Equal to the whole update within float rounding (sums of
+chunk sums and chunk dot products; a clipped gradient's squares are the squares times the
+scale's square).
 """
 from __future__ import annotations
 
