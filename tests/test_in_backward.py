@@ -308,6 +308,20 @@ def test_adafactor_in_backward_steps_large_tensors_in_chunks_as_it_steps_them_wh
     assert state_bytes(opt_c) == state_bytes(opt_w)
 
 
+@pytest.mark.parametrize("accum", [1, 3])
+def test_adamw_in_backward_steps_large_tensors_in_chunks_as_it_steps_them_whole(accum, monkeypatch):
+    calls = []
+    stepped = AdamW.step_chunked
+    monkeypatch.setattr(AdamW, "step_chunked", lambda self, p, grad, max_norm: calls.append(
+        p.shape) or stepped(self, p, grad, max_norm))
+    chunked, _ = _train(AdamW, torch.float32, accum, in_backward=True, deep=True, min_pack=1000, max_grad_norm=0.05)
+    assert len(calls) == 6 * 4  # six 64 x 64 weights, four steps
+    monkeypatch.setattr(AdamW, "chunks", lambda self, p: False)
+    whole, _ = _train(AdamW, torch.float32, accum, in_backward=True, deep=True, min_pack=1000, max_grad_norm=0.05)
+    for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_only_tensors_on_the_compute_device_step_in_chunks(monkeypatch):
     """A streamed weight's home lives in CPU memory while the run computes on the GPU: with the
     run's device given as another one than the weights', nothing is chunked (and it still

@@ -463,6 +463,40 @@ def _clipped(parts: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return holder.grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_decay,max_norm", [(0.0, 0.0), (0.1, 20.0)])
+def test_adamw_chunked_step_equals_the_whole_step(dtype, weight_decay, max_norm):
+    """AdamW's chunked step (the norm, then `_update` on each chunk's rows and moment slices):
+    the same weights and moments as the whole step, with stochastic rounding under bf16 drawing
+    other bits (so bf16 is held to a few roundings' spacing); 8-bit moments step whole."""
+    torch.manual_seed(0)
+    whole = torch.nn.Parameter(torch.randn(96, 160).to(dtype))
+    chunked = torch.nn.Parameter(whole.detach().clone())
+    rounding = (lambda: RoundingGenerators(0)) if dtype == torch.bfloat16 else (lambda: None)
+    opt_w = AdamW([whole], lr=1e-2, weight_decay=weight_decay, rounding=rounding())
+    opt_c = AdamW([chunked], lr=1e-2, weight_decay=weight_decay, rounding=rounding())
+    opt_c.MIN_PACK_NUMEL = 1000
+    assert opt_c.chunks(chunked) and not AdamW8bit([chunked]).chunks(chunked)
+    for _ in range(4):
+        parts = [torch.randn(96, 160).bfloat16() for _ in range(2)]
+        opt_w.step_param(whole, _clipped(parts, max_norm))
+        assert opt_c.step_chunked(chunked, ChunkedGrad(parts), max_norm)
+    # bf16: each of four stochastic roundings may land an ulp (at most 2^-7 relative) either way
+    tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=4 * 2 ** -7, atol=1e-3)
+    torch.testing.assert_close(chunked.float(), whole.float(), **tolerance)
+    for key in ("exp_avg", "exp_avg_sq"):
+        ours, theirs = opt_c.state[chunked][key].float(), opt_w.state[whole][key].float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        else:  # bf16 moments, stochastically rounded: within a few spacings, as a whole
+            assert (ours - theirs).norm() < 2 ** -6 * theirs.norm(), key
+    value = chunked.detach().clone()
+    poisoned = torch.randn(96, 160)
+    poisoned[50, 3] = float("inf")
+    assert not opt_c.step_chunked(chunked, ChunkedGrad([poisoned]), max_norm)
+    assert torch.equal(chunked, value)
+
+
 def test_adafactor_chunked_step_keeps_its_temporaries_to_one_chunk():
     """It saves: a bf16 [1024, 1024] weight stepped in chunks of 64 Ki values makes temporaries of
     about 13 bytes per chunk value (its update, the finite-masked new value, the rounding's int32

@@ -333,7 +333,8 @@ def test_on_a_gpu_a_lora_over_a_quantized_base_is_recorded_too(sd3m, monkeypatch
 
 def test_adafactor_in_backward_temporaries_are_one_chunk_of_the_largest_tensor(sd3m):
     """SD3-M's largest trained tensor is an AdaLN linear of 14.2 M values: stepped in backward by
-    Adafactor in chunks of 4 Mi values, by AdamW whole (its packs reach that tensor's size)."""
+    Adafactor and AdamW in chunks of 4 Mi values, by AdamW8bit whole (its packs reach that
+    tensor's size)."""
     from vramfit.memory.planner import IN_BACKWARD_TEMP_SHARE as SHARE, STEP_TEMP_BYTES as BYTES
     from vramfit.optim.base import ParamOptimizer
 
@@ -346,4 +347,5 @@ def test_adafactor_in_backward_temporaries_are_one_chunk_of_the_largest_tensor(s
     largest = device_terms(sd3m, _cfg(data={"resolution": 1024}))["largest numel"]
     assert largest > 3 * ParamOptimizer.MIN_PACK_NUMEL
     assert temps("adafactor") == int(SHARE * BYTES["adafactor"] * ParamOptimizer.MIN_PACK_NUMEL)
-    assert temps("adamw") == int(SHARE * BYTES["adamw"] * largest)
+    assert temps("adamw") == int(SHARE * BYTES["adamw"] * ParamOptimizer.MIN_PACK_NUMEL)
+    assert temps("adamw8bit") == int(SHARE * BYTES["adamw8bit"] * largest)

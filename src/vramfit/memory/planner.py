@@ -15,8 +15,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
   work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
   step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
-  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor steps
-  a tensor of more than 4 Mi values in chunks there: T of at most 4 Mi values). The fp32
+  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor and
+  AdamW step a tensor of more than 4 Mi values in chunks there: T of at most 4 Mi values). The fp32
   gradients waiting for a pack in backward (up to 4 bytes x the pack) are not a term of their
   own: on the runs measured (SSD-1B, SD3-M) the share of T covers them (+5.1%, -0.3%).
 - samples (with sample.every_steps; under train.cuda_graphs also G and the recordings' pool, which
@@ -82,7 +82,7 @@ STEP_TEMP_BYTES = {"adafactor": 15, "adamw": 24, "adamw8bit": 24}
 IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
 # optimizers whose step inside backward reads a tensor of more than MIN_PACK_NUMEL values in row
 # chunks of at most that many (the `chunks` method of optim/base.py's optimizers)
-CHUNKED_IN_BACKWARD = {"adafactor"}
+CHUNKED_IN_BACKWARD = {"adafactor", "adamw"}
 WORKSPACE = 64 * MIB
 SAVE_WORKSPACE = 100 * MIB
 SAVE_WORKSPACE_STREAMED = 83 * MIB

@@ -77,17 +77,12 @@ class Adafactor(ParamOptimizer):
 
     def chunks(self, p: torch.Tensor) -> bool:
         # a chunk is whole rows of the matrix view: a row of more than the limit could not be bounded
-        return (p.dim() >= 2 and p.numel() > self.MIN_PACK_NUMEL and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
-                and type(p.data) is torch.Tensor and p.is_contiguous())
+        return p.dim() >= 2 and self._chunkable(p)
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
-        group, state = self._group_of(p), self.state[p]
-        if not state:
-            state.update(self._init_state(p, group))
-        state["step"] += 1
+        group, state, spans = self._begin_chunked(p, grad)
         rows, cols = grad.shape
-        spans = grad.spans(self.MIN_PACK_NUMEL)
         beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
         # pass 1: g^2's row and column sums, unscaled; the norm is their total
         row_sum = torch.empty(rows, dtype=torch.float32, device=p.device)

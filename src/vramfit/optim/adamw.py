@@ -19,6 +19,11 @@ Cost: fp32 temporaries of one parameter or pack at a time (about 21 bytes per va
 weight alone, 27 in a pack; fp32 weights in place: none with torch's fused kernel, 4 with the
 foreach fallback); for AdamW8bit also a dequantize and a
 quantize (an 8-step search in a 256-entry map) per moment and step.
+
+Inside backward (optim/in_backward.py) `AdamW` steps a tensor of more than MIN_PACK_NUMEL values
+in row chunks read from its bf16 gradient (`step_chunked`: a pass for the norm, then the update
+chunk by chunk), so its temporaries are those of one chunk, not of the tensor (SDXL's largest
+kernel: 29.5 M values, about 0.7 GB); `AdamW8bit`'s block-quantized moments step whole.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.optim.base import ParamOptimizer, RoundingGenerators, fp32
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, fp32
 
 QUANTIZED_MIN_NUMEL = 4096
 BLOCK = 256
@@ -61,6 +66,35 @@ class AdamW(ParamOptimizer):
         denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
         return new.addcdiv_(exp_avg, denom, value=-step_size)
 
+
+    def chunks(self, p: torch.Tensor) -> bool:
+        # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no)
+        return type(self)._moment is AdamW._moment and self._chunkable(p)
+
+    @torch.no_grad()
+    def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
+        """Two passes over row chunks: the gradient's norm (the finite check and the clipping),
+        then `_update` on each chunk with its slices of the moments, written back as it goes."""
+        group, state, spans = self._begin_chunked(p, grad)
+        rows, cols = grad.shape
+        square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
+        for start, stop in spans:
+            flat = grad.rows(start, stop).view(-1)
+            square_sum.add_(torch.dot(flat, flat))
+            del flat
+        norm = square_sum.sqrt_()
+        finite = norm < math.inf  # a norm is >= 0 or NaN
+        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
+        matrix, moments = p.view(rows, cols), {k: state[k].view(rows, cols) for k in ("exp_avg", "exp_avg_sq")}
+        for start, stop in spans:
+            g = grad.rows(start, stop)
+            if scale is not None:
+                g.mul_(scale)
+            old = matrix[start:stop]
+            part = {"step": state["step"], **{k: v[start:stop] for k, v in moments.items()}}
+            self._store(old, self._update(old.float(), g, part, group, finite, 0), finite)
+            del g
+        return finite
 
     # torch's fused AdamW kernel (one pass over each tensor's memory for the whole update, as
     # torch.optim.AdamW(fused=True) runs it) where this torch has it; else the foreach ops below

@@ -149,6 +149,20 @@ class ParamOptimizer(torch.optim.Optimizer):
         finite flag (0-dim bool tensor): when False, `p` and its state keep their values."""
         raise NotImplementedError
 
+    def _chunkable(self, p: torch.Tensor) -> bool:
+        """A dense contiguous tensor of more than MIN_PACK_NUMEL values whose [shape[0], rest]
+        rows each fit in that many (a chunk is whole rows)."""
+        return (p.dim() >= 1 and p.numel() > self.MIN_PACK_NUMEL and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
+                and type(p.data) is torch.Tensor and p.is_contiguous())
+
+    def _begin_chunked(self, p: torch.Tensor, grad: "ChunkedGrad") -> tuple[dict, dict, list[tuple[int, int]]]:
+        """(group, state with the step counted, row spans) of a chunked step of `p`."""
+        group, state = self._group_of(p), self.state[p]
+        if not state:
+            state.update(self._init_state(p, group))
+        state["step"] += 1
+        return group, state, grad.spans(self.MIN_PACK_NUMEL)
+
     def pack_limit(self, params) -> int:
         """The most values one pack of these parameters holds: the largest of them, or
         MIN_PACK_NUMEL, whichever is more."""
