@@ -314,12 +314,17 @@ def test_adamw_in_backward_steps_large_tensors_in_chunks_as_it_steps_them_whole(
     stepped = AdamW.step_chunked
     monkeypatch.setattr(AdamW, "step_chunked", lambda self, p, grad, max_norm: calls.append(
         p.shape) or stepped(self, p, grad, max_norm))
-    chunked, _ = _train(AdamW, torch.float32, accum, in_backward=True, deep=True, min_pack=1000, max_grad_norm=0.05)
-    assert len(calls) == 6 * 4  # six 64 x 64 weights, four steps
+    chunked, _ = _train(AdamW, torch.bfloat16, accum, in_backward=True, deep=True, min_pack=1000,
+                        max_grad_norm=0.05)
+    assert len(calls) == 6 * 4  # six 64 x 64 bf16 weights, four steps
     monkeypatch.setattr(AdamW, "chunks", lambda self, p: False)
-    whole, _ = _train(AdamW, torch.float32, accum, in_backward=True, deep=True, min_pack=1000, max_grad_norm=0.05)
-    for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    whole, _ = _train(AdamW, torch.bfloat16, accum, in_backward=True, deep=True, min_pack=1000,
+                      max_grad_norm=0.05)
+    start = _Deep(torch.bfloat16)
+    for (name, a), b, s in zip(whole.named_parameters(), chunked.parameters(), start.parameters()):
+        # stochastic rounding draws other bits in chunks: the two runs agree to a small part of
+        # how far the weights moved
+        assert (b.float() - a.float()).norm() < 0.25 * (a.float() - s.float()).norm() + 1e-3 * a.float().norm(), name
 
 
 def test_only_tensors_on_the_compute_device_step_in_chunks(monkeypatch):

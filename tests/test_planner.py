@@ -333,14 +333,14 @@ def test_on_a_gpu_a_lora_over_a_quantized_base_is_recorded_too(sd3m, monkeypatch
 
 def test_adafactor_in_backward_temporaries_are_one_chunk_of_the_largest_tensor(sd3m):
     """SD3-M's largest trained tensor is an AdaLN linear of 14.2 M values: stepped in backward by
-    Adafactor and AdamW in chunks of 4 Mi values, by AdamW8bit whole (its packs reach that
-    tensor's size)."""
+    Adafactor and AdamW (bf16 weights) in chunks of 4 Mi values, by AdamW8bit whole (its packs
+    reach that tensor's size)."""
     from vramfit.memory.planner import IN_BACKWARD_TEMP_SHARE as SHARE, STEP_TEMP_BYTES as BYTES
     from vramfit.optim.base import ParamOptimizer
 
     def temps(optimizer):
-        cfg = _cfg(data={"resolution": 1024}, train={"optimizer": optimizer, "optimizer_in_backward": True},
-                   memory={"offload_activations": True})
+        cfg = _cfg(data={"resolution": 1024}, memory={"offload_activations": True},
+                   train={"optimizer": optimizer, "optimizer_in_backward": True, "precision": "full_bf16"})
         train = {p.name: p for p in predict(sd3m, cfg).phases}["train"]
         return train.parts["step temporaries"]
 

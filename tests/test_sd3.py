@@ -16,7 +16,7 @@ from vramfit.config.schema import TrainConfig
 from vramfit.formats.safetensors_io import load_prefixed, save_atomic
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
 from vramfit.models.adapter import Source
-from vramfit.models.sd3 import CLIP_G, CLIP_L, T5, TRANSFORMER, SD3Family, layout_name
+from vramfit.models.sd3 import CLIP_G, T5, TRANSFORMER, SD3Family, layout_name
 from vramfit.models.sdxl import SDXLFamily
 from vramfit.models.tiny import shipped_config
 from vramfit.models.tiny_sd3 import materialize_sd3

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SIZE, train_args
+from conftest import train_args
 from vramfit.cli import main
 
 

@@ -20,8 +20,8 @@ weight alone, 27 in a pack; fp32 weights in place: none with torch's fused kerne
 foreach fallback); for AdamW8bit also a dequantize and a
 quantize (an 8-step search in a 256-entry map) per moment and step.
 
-Inside backward (optim/in_backward.py) `AdamW` steps a tensor of more than MIN_PACK_NUMEL values
-in row chunks read from its bf16 gradient (`step_chunked`: a pass for the norm, then the update
+Inside backward (optim/in_backward.py) `AdamW` steps a bf16 tensor of more than MIN_PACK_NUMEL
+values in row chunks read from its bf16 gradient (`step_chunked`: a pass for the norm, then the update
 chunk by chunk), so its temporaries are those of one chunk, not of the tensor (SDXL's largest
 kernel: 29.5 M values, about 0.7 GB); `AdamW8bit`'s block-quantized moments step whole.
 """
@@ -68,8 +68,9 @@ class AdamW(ParamOptimizer):
 
 
     def chunks(self, p: torch.Tensor) -> bool:
-        # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no)
-        return type(self)._moment is AdamW._moment and self._chunkable(p)
+        # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no).
+        # An fp32 weight steps in place (torch's fused kernel, no temporaries): never chunked.
+        return type(self)._moment is AdamW._moment and p.dtype != torch.float32 and self._chunkable(p)
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
