@@ -490,3 +490,30 @@ def test_cli_in_backward_keeps_the_nonfinite_policy(images, tmp_path, capsys):
                            "train.nonfinite=stop")) == 2
     err = capsys.readouterr().err
     assert item in err and "not finite" in err and "Nothing of this step was applied" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_on_a_gpu_chunks_follow_the_run_device_and_match_the_whole_step(device, monkeypatch):
+    """The run's device as the loop names it ("cuda" or "cuda:0") and weights on the current GPU:
+    the 64 x 64 weights step in chunks, and the run equals the one with chunks off."""
+    monkeypatch.setattr(Adafactor, "MIN_PACK_NUMEL", 1000)
+    results = {}
+    for chunk in (True, False):
+        calls = []
+        monkeypatch.setattr(Adafactor, "chunks", _CHUNKS if chunk else lambda self, p: False)
+        monkeypatch.setattr(Adafactor, "step_chunked", lambda self, p, grad, max_norm: calls.append(
+            p.shape) or _STEP_CHUNKED(self, p, grad, max_norm))
+        model = _Deep().cuda()
+        params = list(model.parameters())
+        opt = Adafactor(params, lr=1e-2)
+        hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True, max_grad_norm=0.05,
+                              device=torch.device(device))
+        for x in _inputs(1, 3, torch.float32, shape=(2, 64)):
+            hooks.begin(last=True)
+            _loss(model, x[0].cuda()).backward()
+            assert hooks.finish() == 0
+        results[chunk] = model
+        assert len(calls) == (6 * 3 if chunk else 0)
+    for a, b in zip(results[False].parameters(), results[True].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
