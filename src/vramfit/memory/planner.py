@@ -80,10 +80,6 @@ TEXT_CHUNK = 64  # captions per encode call (train/data.py)
 # Adafactor 15, AdamW 27; one tensor alone 13 and 21)
 STEP_TEMP_BYTES = {"adafactor": 15, "adamw": 24, "adamw8bit": 24}
 IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
-# optimizers whose step inside backward reads a tensor of more than MIN_PACK_NUMEL values in row
-# chunks of at most that many (the `chunks` method of optim/base.py's optimizers; AdamW only for
-# bf16 weights)
-CHUNKED_IN_BACKWARD = {"adafactor", "adamw"}
 WORKSPACE = 64 * MIB
 SAVE_WORKSPACE = 100 * MIB
 SAVE_WORKSPACE_STREAMED = 83 * MIB
@@ -368,8 +364,9 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     # autocast's bf16 copies of the fp32 weights live until forward ends
     candidates = [{"gradients": accumulated, **act, "autocast copies": terms["autocast copies"]}]
     if t.optimizer_in_backward:
-        # larger tensors step in chunks of one pack limit (AdamW: bf16 weights; fp32 ones step in place)
-        if t.optimizer == "adafactor" or (t.optimizer in CHUNKED_IN_BACKWARD and t.precision == "full_bf16"):
+        # tensors of more than a pack limit step in chunks of one (the optimizers' `chunks`: Adafactor,
+        # and AdamW on bf16 weights; fp32 ones step in place)
+        if t.optimizer == "adafactor" or (t.optimizer == "adamw" and t.precision == "full_bf16"):
             temps = STEP_TEMP_BYTES[t.optimizer] * min(terms["pack numel"], ParamOptimizer.MIN_PACK_NUMEL)
         candidates.append({"gradients": max(accumulated, terms["largest bytes"]), **act,
                            "step temporaries": int(IN_BACKWARD_TEMP_SHARE * temps)})

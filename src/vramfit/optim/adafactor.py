@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, norm_checks
 
 EPS1 = 1e-30
 CLIP_THRESHOLD = 1.0
@@ -93,9 +93,8 @@ class Adafactor(ParamOptimizer):
             col_sum.add_(sq.sum(dim=0))
             del sq
         norm = row_sum.sum().sqrt_()
-        finite = norm < math.inf  # a norm is >= 0 or NaN: one kernel where isfinite takes four
         # clipped, the gradient is s g: its squares s^2 g^2, its update's RMS s times that of g
-        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
+        finite, scale = norm_checks(norm, max_norm)
         if scale is not None:
             squared = scale.square()
             row_sum.mul_(squared)

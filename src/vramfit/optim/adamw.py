@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, fp32
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, fp32, norm_checks
 
 QUANTIZED_MIN_NUMEL = 4096
 BLOCK = 256
@@ -83,9 +83,7 @@ class AdamW(ParamOptimizer):
             flat = grad.rows(start, stop).view(-1)
             square_sum.add_(torch.dot(flat, flat))
             del flat
-        norm = square_sum.sqrt_()
-        finite = norm < math.inf  # a norm is >= 0 or NaN
-        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
+        finite, scale = norm_checks(square_sum.sqrt_(), max_norm)
         matrix, moments = p.view(rows, cols), {k: state[k].view(rows, cols) for k in ("exp_avg", "exp_avg_sq")}
         for start, stop in spans:
             g = grad.rows(start, stop)

@@ -52,6 +52,7 @@ full fp32 copy of the model.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -333,6 +334,14 @@ class ParamOptimizer(torch.optim.Optimizer):
                     live[key] = value.to(params[index].device)
         if generators is not None and self.rounding is not None:
             self.rounding.load_state_dict(generators)
+
+
+def norm_checks(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(finite flag, clipping factor) of a gradient whose L2 norm is `norm`: the flag in one kernel
+    (a norm is >= 0 or NaN, so `norm < inf`, where isfinite takes four), and with `max_norm` > 0
+    clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), else None."""
+    scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
+    return norm < math.inf, scale
 
 
 class ChunkedGrad:

@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 from vramfit.memory.stochastic_rounding import copy_stochastic_
-from vramfit.optim.base import ChunkedGrad, ParamOptimizer
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, norm_checks
 
 
 class BackwardSteps:
@@ -89,14 +89,7 @@ class BackwardSteps:
         if p.grad is None:
             return
         if self.in_backward and self._last:
-            buffer = self._buffers.pop(id(p), None)
-            if id(p) in self._chunked and p.grad.device == p.device:
-                self._step_chunked(p, [p.grad] if buffer is None else [buffer, p.grad])
-                p.grad = None
-                return
-            grad = p.grad.float() if buffer is None else buffer.float().add_(p.grad)
-            p.grad = None
-            self._step(p, grad)
+            self._take(p)
         elif self.round_sums and p.grad.dtype == torch.bfloat16:
             buffer = self._buffers.get(id(p))
             if buffer is None:
@@ -110,11 +103,30 @@ class BackwardSteps:
                     copy_stochastic_(buffer, total, rounding(buffer.device))
             p.grad = None
 
+    def _take(self, p: torch.Tensor) -> None:
+        """Take `p`'s full gradient (its accumulation buffer and p.grad, whichever exist) out of
+        the hooks' hands and step it: at once in chunks where the optimizer chunks `p`, else onto
+        the pending list. Nothing when `p` has no gradient."""
+        parts = [t for t in (self._buffers.pop(id(p), None), p.grad) if t is not None]
+        if not parts:
+            return
+        p.grad = None
+        if id(p) in self._chunked and all(t.device == p.device for t in parts):
+            self._step_chunked(p, parts)
+        else:
+            grad = parts[0].float()  # a copy, but for an fp32 gradient (taken from p.grad: ours now)
+            for extra in parts[1:]:
+                grad.add_(extra)
+            self._step(p, grad)
+
+    def _max_norm(self, p: torch.Tensor) -> float:
+        """The norm `p`'s gradient is clipped to (its share of max_grad_norm), or 0: not clipped."""
+        return self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
+
     def _step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        norm = torch.linalg.vector_norm(grad)
-        finite = norm < math.inf  # a norm is >= 0 or NaN: one kernel where isfinite takes four
-        if self.max_grad_norm > 0:  # clip_grad_norm_'s rule, for this tensor's share
-            grad.mul_((self._clip_to[id(p)] / (norm + 1e-6)).clamp_(max=1.0))
+        finite, scale = norm_checks(torch.linalg.vector_norm(grad), self._max_norm(p))
+        if scale is not None:  # clip_grad_norm_'s rule, for this tensor's share
+            grad.mul_(scale)
         if self._pending and self._pending_numel + grad.numel() > self._limit:
             self._flush()
         self._pending.append((p, grad, finite))
@@ -123,8 +135,7 @@ class BackwardSteps:
     def _step_chunked(self, p: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """Clip and step one large tensor now, its gradient read in chunks (optim/base.py
         ChunkedGrad): no fp32 copy of the whole gradient is made."""
-        max_norm = self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
-        self._count_held([self.optimizer.step_chunked(p, ChunkedGrad(parts), max_norm)])
+        self._count_held([self.optimizer.step_chunked(p, ChunkedGrad(parts), self._max_norm(p))])
 
     def _flush(self) -> None:
         """Step the pending parameters, packed, and count the held-back tensors."""
@@ -161,14 +172,7 @@ class BackwardSteps:
         for p in self.params:
             # a gradient that came only from earlier micro-batches: in a bf16 sum's buffer, or (fp32,
             # or sums rounded to nearest) accumulated by autograd in p.grad
-            parts = [t for t in (self._buffers.pop(id(p), None), p.grad) if t is not None]
-            if not parts:
-                continue
-            p.grad = None
-            if id(p) in self._chunked and all(t.device == p.device for t in parts):
-                self._step_chunked(p, parts)
-            else:
-                self._step(p, parts[0].float() if len(parts) == 1 else parts[0].float().add_(parts[1]))
+            self._take(p)
         self._flush()
         held = sum(int(h) for h in self._held_back.values())
         self._held_back.clear()
