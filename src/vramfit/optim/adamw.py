@@ -23,7 +23,8 @@ quantize (an 8-step search in a 256-entry map) per moment and step.
 Inside backward (optim/in_backward.py) `AdamW` steps a bf16 tensor of more than MIN_PACK_NUMEL
 values in row chunks read from its bf16 gradient (`step_chunked`: a pass for the norm, then the update
 chunk by chunk), so its temporaries are those of one chunk, not of the tensor (SDXL's largest
-kernel: 29.5 M values, about 0.7 GB); `AdamW8bit`'s block-quantized moments step whole.
+kernel has 29.5 M values: about 0.7 GB at the planner's 24 bytes a value, not measured on a GPU);
+`AdamW8bit`'s block-quantized moments step whole.
 """
 from __future__ import annotations
 
