@@ -18,7 +18,8 @@ from conftest import train_args
 from vramfit.cli import main
 from vramfit.config.load import load_config
 from vramfit.memory.accounting import MemoryTracker, tensor_bytes
-from vramfit.memory.offload import block_modules
+from vramfit.memory.offload import WeightStreamer, block_modules
+from vramfit.optim.adafactor import Adafactor
 from vramfit.train.loop import micro_step_loss
 from vramfit.train.setup import place_denoiser, prepare
 
@@ -63,8 +64,12 @@ def test_same_result_streamed_or_not(images, tmp_path, cache_root, case):
     assert all("{} = {}".format(*item.split(".", 1)[1].split("=")) in written for item in on)
 
 
-def test_resume_while_streamed(images, tmp_path, cache_root):
-    sets = ("train.steps=4", "save.state_every_steps=2", "save.name=m", *STREAM)
+@pytest.mark.parametrize("inside", [False, True], ids=["step-after-backward", "step-in-backward"])
+def test_resume_while_streamed(images, tmp_path, cache_root, inside):
+    """Inside backward the streamed weights' Adafactor state lives beside their compute copies;
+    it is saved, and loaded next to the homes, and follows them again."""
+    sets = ("train.steps=4", "save.state_every_steps=2", "save.name=m", *STREAM,
+            f"train.optimizer_in_backward={str(inside).lower()}")
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(train_args(images, full, cache_root / "off", *sets, model="tiny:sd3")) == 0
     state = load_file(str(full / "state" / "step-000002" / "weights.safetensors"))
@@ -75,6 +80,42 @@ def test_resume_while_streamed(images, tmp_path, cache_root):
     assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
     a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model,steps,sets", [
+    # accumulation: the earlier micro-batch's sums come from the homes' buffers; clipping; chunks. One
+    # step: the tiny UNet's time-embedding weights get gradients of float noise, which Adafactor scales
+    # to full-size updates, so packs that round differently drift apart from the second step on
+    ("tiny:ssd1b", 1, ("train.grad_accum=2", "train.max_grad_norm=0.05", "memory.stream_unit_mib=0.05")),
+    ("tiny:sd3", 2, ("train.precision=fp32",)),
+])
+def test_streamed_weights_step_in_backward_on_their_compute_copies(images, tmp_path, cache_root, monkeypatch,
+                                                                   model, steps, sets):
+    """With Adafactor in backward every streamed weight steps on its compute copy during the last
+    backward (weights autograd kept no copy of are fetched again) and its new value is copied
+    home: no gradient of the last micro-batch goes home, and losses and weights are the resident
+    run's."""
+    made = []
+    init = WeightStreamer.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(WeightStreamer, "__init__", spy)
+    monkeypatch.setattr(Adafactor, "MIN_PACK_NUMEL", 2048)  # some of the tiny models' kernels step in chunks
+    accum = 2 if "train.grad_accum=2" in sets else 1
+    both = ("train.optimizer_in_backward=true", "train.stochastic_rounding=false", f"train.steps={steps}", *sets)
+    ref_losses, ref = _run(images, tmp_path / "off", cache_root / "off", model, *both)
+    losses, got = _run(images, tmp_path / "on", cache_root / "off", model, *both, *STREAM)
+    streamer = made[-1]
+    trained = len(streamer.trainable)
+    assert trained and streamer.stats.stepped_on_device == steps * trained
+    assert streamer.stats.grads_moved == steps * (accum - 1) * trained
+    assert losses == pytest.approx(ref_losses, rel=TOL["rtol"])
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key].float(), ref[key].float(), **TOL, msg=key)
 
 
 class HomeGuard(TorchDispatchMode):

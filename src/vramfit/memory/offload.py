@@ -68,6 +68,7 @@ class StreamStats(CopyCounters):
     """Counters of the compute-side copies (bytes in device buffers held by the streamer)."""
 
     grads_moved: int = 0
+    stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
 
@@ -84,6 +85,16 @@ class _Unit:
     ready: Optional[object] = None  # CUDA event of the copy
     streams: set = field(default_factory=set)  # streams the buffers were recorded on
     bound: bool = False
+    # step on the device (WeightStreamer.step_on_device): (parameter, gradient) waiting to step; the
+    # buffers' use counts when only the streamer held them; an evicted unit's copies autograd still holds
+    to_step: list = field(default_factory=list)
+    own_refs: dict = field(default_factory=dict)
+    linger: Optional[tuple] = None  # (buffers, views)
+    homed: Optional[object] = None  # CUDA event: the stepped values' copy back home is done
+    owner: Optional["_Unit"] = None  # of a one-weight unit fetched again alone (_fetch_alone)
+
+    def slot(self, p: nn.Parameter) -> int:
+        return next(i for i, q in enumerate(self.params) if q is p)
 
 
 @dataclass(frozen=True)
@@ -196,10 +207,22 @@ class WeightStreamer:
         self._delivering = False
         self._freeing: deque = deque()  # CUDA events: compute done with an evicted unit's buffers
         self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self.steps = None  # optim/in_backward.py BackwardSteps that steps streamed weights on the device
+        self._stepped: set[int] = set()  # streamed weights stepped in the running backward
+        self._lingering: list[_Unit] = []
+        self._gathering: Optional[_Unit] = None  # the unit whose gradients arrive now
+        _STREAMERS[id(denoiser)] = self
         for p in self.trainable:
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._handles.append(denoiser.register_forward_pre_hook(self._forward_begins))
         self._handles.append(denoiser.register_forward_hook(self._forward_ends, always_call=True))
+
+    def step_on_device(self, steps) -> None:
+        """Step the streamed weights inside backward on their compute copies, through `steps` (an
+        optim/in_backward.py BackwardSteps whose optimizer has compact state), and copy the new
+        values home; None: back to moving their gradients home (the normal path)."""
+        self.steps = steps
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -275,6 +298,9 @@ class WeightStreamer:
         while len(self._freeing) > 1:
             self._freeing.popleft().synchronize()
         self._rehome(unit)
+        if unit.homed is not None:  # the home holds the new values only once their copy is done
+            self.side.wait_event(unit.homed)
+            unit.homed = None
         layout: dict[torch.dtype, int] = {}
         for h in unit.homes:
             layout[h.dtype] = layout.get(h.dtype, 0) + h.numel()
@@ -290,7 +316,8 @@ class WeightStreamer:
             if self.cuda:
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self.side)
-        unit.buffers, unit.views, unit.streams = buffers, views, set()
+        unit.buffers, unit.views, unit.streams, unit.linger = buffers, views, set(), None
+        unit.own_refs = {dtype: _use_count(buf) for dtype, buf in buffers.items()}
         for dtype, buf in buffers.items():
             self._by_storage[buf.untyped_storage().data_ptr()] = (unit, dtype)
         self._lru.append(unit)
@@ -320,6 +347,8 @@ class WeightStreamer:
             unit.bound = True
 
     def _unbind(self, unit: _Unit) -> None:
+        if unit.to_step:
+            self._step_unit(unit)
         for p, home in zip(unit.params, unit.homes):
             p.data = home
         unit.bound = False
@@ -327,6 +356,14 @@ class WeightStreamer:
     def _evict(self, unit: _Unit) -> None:
         if unit.bound:
             self._unbind(unit)
+        if unit.to_step:
+            self._step_unit(unit)
+        if self._awaits_grads(unit) and any(_use_count(buf) > unit.own_refs[dtype]
+                                            for dtype, buf in unit.buffers.items()):
+            # autograd still holds this copy (a checkpointed block's recomputed weights) and gradients
+            # of the unit are to come: keep it, at no cost, so that they step on it
+            unit.linger = (unit.buffers, unit.views)
+            self._lingering.append(unit)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         if unit.streams:
@@ -344,6 +381,11 @@ class WeightStreamer:
         """Every streamed weight back at its home; no compute copy is held."""
         for unit in list(self._lru):
             self._evict(unit)
+        for unit in self._lingering:
+            if unit.to_step:
+                self._step_unit(unit)
+            unit.linger = None
+        self._lingering.clear()
         self._current = None
 
     # ---- forward and backward boundaries -----------------------------------------------------
@@ -390,7 +432,9 @@ class WeightStreamer:
 
     def _backward_ends(self) -> None:
         self._task = None
+        self._gathering = None
         self.release_all()
+        self._stepped.clear()
         self._deliver_grads()
 
     # ---- saved tensors ----------------------------------------------------------------------
@@ -439,6 +483,21 @@ class WeightStreamer:
             return
         self._expect_end_of_backward()
         grad, p.grad = p.grad, None
+        unit = self._unit_of[id(p)]
+        if self.steps is not None and self.steps.stepping:
+            # stepped on the compute copy, with the rest of the unit's gradients that arrive together
+            # (a weight whose copy is gone, one autograd did not keep, is fetched again alone)
+            if self._copy_of(unit) is None:
+                unit = self._fetch_alone(unit, p)
+            earlier = self._stash.pop(p, None)  # earlier micro-batches' sum, as autograd accumulated it
+            if earlier is not None:
+                grad = grad.add_(earlier.to(grad.device, non_blocking=True))
+            if self._gathering is not None and self._gathering is not unit:
+                self._step_unit(self._gathering)
+            self._gathering = unit
+            unit.to_step.append((p, grad))
+            self._stepped.add(id(p))
+            return
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
             self.back.wait_stream(torch.cuda.current_stream(self.device))
@@ -449,6 +508,61 @@ class WeightStreamer:
             host.copy_(grad)
         self._moved.append((p, host))
         self.stats.grads_moved += 1
+
+    def _fetch_alone(self, unit: _Unit, p: nn.Parameter) -> _Unit:
+        """A one-weight unit holding a new compute copy of `p` (whose own unit holds none now)."""
+        home = unit.homes[unit.slot(p)]
+        if self.cuda and unit.homed is not None:
+            torch.cuda.current_stream(self.device).wait_event(unit.homed)
+        copy = home.to(self.device, non_blocking=True) if self.cuda else home.clone()
+        self.stats.fetched(tensor_bytes(copy))
+        self.stats.released(tensor_bytes(copy))
+        return _Unit(unit.index, unit.name, [p], [home], tensor_bytes(copy), linger=({copy.dtype: copy}, [copy]),
+                     owner=unit)
+
+    def _copy_of(self, unit: _Unit) -> Optional[tuple]:
+        """(buffers, views) of the unit's compute copy: fetched, or kept for its gradients; or None."""
+        if unit.buffers is not None:
+            return unit.buffers, unit.views
+        return unit.linger
+
+    def _awaits_grads(self, unit: _Unit) -> bool:
+        """In the backward that steps on the device, whether a trained weight of `unit` has not
+        had its gradient yet."""
+        return (self.steps is not None and self.steps.stepping and self._task is not None
+                and any(p.requires_grad and id(p) not in self._stepped for p in unit.params))
+
+    def _step_unit(self, unit: _Unit) -> None:
+        """Step the unit's weights whose gradients are complete on their compute copies, then copy
+        the new values home on the back stream."""
+        pairs, unit.to_step = unit.to_step, []
+        if self._gathering is unit:
+            self._gathering = None
+        buffers, views = self._copy_of(unit)
+        bound = [p.data for p, _ in pairs]
+        slots = [unit.slot(p) for p, _ in pairs]
+        for (p, _), slot in zip(pairs, slots):
+            p.data = views[slot]  # already so while the unit is bound
+        self.steps.step_now(pairs)
+        self.stats.stepped_on_device += len(pairs)
+        if self.cuda:
+            self.back.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.back) if self.cuda else nullcontext():
+            for (p, _), slot in zip(pairs, slots):
+                unit.homes[slot].copy_(p.data, non_blocking=self.cuda)
+            if self.cuda:
+                unit.homed = torch.cuda.Event()
+                unit.homed.record(self.back)
+        for (p, _), data in zip(pairs, bound):
+            p.data = data
+        if self.cuda:
+            for buf in buffers.values():
+                buf.record_stream(self.back)  # not reused before the copies have read it
+        if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
+            unit.owner.homed = unit.homed
+        elif unit.linger is not None and not self._awaits_grads(unit):
+            unit.linger = None
+            self._lingering.remove(unit)
 
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""
@@ -475,6 +589,21 @@ class WeightStreamer:
     def device_copies(self) -> list[torch.Tensor]:
         """The compute-side buffers held now (empty between uses)."""
         return [b for u in self.units if u.buffers for b in u.buffers.values()]
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """How many tensors share `t`'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+# id(denoiser) -> its streamer, which its hooks keep alive (a weak value: the registry keeps neither)
+_STREAMERS: "weakref.WeakValueDictionary[int, WeightStreamer]" = weakref.WeakValueDictionary()
+
+
+def streamer_of(denoiser: nn.Module) -> Optional[WeightStreamer]:
+    """The WeightStreamer built over `denoiser`, if any."""
+    found = _STREAMERS.get(id(denoiser))
+    return found if found is not None and found.model is denoiser else None
 
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,

@@ -61,6 +61,8 @@ def _rms(t: torch.Tensor, batch_dims: int, over: float = 1.0) -> torch.Tensor:
 
 
 class Adafactor(ParamOptimizer):
+    compact_state = True  # out + in values per matrix (vectors: their own size)
+
     def __init__(self, params, lr: float = 1e-5, weight_decay: float = 0.0,
                  rounding: Optional[RoundingGenerators] = None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), rounding)

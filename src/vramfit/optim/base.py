@@ -137,6 +137,9 @@ class ParamOptimizer(torch.optim.Optimizer):
     # gradient and the state (AdamW) packs by concatenation; otherwise tensors of one shape stack.
     elementwise = False
     MIN_PACK_NUMEL = 1 << 22
+    # State that is a small fraction of the weights (Adafactor's row and column factors): a streamed
+    # weight's state may then live on the compute device and the weight step there (memory/offload.py).
+    compact_state = False
 
     def chunks(self, p: torch.Tensor) -> bool:
         """Whether `step_chunked` can step `p`: an optimizer that implements it says so for tensors
@@ -163,6 +166,14 @@ class ParamOptimizer(torch.optim.Optimizer):
             state.update(self._init_state(p, group))
         state["step"] += 1
         return group, state, grad.spans(self.MIN_PACK_NUMEL)
+
+    def follow(self, p: torch.Tensor) -> None:
+        """Move `p`'s state tensors to `p`'s device where they are elsewhere (a streamed weight's
+        state, loaded next to its CPU home, whose step runs on the compute device)."""
+        state = self.state.get(p)
+        for key, value in (state or {}).items():
+            if torch.is_tensor(value) and value.device != p.device:
+                state[key] = value.to(p.device)
 
     def pack_limit(self, params) -> int:
         """The most values one pack of these parameters holds: the largest of them, or

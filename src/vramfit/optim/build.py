@@ -18,18 +18,33 @@ from vramfit.config.schema import TrainConfig
 from vramfit.optim.base import ParamOptimizer, RoundingGenerators
 
 
+def optimizer_class(name: str) -> type[ParamOptimizer]:
+    """The class of train.optimizer `name`."""
+    if name == "adafactor":
+        from vramfit.optim.adafactor import Adafactor
+
+        return Adafactor
+    from vramfit.optim.adamw import AdamW, AdamW8bit
+
+    return AdamW8bit if name == "adamw8bit" else AdamW
+
+
+def streamed_step_on_device(cfg) -> bool:
+    """Whether a run of RunConfig `cfg` steps its streamed weights on the device inside backward
+    (memory/offload.py): a streamed full fine-tune, the step in backward, an optimizer with compact
+    state. Otherwise their step runs in CPU memory."""
+    return (cfg.memory.stream_weights and cfg.train.mode == "full" and cfg.train.optimizer_in_backward
+            and optimizer_class(cfg.train.optimizer).compact_state)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> ParamOptimizer:
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
     rounding = RoundingGenerators(cfg.seed) if cfg.stochastic_rounding else None
+    cls = optimizer_class(cfg.optimizer)
     if cfg.optimizer == "adafactor":
-        from vramfit.optim.adafactor import Adafactor
-
-        return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, rounding=rounding)
-    from vramfit.optim.adamw import AdamW, AdamW8bit
-
-    cls = AdamW8bit if cfg.optimizer == "adamw8bit" else AdamW
+        return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, rounding=rounding)
     return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, rounding=rounding)
 
 

@@ -103,6 +103,22 @@ class BackwardSteps:
                     copy_stochastic_(buffer, total, rounding(buffer.device))
             p.grad = None
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the backward now running is the one whose hooks step the parameters."""
+        return self.in_backward and self._last
+
+    def step_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Step these parameters with their fresh gradients (and their accumulation buffers) now,
+        where each parameter's values lie at this moment: memory/offload.py's streamed weights,
+        whose gradient hook hands them over while their compute copy is on the device (their
+        state moves there on the first such step; a tensor the optimizer chunks steps in chunks)."""
+        for p, grad in pairs:
+            buffer = self._buffers.pop(id(p), None)
+            parts = [buffer.to(p.device, non_blocking=True)] if buffer is not None else []
+            self._step_parts(p, parts + [grad], chunked=self.optimizer.chunks(p))
+        self._flush()
+
     def _take(self, p: torch.Tensor) -> None:
         """Take `p`'s full gradient (its accumulation buffer and p.grad, whichever exist) out of
         the hooks' hands and step it: at once in chunks where the optimizer chunks `p`, else onto
@@ -111,7 +127,11 @@ class BackwardSteps:
         if not parts:
             return
         p.grad = None
-        if id(p) in self._chunked and all(t.device == p.device for t in parts):
+        self._step_parts(p, parts, chunked=id(p) in self._chunked)
+
+    def _step_parts(self, p: torch.Tensor, parts: list[torch.Tensor], chunked: bool) -> None:
+        self.optimizer.follow(p)  # a streamed weight's state sits where its last step ran
+        if chunked and all(t.device == p.device for t in parts):
             self._step_chunked(p, parts)
         else:
             grad = parts[0].float()  # a copy, but for an fp32 gradient (taken from p.grad: ours now)

@@ -18,6 +18,7 @@ import torch
 
 from vramfit.config.schema import TrainConfig
 from vramfit.models.adapter import Family, ModelBundle
+from vramfit.memory.offload import streamer_of
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train.data import Record, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
@@ -113,6 +114,11 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
                                 max_grad_norm=cfg.max_grad_norm, device=device)
+    # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
+    streamer = streamer_of(unet)
+    if streamer is not None and grad_hooks is not None and grad_hooks.in_backward and getattr(
+            optimizer, "compact_state", False):
+        streamer.step_on_device(grad_hooks)
     result = LoopResult()
     unet.train()
     try:
@@ -137,6 +143,8 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     finally:
         if grad_hooks is not None:
             grad_hooks.remove()
+        if streamer is not None:
+            streamer.step_on_device(None)
     return result
 
 
