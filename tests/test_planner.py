@@ -136,8 +136,27 @@ def test_ssd1b_full_fine_tune_at_8_6_and_4_gib(ssd1b):
     assert at4.train.optimizer_in_backward and not at4.memory.stream_weights
     at35, _ = _choose(ssd1b, FULL_1024, 3.5)
     assert at35.memory.offload_activations or at35.memory.stream_weights
-    at2, _ = _choose(ssd1b, FULL_1024, 2)
+    at2, choice = _choose(ssd1b, FULL_1024, 2)
     assert at2.memory.stream_weights and at2.cache.vae_dtype == "bf16"
+    # streamed weights step on the GPU inside backward; after backward they would step in CPU memory
+    assert at2.train.optimizer_in_backward
+    assert any(r.startswith("train.optimizer_in_backward = true: streamed weights step in CPU") for r in choice.reasons)
+
+
+def test_streamed_weights_stepped_on_the_device_bring_their_state_and_a_unit_of_gradients():
+    sets = {"model": {"path": "tiny:ssd1b"}, "data": {"resolution": SIZE},
+            "memory": {"stream_weights": True, "stream_unit_mib": 0.05}}
+    after = device_terms(read_facts(_cfg(**sets)), _cfg(**sets))
+    inside = _cfg(**sets, train={"optimizer": "adafactor", "optimizer_in_backward": True})
+    here = device_terms(read_facts(inside), inside)
+    from vramfit.memory.model_facts import state_bytes as predicted_state
+
+    _, _, streamer = _placed(inside)
+    streamed_state = sum(predicted_state("adafactor", p.numel(), tuple(p.shape), 2) for p in streamer.trainable)
+    assert here["optimizer state"] == after["optimizer state"] + streamed_state
+    assert here["stream unit"] == 2 * after["stream unit"] and here["gradients"] == after["gradients"]
+    adamw = _cfg(**sets, train={"optimizer": "adamw", "optimizer_in_backward": True})  # its state stays home
+    assert device_terms(read_facts(adamw), adamw)["stream unit"] == after["stream unit"]
 
 
 def test_several_processes_never_get_settings_that_do_not_compose(ssd1b, monkeypatch):

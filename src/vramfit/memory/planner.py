@@ -9,7 +9,9 @@ Each phase (bytes allocated; n = a tensor's element count):
   largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
   streamed: what is outside the blocks, plus the largest stream unit while training), optimizer state S and
-  gradients G (exact per trained tensor), step temporaries T (STEP_TEMP_BYTES x the values of one
+  gradients G (exact per trained tensor; a streamed full fine-tune stepping in backward with Adafactor
+  steps its streamed weights on the device: their state counts in S, a unit of their gradients waits
+  beside the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
   optimizer pack: the largest trained tensor, or 4 Mi values, at most all trained values),
   activations A (saved + work) and WORKSPACE. The peak is the largest of: the
   end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
@@ -68,6 +70,7 @@ from vramfit.config.schema import RunConfig, parse_size
 from vramfit.memory.encoder_stream import encoder_device_bytes
 from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
 from vramfit.optim.base import ParamOptimizer
+from vramfit.optim.build import streamed_step_on_device
 
 GIB = 2**30
 MIB = 2**20
@@ -329,17 +332,22 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     gradients, the bf16 copies autocast makes, and the largest trained tensor (bytes, elements)."""
     tensors, unit = _denoiser_tensors(facts, cfg)
     on_device = [x for x in tensors if not x.streamed]
-    trained = [x for x in on_device if x.trained]
-    largest = max(trained, key=lambda x: x.numel, default=_Tensor("", (), 0, 0, True))
+    # streamed weights that step on the device inside backward keep their state there too, and
+    # their unit's gradients wait there until it steps (memory/offload.py)
+    stepped_here = streamed_step_on_device(cfg)
+    trained = [x for x in tensors if x.trained and (stepped_here or not x.streamed)]
+    none = _Tensor("", (), 0, 0, True)
+    largest = max((x for x in trained if not x.streamed), key=lambda x: x.numel, default=none)
+    stepped = max(trained, key=lambda x: x.numel, default=none)
     return {"weights": sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
-            "stream unit": unit,  # on the device only while a streamed block runs
+            "stream unit": unit + (unit if stepped_here else 0),  # on the device only while a streamed block runs
             "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
-            "gradients": sum(x.numel * x.dtype_bytes for x in trained),
+            "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
             # the optimizer steps packs of tensors of up to this many values (optim/base.py)
-            "pack numel": min(sum(x.numel for x in trained), max(largest.numel, ParamOptimizer.MIN_PACK_NUMEL))}
+            "pack numel": min(sum(x.numel for x in trained), max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL))}
 
 
 def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
@@ -535,10 +543,16 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     return knob.group
 
 
-def _slower_than_recomputing(values: dict[str, object]) -> bool:
-    """Offloading every activation of a step (no checkpointing) is slower than recomputing them:
-    the search never tries it."""
-    return bool(values.get("memory.offload_activations")) and values.get("train.gradient_checkpointing") is False
+def _never_tried(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
+    """Why the search never tries these values (chosen beside settings of `cfg`), or None: they
+    are slower than a neighbour that needs no more memory."""
+    if values.get("memory.offload_activations") and values.get("train.gradient_checkpointing") is False:
+        return "offloading every activation of a step is slower than recomputing them"
+    if (values.get("memory.stream_weights") is True and values.get("train.optimizer_in_backward") is False
+            and streamed_step_on_device(with_values(cfg, {**values, "train.optimizer_in_backward": True}))):
+        return ("streamed weights step in CPU memory after backward (seconds a step) and on the GPU inside "
+                "backward")
+    return None
 
 
 def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
@@ -552,7 +566,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
         found = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
-            if _slower_than_recomputing(combo):
+            if _never_tried(cfg, combo):
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue
@@ -607,9 +621,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
                            "the other settings")
             continue
-        if _slower_than_recomputing({**values, knob.key: knob.options[0]}):
-            reasons.append(f"{knob.key} = {json.dumps(value)}: beside memory.offload_activations = true; "
-                           "offloading every activation of a step is slower than recomputing them")
+        why = _never_tried(cfg, {**values, knob.key: knob.options[0]})
+        if why:
+            reasons.append(f"{knob.key} = {json.dumps(value)}: {why}")
             continue
         fastest = with_values(cfg, {**values, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
