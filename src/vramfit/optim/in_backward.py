@@ -71,7 +71,9 @@ class BackwardSteps:
         # chunks save nothing and slow the CPU step
         self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)
                          and (device is None or _same_device(p.device, device))}
-        waiting = [p for p in params if id(p) not in self._chunked]
+        # the pack limit leaves out every tensor the optimizer could chunk, wherever it steps now: a
+        # streamed weight stepped on the device (memory/offload.py) steps in chunks there
+        waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
