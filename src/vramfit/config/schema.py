@@ -242,10 +242,12 @@ class MemoryConfig(_Section):
         False, description="Keep the weights of the denoiser's blocks (SDXL family: down/mid/up "
         "blocks; SD3: transformer blocks) in pinned CPU memory and copy each block to the GPU just "
         "before it runs, forward and backward, on a side stream. Saves the blocks' weights (and, "
-        "for a full fine-tune, their gradients and optimizer state, which live and step on the "
-        "CPU) from the GPU; costs about two host-to-GPU copies of the streamed weights per step "
-        "(forward and backward), one GPU-to-host copy of their gradients, and an optimizer step on "
-        "the CPU. LoRA matrices stay on the GPU.")
+        "for a full fine-tune, their gradients) from the GPU; costs about two host-to-GPU copies "
+        "of the streamed weights per step (forward and backward). A full fine-tune with "
+        "train.optimizer_in_backward and Adafactor steps each streamed weight on the GPU while its "
+        "block is there (its small optimizer state lives on the GPU) and copies the new values "
+        "home; otherwise the gradients go home and the streamed weights step on the CPU, seconds "
+        "a step (their optimizer state in CPU memory). LoRA matrices stay on the GPU.")
     stream_unit_mib: float = Field(
         256.0, gt=0, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "

@@ -29,6 +29,23 @@ hook (accumulation with stochastic rounding, the optimizer step in backward) run
 parameter as it would on a device one. The loop's clipping and `optimizer.step()` then run on
 the CPU for these parameters.
 
+Stepping on the device (`step_on_device`: the loop turns it on for the step in backward with an
+optimizer of compact state, Adafactor). In the backward that steps, a streamed weight's complete
+gradient is not moved home: the weight steps on its compute copy on the device, with the unit's
+other gradients that arrive together (through optim/in_backward.py `step_now`, so clipping, the
+finite check, packing and chunks are those of resident weights), and the new values are copied to
+their homes on the back stream; the next fetch of the unit waits for that copy. Its optimizer
+state moves to the device at its first such step and stays there. The compute copy must still
+exist when the gradient arrives: a unit evicted while autograd still holds its copy (a
+checkpointed block's recomputed weights) and while some of its gradients are still to come is
+kept (`linger`) until they have stepped, which costs nothing, since autograd holds that memory
+anyway; a weight whose copy nothing kept (a projection whose input needs no gradient, such as
+cross-attention's keys and values of the text) is fetched again alone. Gradients of earlier
+micro-batches (accumulation) still go home and are brought back to be added when the last one
+steps. Compared with the CPU step this costs the optimizer state and up to a unit of waiting
+gradients on the device, and no weight crosses PCIe more often than before (the ones fetched
+again alone once more); the CPU step's seconds become milliseconds of GPU work.
+
 Activation offload (`offload_activations`): every other tensor saved for backward in the
 denoiser's forward (under gradient checkpointing that is the checkpointed blocks' inputs) is
 copied to pinned CPU memory and back when backward needs it; a tensor saved by several ops is
@@ -36,8 +53,8 @@ copied once.
 
 Costs: per step the streamed weights cross PCIe about twice (forward, and backward's recompute
 under checkpointing or its re-fetch of saved weights without), and for a full fine-tune their
-gradients once back; the optimizer step of the streamed weights runs on the CPU after backward,
-not overlapped with the GPU; host memory holds the weights, their gradients and optimizer
+gradients once back (stepped on the device: their new values once back instead); otherwise the
+optimizer step of the streamed weights runs on the CPU after backward, not overlapped with the GPU; host memory holds the weights, their gradients and optimizer
 state, pinned. On the device: at most three units' copies (the current one, the next, and one
 the GPU may still be reading), the resident weights, and the streamed gradients only until
 their copy to the host is done. Under mixed_bf16 without checkpointing the bf16 casts autocast
