@@ -20,6 +20,8 @@ from vramfit.config.load import load_config
 from vramfit.memory.accounting import MemoryTracker, tensor_bytes
 from vramfit.memory.offload import WeightStreamer, block_modules
 from vramfit.optim.adafactor import Adafactor
+from vramfit.optim.build import build_optimizer
+from vramfit.optim.in_backward import optional_steps
 from vramfit.train.loop import micro_step_loss
 from vramfit.train.setup import place_denoiser, prepare
 
@@ -268,3 +270,42 @@ def test_forward_without_backward_leaves_no_gradient_behind(images, tmp_path, ca
         p.grad = None
     loss().backward()
     assert streamer.trainable and all(torch.equal(p.grad, g) for p, g in zip(params, reference))
+
+
+def test_a_backward_that_fails_midway_leaves_no_device_step_behind(images, tmp_path, cache_root):
+    """A backward stepping streamed weights on the device that raises halfway (here: a gradient
+    hook) leaves gradients gathered for the device step; the next forward drops them, so in the
+    next backward every streamed weight steps exactly once, none with a stale gradient."""
+    args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, "train.precision=fp32",
+                      "train.optimizer_in_backward=true", "train.stochastic_rounding=false", model="tiny:sd3")
+    cfg = load_config(None, args[3::2])
+    device = torch.device("cpu")
+    family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
+    streamer = place_denoiser(bundle, cfg, device)
+    params = [p for p in bundle.denoiser.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.train)
+    steps = optional_steps(params, optimizer, in_backward=True, round_sums=False, grad_accum=1, max_grad_norm=0.0,
+                           device=device)
+    streamer.step_on_device(steps)
+    batch = data.batch(next(data.batches(1, torch.Generator().manual_seed(0), False)))
+
+    def loss():
+        return micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                               torch.float32)
+
+    first = bundle.denoiser.transformer_blocks[0].attn.to_q.weight  # its gradient comes late in backward
+    handle = first.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+    steps.begin(last=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss().backward()
+    handle.remove()
+    gathered = sum(len(u.to_step) for u in streamer.units)
+    assert streamer.stats.stepped_on_device > 0 and gathered > 0  # some stepped, some were waiting
+    for p in params:
+        p.grad = None
+    stepped = streamer.stats.stepped_on_device
+    steps.begin(last=True)
+    loss().backward()
+    steps.finish()
+    assert streamer.stats.stepped_on_device == stepped + len(streamer.trainable)  # each once, none stale
+    assert all(not u.to_step and u.linger is None for u in streamer.units)

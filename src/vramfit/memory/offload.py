@@ -398,17 +398,27 @@ class WeightStreamer:
         """Every streamed weight back at its home; no compute copy is held."""
         for unit in list(self._lru):
             self._evict(unit)
-        for unit in self._lingering:
+        for unit in list(self._lingering):  # a step may drop it from the list
             if unit.to_step:
                 self._step_unit(unit)
+        self._drop_lingering()
+        self._current = None
+
+    def _drop_lingering(self) -> None:
+        for unit in self._lingering:
             unit.linger = None
         self._lingering.clear()
-        self._current = None
 
     # ---- forward and backward boundaries -----------------------------------------------------
 
     def _forward_begins(self, module, args) -> None:
         self._prev["fwd"] = None
+        if self._stepped or self._lingering:  # a backward that stepped on the device did not finish
+            for unit in self.units:
+                unit.to_step.clear()
+            self._drop_lingering()
+            self._stepped.clear()
+            self._gathering = None
         if not torch.is_grad_enabled():
             return
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
