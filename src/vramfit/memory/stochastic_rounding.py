@@ -25,14 +25,6 @@ most of a streamed full fine-tune's CPU optimizer step. A CPU tensor of more tha
 GIL while it fills): one seed per chunk is drawn from the generator passed in, each chunk from
 its own generator seeded with it. The chunks are fixed by size, not by the thread count, so the
 bits depend only on the generator's state, on any machine; they differ from a single draw's.
-
-On a GPU with Triton (torch's CUDA builds ship it) a contiguous float32 source written into a
-contiguous bf16 destination of its shape takes one fused kernel instead of about seven: a seed is
-drawn on the device from the generator passed in (no host sync), and each element's 16 noise bits
-come from Philox at its own index, added, masked and stored in the same pass, with no noise
-tensor or NaN mask (no temporaries). The same arithmetic on the same bit patterns; only where the
-random bits come from differs, so the bits again depend only on the generator's state. Anything
-else (CPU tensors, strided views, other dtypes) takes the path above.
 """
 from __future__ import annotations
 
@@ -41,12 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
-
-try:  # torch's CUDA wheels bring Triton; CPU-only installs have none and use the torch ops below
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
 
 _UPPER_HALF = -65536  # 0xFFFF0000 as a signed int32
 CPU_CHUNK = 1 << 22  # values per chunk of a CPU draw spread over threads
@@ -87,43 +73,8 @@ def _rounded_bits(src: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return noise.view(torch.float32).masked_fill_(nan, float("nan"))
 
 
-if triton is not None:
-    @triton.jit
-    def _round_kernel(src_ptr, dst_ptr, seed_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
-        x = tl.load(src_ptr + offsets, mask=inside, other=0.0)
-        noise = (tl.randint(tl.load(seed_ptr), offsets.to(tl.uint32)) & 0xFFFF).to(tl.int32)
-        nan = x != x  # no noise for NaN (it could carry into the sign bit); written back as NaN
-        bits = (x.to(tl.int32, bitcast=True) + tl.where(nan, 0, noise)) & -65536
-        rounded = tl.where(nan, x, bits.to(tl.float32, bitcast=True))
-        tl.store(dst_ptr + offsets, rounded.to(tl.bfloat16), mask=inside)  # exact: low bits are zero
-
-
-FUSED_BLOCK = 1024
-
-
-def _fused(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether the fused GPU kernel can write `src` into `dst` (see the module doc)."""
-    return (triton is not None and dst.is_cuda and src.device == dst.device and dst.dtype == torch.bfloat16
-            and src.dtype == torch.float32 and src.shape == dst.shape and dst.is_contiguous()
-            and src.is_contiguous() and 0 < src.numel() < 2**32)
-
-
-def _round_fused(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dst.device, dtype=torch.int64)
-    with torch.cuda.device(dst.device):
-        _round_kernel[(triton.cdiv(src.numel(), FUSED_BLOCK),)](src.detach(), dst, seed, src.numel(),
-                                                               BLOCK=FUSED_BLOCK)
-    return dst
-
-
 def stochastic_round(src: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """A new bf16 tensor: `src` (float32) rounded stochastically, exact on average."""
-    if src.is_cuda and src.dtype == torch.float32 and src.is_contiguous():
-        out = torch.empty(src.shape, dtype=torch.bfloat16, device=src.device)
-        if _fused(out, src):
-            return _round_fused(out, src, generator)
     return _rounded_bits(src, generator).to(torch.bfloat16)  # exact: the low bits are zero
 
 
@@ -134,6 +85,4 @@ def copy_stochastic_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gene
     rounded stochastically here)."""
     if dst.dtype != torch.bfloat16:
         return dst.copy_(src)
-    if _fused(dst, src):
-        return _round_fused(dst, src, generator)
     return dst.copy_(_rounded_bits(src, generator))
