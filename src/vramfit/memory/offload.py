@@ -102,20 +102,16 @@ class _Unit:
     ready: Optional[object] = None  # CUDA event of the copy
     streams: set = field(default_factory=set)  # streams the buffers were recorded on
     bound: bool = False
-    # step on the device (WeightStreamer.step_on_device): (parameter, gradient, its compute copy) waiting
-    # to step; the buffers' use counts when only the streamer held them; an evicted unit's copies
-    # autograd still holds
+    # step on the device (WeightStreamer.step_on_device): (parameter, gradient) waiting to step; the
+    # buffers' use counts when only the streamer held them; an evicted unit's copies autograd still holds
     to_step: list = field(default_factory=list)
     own_refs: dict = field(default_factory=dict)
     linger: Optional[tuple] = None  # (buffers, views)
     homed: Optional[object] = None  # CUDA event: the stepped values' copy back home is done
-
-    def __post_init__(self):
-        self._slots = {id(p): i for i, p in enumerate(self.params)}
+    owner: Optional["_Unit"] = None  # of a one-weight unit fetched again alone (_fetch_alone)
 
     def slot(self, p: nn.Parameter) -> int:
-        """The index of `p` among the unit's parameters (and homes, and views)."""
-        return self._slots[id(p)]
+        return next(i for i, q in enumerate(self.params) if q is p)
 
 
 @dataclass(frozen=True)
@@ -518,15 +514,15 @@ class WeightStreamer:
         if self.steps is not None and self.steps.stepping:
             # stepped on the compute copy, with the rest of the unit's gradients that arrive together
             # (a weight whose copy is gone, one autograd did not keep, is fetched again alone)
-            held = self._copy_of(unit)
-            copy = held[1][unit.slot(p)] if held is not None else self._fetch_alone(unit, p)
+            if self._copy_of(unit) is None:
+                unit = self._fetch_alone(unit, p)
             earlier = self._stash.pop(p, None)  # earlier micro-batches' sum, as autograd accumulated it
             if earlier is not None:
                 grad = grad.add_(earlier.to(grad.device, non_blocking=True))
             if self._gathering is not None and self._gathering is not unit:
                 self._step_unit(self._gathering)
             self._gathering = unit
-            unit.to_step.append((p, grad, copy))
+            unit.to_step.append((p, grad))
             self._stepped.add(id(p))
             return
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
@@ -540,15 +536,16 @@ class WeightStreamer:
         self._moved.append((p, host))
         self.stats.grads_moved += 1
 
-    def _fetch_alone(self, unit: _Unit, p: nn.Parameter) -> torch.Tensor:
-        """A new compute copy of `p` alone (its unit holds none now)."""
+    def _fetch_alone(self, unit: _Unit, p: nn.Parameter) -> _Unit:
+        """A one-weight unit holding a new compute copy of `p` (whose own unit holds none now)."""
         home = unit.homes[unit.slot(p)]
         if self.cuda and unit.homed is not None:
             torch.cuda.current_stream(self.device).wait_event(unit.homed)
         copy = home.to(self.device, non_blocking=True) if self.cuda else home.clone()
         self.stats.fetched(tensor_bytes(copy))
         self.stats.released(tensor_bytes(copy))
-        return copy
+        return _Unit(unit.index, unit.name, [p], [home], tensor_bytes(copy), linger=({copy.dtype: copy}, [copy]),
+                     owner=unit)
 
     def _copy_of(self, unit: _Unit) -> Optional[tuple]:
         """(buffers, views) of the unit's compute copy: fetched, or kept for its gradients; or None."""
@@ -565,30 +562,32 @@ class WeightStreamer:
     def _step_unit(self, unit: _Unit) -> None:
         """Step the unit's weights whose gradients are complete on their compute copies, then copy
         the new values home on the back stream."""
-        waiting, unit.to_step = unit.to_step, []
+        pairs, unit.to_step = unit.to_step, []
         if self._gathering is unit:
             self._gathering = None
-        bound = [p.data for p, _, _ in waiting]
-        for p, _, copy in waiting:
-            p.data = copy  # already so while the unit is bound
-        self.steps.step_now([(p, grad) for p, grad, _ in waiting])
-        self.stats.stepped_on_device += len(waiting)
+        buffers, views = self._copy_of(unit)
+        bound = [p.data for p, _ in pairs]
+        slots = [unit.slot(p) for p, _ in pairs]
+        for (p, _), slot in zip(pairs, slots):
+            p.data = views[slot]  # already so while the unit is bound
+        self.steps.step_now(pairs)
+        self.stats.stepped_on_device += len(pairs)
         if self.cuda:
             self.back.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.back) if self.cuda else nullcontext():
-            for p, _, copy in waiting:
-                unit.homes[unit.slot(p)].copy_(copy, non_blocking=self.cuda)
+            for (p, _), slot in zip(pairs, slots):
+                unit.homes[slot].copy_(p.data, non_blocking=self.cuda)
             if self.cuda:
                 unit.homed = torch.cuda.Event()
                 unit.homed.record(self.back)
-        recorded = set()
-        for (p, _, copy), data in zip(waiting, bound):
+        for (p, _), data in zip(pairs, bound):
             p.data = data
-            storage = copy.untyped_storage().data_ptr()
-            if self.cuda and storage not in recorded:  # not reused before the copies home have read it
-                copy.record_stream(self.back)
-                recorded.add(storage)
-        if unit.linger is not None and not self._awaits_grads(unit):
+        if self.cuda:
+            for buf in buffers.values():
+                buf.record_stream(self.back)  # not reused before the copies have read it
+        if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
+            unit.owner.homed = unit.homed
+        elif unit.linger is not None and not self._awaits_grads(unit):
             unit.linger = None
             self._lingering.remove(unit)
 
