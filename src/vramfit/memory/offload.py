@@ -55,8 +55,9 @@ Costs: per step the streamed weights cross PCIe about twice (forward, and backwa
 under checkpointing or its re-fetch of saved weights without), and for a full fine-tune their
 gradients once back (stepped on the device: their new values once back instead); otherwise the
 optimizer step of the streamed weights runs on the CPU after backward, not overlapped with the
-GPU; host memory holds the weights, their gradients and optimizer state, pinned. On the device: at most three units' copies (the current one, the next, and one
-the GPU may still be reading), the resident weights, and the streamed gradients only until
+GPU; host memory holds the weights, their gradients and optimizer state, pinned. On the device:
+at most three units' copies (the current one, the next, and one the GPU may still be reading),
+the resident weights, and the streamed gradients only until
 their copy to the host is done. Under mixed_bf16 without checkpointing the bf16 casts autocast
 makes of the weights are saved as they are (on the device); autocast's cache of them is
 cleared at each change of unit. On CPU-only runs every step still copies into separate compute
