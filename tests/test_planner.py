@@ -16,7 +16,8 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.model_facts import facts_for_layout, read_facts
-from vramfit.memory.planner import GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, choose, device_terms, predict
+from vramfit.memory.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, choose, device_terms,
+                                    free_knobs, predict)
 from vramfit.memory.probe import SYNTHETIC_BATCHES
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
@@ -369,3 +370,25 @@ def test_adafactor_in_backward_temporaries_are_one_chunk_of_the_largest_tensor(s
     assert temps("adafactor") == int(SHARE * BYTES["adafactor"] * ParamOptimizer.MIN_PACK_NUMEL)
     assert temps("adamw") == int(SHARE * BYTES["adamw"] * ParamOptimizer.MIN_PACK_NUMEL)
     assert temps("adamw8bit") == int(SHARE * BYTES["adamw8bit"] * largest)
+
+
+def test_streamed_weights_set_by_hand_step_in_backward_and_after_it_only_where_nothing_else_fits(ssd1b):
+    chosen, _ = _choose(ssd1b, {**FULL_1024, "memory": {"stream_weights": True}}, 24)
+    assert chosen.memory.stream_weights and chosen.train.optimizer_in_backward  # on the GPU, not the CPU
+    # a budget between the peaks of stepping after backward (CPU) and inside it (GPU): the search
+    # falls back to the CPU step instead of finding nothing (no cache phases: their encoders are
+    # larger than either training peak)
+    fixed = {"data": {"resolution": 1024}, "memory": {"stream_weights": True, "offload_activations": True},
+             "cache": {"latents": False, "text": False},
+             "train": {"optimizer": "adafactor", "gradient_checkpointing": True}}
+
+    def peak(inside: bool) -> int:
+        cfg = _cfg(**{**fixed, "train": {**fixed["train"], "optimizer_in_backward": inside}})
+        return max(p.peak for p in predict(ssd1b, cfg).phases)
+
+    after, inside = peak(False), peak(True)
+    assert after < inside
+    cfg = _cfg(**fixed)
+    knob = [k for k in free_knobs(cfg, ssd1b) if k.key == "train.optimizer_in_backward"]
+    assert _search(cfg, ssd1b, knob, inside, 4)[0] == {"train.optimizer_in_backward": True}
+    assert _search(cfg, ssd1b, knob, (after + inside) // 2, 4)[0] == {"train.optimizer_in_backward": False}

@@ -38,9 +38,11 @@ their homes on the back stream; the next fetch of the unit waits for that copy. 
 state moves to the device at its first such step and stays there. The compute copy must still
 exist when the gradient arrives: a unit evicted while autograd still holds its copy (a
 checkpointed block's recomputed weights) and while some of its gradients are still to come is
-kept (`linger`) until they have stepped, which costs nothing, since autograd holds that memory
-anyway; a weight whose copy nothing kept (a projection whose input needs no gradient, such as
-cross-attention's keys and values of the text) is fetched again alone. Gradients of earlier
+kept (`linger`) until they have stepped, which costs nothing while autograd holds that memory
+anyway (a kept copy autograd has let go of is dropped at the next eviction); a weight whose copy
+nothing kept (a projection whose input needs no gradient, such as cross-attention's keys and
+values of the text; under mixed_bf16 most weights, since autocast saves its bf16 casts instead)
+is fetched again alone, on the compute stream. Gradients of earlier
 micro-batches (accumulation) still go home and are brought back to be added when the last one
 steps. Compared with the CPU step this costs the optimizer state and up to a unit of waiting
 gradients on the device, and no weight crosses PCIe more often than before (the ones fetched
@@ -334,7 +336,10 @@ class WeightStreamer:
             if self.cuda:
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self.side)
-        unit.buffers, unit.views, unit.streams, unit.linger = buffers, views, set(), None
+        if unit.linger is not None:  # fetched again: the new copy serves its gradients
+            unit.linger = None
+            self._lingering.remove(unit)
+        unit.buffers, unit.views, unit.streams = buffers, views, set()
         unit.own_refs = {dtype: _use_count(buf) for dtype, buf in buffers.items()}
         for dtype, buf in buffers.items():
             self._by_storage[buf.untyped_storage().data_ptr()] = (unit, dtype)
@@ -349,16 +354,19 @@ class WeightStreamer:
                 unit.homes[i] = self._to_home(p.data)
                 p.data = unit.homes[i]
 
-    def _bind(self, unit: _Unit) -> None:
+    def _await_copy(self, unit: _Unit) -> None:
+        """The current stream waits for the unit's copy to the device; the allocator keeps the
+        buffers until the work queued on this stream that uses them is done."""
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
             if stream not in unit.streams:
-                # The compute stream waits for the copy; the allocator keeps the buffers until
-                # the work queued on this stream that uses them is done.
                 stream.wait_event(unit.ready)
                 for buf in unit.buffers.values():
                     buf.record_stream(stream)
                 unit.streams.add(stream)
+
+    def _bind(self, unit: _Unit) -> None:
+        self._await_copy(unit)
         if not unit.bound:
             for p, view in zip(unit.params, unit.views):
                 p.data = view
@@ -376,12 +384,18 @@ class WeightStreamer:
             self._unbind(unit)
         if unit.to_step:
             self._step_unit(unit)
-        if self._awaits_grads(unit) and any(_use_count(buf) > unit.own_refs[dtype]
-                                            for dtype, buf in unit.buffers.items()):
+        if self._awaits_grads(unit) and self._shared(unit.buffers, unit.own_refs):
             # autograd still holds this copy (a checkpointed block's recomputed weights) and gradients
             # of the unit are to come: keep it, at no cost, so that they step on it
             unit.linger = (unit.buffers, unit.views)
             self._lingering.append(unit)
+        for other in list(self._lingering):  # one autograd let go of is not kept longer
+            if other is not unit and not self._shared(other.linger[0], other.own_refs):
+                if other.to_step:
+                    self._step_unit(other)
+                if other.linger is not None:
+                    other.linger = None
+                    self._lingering.remove(other)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         if unit.streams:
@@ -460,6 +474,8 @@ class WeightStreamer:
 
     def _backward_ends(self) -> None:
         self._task = None
+        if self._gathering is not None and self._gathering.to_step:  # a weight fetched alone, say
+            self._step_unit(self._gathering)
         self._gathering = None
         self.release_all()
         self._stepped.clear()
@@ -548,6 +564,11 @@ class WeightStreamer:
         return _Unit(unit.index, unit.name, [p], [home], tensor_bytes(copy), linger=({copy.dtype: copy}, [copy]),
                      owner=unit)
 
+    @staticmethod
+    def _shared(buffers: dict, own_refs: dict) -> bool:
+        """Whether tensors other than the streamer's own views share one of these buffers."""
+        return any(_use_count(buf) > own_refs[dtype] for dtype, buf in buffers.items())
+
     def _copy_of(self, unit: _Unit) -> Optional[tuple]:
         """(buffers, views) of the unit's compute copy: fetched, or kept for its gradients; or None."""
         if unit.buffers is not None:
@@ -566,6 +587,8 @@ class WeightStreamer:
         pairs, unit.to_step = unit.to_step, []
         if self._gathering is unit:
             self._gathering = None
+        if unit.buffers is not None:  # a prefetched copy may not have been used (and waited for) yet
+            self._await_copy(unit)
         buffers, views = self._copy_of(unit)
         bound = [p.data for p, _ in pairs]
         slots = [unit.slot(p) for p, _ in pairs]

@@ -553,8 +553,19 @@ def _never_tried(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
     are slower than a neighbour that needs no more memory."""
     if values.get("memory.offload_activations") and values.get("train.gradient_checkpointing") is False:
         return "offloading every activation of a step is slower than recomputing them"
-    if (values.get("memory.stream_weights") is True and values.get("train.optimizer_in_backward") is False
-            and streamed_step_on_device(with_values(cfg, {**values, "train.optimizer_in_backward": True}))):
+    return None
+
+
+def _tried_last(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
+    """Why the search tries these values (chosen beside `cfg`'s settings) only when nothing else
+    of their group fits, or None. Streamed weights stepping after backward step in CPU memory,
+    seconds a step, where inside backward they step on the GPU for a little more memory (their
+    optimizer state and some gradients)."""
+    if values.get("train.optimizer_in_backward") is not False:
+        return None  # only where the planner chooses it
+    trial = with_values(cfg, values)
+    if trial.memory.stream_weights and streamed_step_on_device(
+            with_values(trial, {"train.optimizer_in_backward": True})):
         return ("streamed weights step in CPU memory after backward (seconds a step) and on the GPU inside "
                 "backward")
     return None
@@ -568,7 +579,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
     smallest: Optional[tuple[int, str, dict]] = None
     for group in ("cache_latents", "cache_text", "train"):
         mine = [k for k in knobs if _group_of(k, cfg) == group]
-        found = None
+        found = last = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
             if _never_tried(cfg, combo):
@@ -579,10 +590,15 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
             fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
             worst = max(fits, key=lambda p: p.peak, default=None)
             if worst is None or worst.peak <= usable:
+                if _tried_last(cfg, {**values, **combo}):
+                    last = combo if last is None else last
+                    continue
                 found = combo
                 break
             if smallest is None or worst.peak < smallest[0]:
                 smallest = (worst.peak, worst.name, {**values, **combo})
+        if found is None:
+            found = last
         if found is None:
             return None, smallest
         values.update(found)
@@ -626,7 +642,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
                            "the other settings")
             continue
-        why = _never_tried(cfg, {**values, knob.key: knob.options[0]})
+        why = _never_tried(cfg, {**values, knob.key: knob.options[0]}) or _tried_last(
+            cfg, {**values, knob.key: knob.options[0]})
         if why:
             reasons.append(f"{knob.key} = {json.dumps(value)}: {why}")
             continue
