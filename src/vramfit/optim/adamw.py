@@ -67,7 +67,6 @@ class AdamW(ParamOptimizer):
         denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
         return new.addcdiv_(exp_avg, denom, value=-step_size)
 
-
     def chunks(self, p: torch.Tensor) -> bool:
         # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no).
         # An fp32 weight steps in place (torch's fused kernel, no temporaries): never chunked.
