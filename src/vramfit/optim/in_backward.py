@@ -71,6 +71,7 @@ class BackwardSteps:
         # chunks save nothing and slow the CPU step
         self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)
                          and (device is None or _same_device(p.device, device))}
+        self._device = device
         # the pack limit leaves out every tensor the optimizer could chunk, wherever it steps now: a
         # streamed weight stepped on the device (memory/offload.py) steps in chunks there
         waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
@@ -116,6 +117,7 @@ class BackwardSteps:
         whose gradient hook hands them over while their compute copy is on the device (their
         state moves there on the first such step; a tensor the optimizer chunks steps in chunks)."""
         for p, grad in pairs:
+            self.optimizer.follow(p)
             buffer = self._buffers.pop(id(p), None)
             parts = [buffer.to(p.device, non_blocking=True)] if buffer is not None else []
             self._step_parts(p, parts + [grad], chunked=self.optimizer.chunks(p))
@@ -129,10 +131,11 @@ class BackwardSteps:
         if not parts:
             return
         p.grad = None
+        if self._device is not None and not _same_device(p.device, self._device):
+            self.optimizer.follow(p)  # a streamed weight's home: its state may sit where its last step ran
         self._step_parts(p, parts, chunked=id(p) in self._chunked)
 
     def _step_parts(self, p: torch.Tensor, parts: list[torch.Tensor], chunked: bool) -> None:
-        self.optimizer.follow(p)  # a streamed weight's state sits where its last step ran
         if chunked and all(t.device == p.device for t in parts):
             self._step_chunked(p, parts)
         else:
