@@ -20,6 +20,14 @@ import torch
 GIB = 2**30
 
 
+def concrete_device(device) -> torch.device:
+    """`device` as tensors on it report it: "cuda" without an index is the current GPU, cuda:N."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really stores; quantized tensor subclasses are counted by their parts."""
     flatten = getattr(t, "__tensor_flatten__", None)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from vramfit.config.schema import MemoryConfig, ModelConfig
-from vramfit.memory.accounting import CopyCounters, tensor_bytes
+from vramfit.memory.accounting import CopyCounters, concrete_device, tensor_bytes
 
 # T5EncoderModel; CLIPTextModelWithProjection; CLIPTextModel (transformers 5 has no text_model in it)
 LAYER_LISTS = ("encoder.block", "text_model.encoder.layers", "encoder.layers")
@@ -136,9 +136,7 @@ class EncoderStreamer:
     """Streams one text encoder's layers for the duration of a `with` block (module docstring)."""
 
     def __init__(self, encoder: nn.Module, device: torch.device, window: int = WINDOW):
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare alike
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.encoder, self.device, self.window = encoder, device, max(1, window)
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None

@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from vramfit.config.schema import MemoryConfig
-from vramfit.memory.accounting import CopyCounters, tensor_bytes
+from vramfit.memory.accounting import CopyCounters, concrete_device, tensor_bytes
 
 BLOCK_CONTAINERS = ("down_blocks", "mid_block", "up_blocks", "transformer_blocks")
 
@@ -181,9 +181,7 @@ class WeightStreamer:
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, stream: bool, stream_trainable: bool,
                  max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare alike
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.model, self.device = denoiser, device
         self.cuda = device.type == "cuda"
         self.capacity = max(2, capacity)

@@ -50,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from vramfit.memory.accounting import concrete_device
 from vramfit.memory.stochastic_rounding import copy_stochastic_
 from vramfit.optim.base import ChunkedGrad, ParamOptimizer, norm_checks
 
@@ -226,12 +227,7 @@ class BackwardSteps:
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """Whether `a` is `b`, where "cuda" without an index means the current GPU."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    return (a.index if a.index is not None else torch.cuda.current_device()) == (
-        b.index if b.index is not None else torch.cuda.current_device())
+    return a.type == b.type and (a.type != "cuda" or concrete_device(a) == concrete_device(b))
 
 
 def optional_steps(params: list[torch.nn.Parameter], optimizer, *, in_backward: bool, round_sums: bool,
