@@ -334,9 +334,7 @@ class WeightStreamer:
             if self.cuda:
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self.side)
-        if unit.linger is not None:  # fetched again: the new copy serves its gradients
-            unit.linger = None
-            self._lingering.remove(unit)
+        self._let_go(unit)  # fetched again: the new copy serves its gradients
         unit.buffers, unit.views, unit.streams = buffers, views, set()
         unit.own_refs = {dtype: _use_count(buf) for dtype, buf in buffers.items()}
         for dtype, buf in buffers.items():
@@ -391,9 +389,7 @@ class WeightStreamer:
             if other is not unit and not self._shared(other.linger[0], other.own_refs):
                 if other.to_step:
                     self._step_unit(other)
-                if other.linger is not None:
-                    other.linger = None
-                    self._lingering.remove(other)
+                self._let_go(other)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         if unit.streams:
@@ -416,6 +412,12 @@ class WeightStreamer:
                 self._step_unit(unit)
         self._drop_lingering()
         self._current = None
+
+    def _let_go(self, unit: _Unit) -> None:
+        """Stop keeping `unit`'s copy for its gradients, if it is kept."""
+        if unit.linger is not None:
+            unit.linger = None
+            self._lingering.remove(unit)
 
     def _drop_lingering(self) -> None:
         for unit in self._lingering:
@@ -610,8 +612,7 @@ class WeightStreamer:
         if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
             unit.owner.homed = unit.homed
         elif unit.linger is not None and not self._awaits_grads(unit):
-            unit.linger = None
-            self._lingering.remove(unit)
+            self._let_go(unit)
 
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""
