@@ -7,7 +7,6 @@ are checked on the meta device (shapes only, no memory).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
