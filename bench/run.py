@@ -109,8 +109,9 @@ LORA_CASES = [
 ]
 FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "fastest")]
-FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "fastest", "fastest_bf16")]
-LORA_CASES += [graphed(c) for c in LORA_CASES if c.name in ("recipe", "fastest", "base_int8", "base_fp8", "base_nf4")]
+FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
+LORA_CASES += [graphed(c) for c in LORA_CASES
+               if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4")]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
 DEFAULT_CASE_SECONDS = {"seed": 30.0, "vramfit": 60.0}  # guesses for --deadline until a case has run

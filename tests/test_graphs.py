@@ -47,9 +47,10 @@ class BakedRecording:
 def recorded(monkeypatch):
     calls: list = []
 
-    def init(self, denoiser, recorder=None):
+    def init(self, denoiser, recorder=None, steps=None):
         original_init(self, denoiser, recorder=lambda flat, tensors, prepare: (
-            calls.append(tuple(tuple(t.shape) for t in tensors)) or BakedRecording(flat, tensors, prepare)))
+            calls.append(tuple(tuple(t.shape) for t in tensors)) or BakedRecording(flat, tensors, prepare)),
+            steps=steps)
 
     original_init = graphs.GraphedDenoiser.__init__
     monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", init)
@@ -105,10 +106,10 @@ def test_the_stand_in_recording_catches_gradients_that_miss_the_recorded_buffers
 
 def test_a_failed_recording_warns_and_runs_those_inputs_without_graphs(images, tmp_path, cache_root, monkeypatch,
                                                                        caplog):
-    def refuse(self, denoiser, recorder=None):
+    def refuse(self, denoiser, recorder=None, steps=None):
         def fail(flat, tensors, prepare):
             raise RuntimeError("operation not permitted when stream is capturing")
-        original_init(self, denoiser, recorder=fail)
+        original_init(self, denoiser, recorder=fail, steps=steps)
 
     original_init = graphs.GraphedDenoiser.__init__
     monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", refuse)
@@ -141,10 +142,17 @@ def test_on_the_cpu_the_run_stops_before_any_weight_loads(images, tmp_path, cach
 
 
 @pytest.mark.parametrize("setting", ["memory.stream_weights=true", "memory.offload_activations=true",
-                                     "train.optimizer_in_backward=true", "train.compile=true"])
+                                     "train.compile=true"])
 def test_settings_a_replay_cannot_hold_are_refused(setting):
     with pytest.raises(ValueError, match=f"train.cuda_graphs with {setting.split('=')[0]}"):
         load_config(None, ["train.cuda_graphs=true", setting], need_data=False)
+
+
+def test_the_step_inside_backward_records_with_one_micro_batch_only():
+    graphed = ["train.cuda_graphs=true", "train.optimizer_in_backward=true"]
+    load_config(None, [*graphed, "train.grad_accum=1"], need_data=False)
+    with pytest.raises(ValueError, match="train.optimizer_in_backward with train.grad_accum > 1"):
+        load_config(None, [*graphed, "train.grad_accum=2"], need_data=False)
 
 
 def test_rounded_bf16_gradient_sums_are_refused_and_their_alternatives_pass():
@@ -197,7 +205,12 @@ def test_the_planner_leaves_out_what_cuda_graphs_refuses():
     keys = {k.key for k in free_knobs(cfg, facts)}
     kept = {k.key for k in free_knobs(graphed, facts)}
     assert {"train.optimizer_in_backward", "memory.stream_weights", "memory.offload_activations"} <= keys
-    assert keys - kept == {"train.optimizer_in_backward", "memory.stream_weights", "memory.offload_activations"}
+    assert keys - kept == {"memory.stream_weights", "memory.offload_activations"}
+    # the step inside backward records with graphs, but only at one micro-batch a step
+    accumulating = load_config(None, ["model.path=tiny:ssd1b", "train.cuda_graphs=true", "train.grad_accum=2",
+                                      "train.precision=mixed_bf16"],
+                               need_data=False)
+    assert "train.optimizer_in_backward" not in {k.key for k in free_knobs(accumulating, facts)}
     assert "train.gradient_checkpointing" in kept
 
 

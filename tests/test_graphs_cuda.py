@@ -1,6 +1,7 @@
 """train.cuda_graphs with real CUDA recordings (skipped without a GPU): graphed runs through the CLI
 against the same runs without graphs, with several buckets, accumulation, sample grids between
-steps (which move the weights and force new recordings) and a quantized LoRA base."""
+steps (which move the weights and force new recordings), a quantized LoRA base, and the optimizer
+step inside backward recorded with the backward."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,18 @@ CASES = {
     "sd3-lora-fp8-samples": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=fp8", "train.lr=1e-4",
                                           "sample.every_steps=2", "sample.prompts=['a red circle']",
                                           "sample.steps=2"]),
+    # the step inside backward, recorded with the backward: one micro-batch a step, a learning rate
+    # that moves every step (the recorded step reads it from the device), clipping per tensor
+    "ssd1b-full-inbwd-fp32": ("tiny:ssd1b", [
+        "train.precision=mixed_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
+        "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.lr_scheduler=cosine",
+        "train.warmup_steps=2", "train.max_grad_norm=0.5"]),
+    "ssd1b-full-inbwd-bf16": ("tiny:ssd1b", [
+        "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
+        "train.optimizer_in_backward=true", "train.lr_scheduler=cosine"]),
+    "sd3-lora-inbwd-adamw": ("tiny:sd3", [
+        "train.mode=lora", "train.optimizer=adamw", "train.lr=1e-3", "train.grad_accum=1",
+        "train.optimizer_in_backward=true", "train.lr_scheduler=cosine", "train.weight_decay=0.01"]),
 }
 
 
@@ -50,4 +63,11 @@ def test_graphed_runs_on_the_gpu_match_runs_without(images, tmp_path, cache_root
     # the same kernels in the same order: equal up to the few last bits that reductions may differ in
     assert losses == pytest.approx(plain_losses, rel=1e-3, abs=1e-5)
     for key in plain_weights:
-        torch.testing.assert_close(weights[key], plain_weights[key], rtol=1e-3, atol=1e-5, msg=key)
+        if "train.precision=full_bf16" in sets:
+            # the same draws, but a last bit of the fp32 update may move a stochastic rounding to the
+            # other bf16 neighbour (0.4 to 0.8% apart): a few values in a thousand at most
+            close = torch.isclose(weights[key], plain_weights[key], rtol=1e-3, atol=1e-5)
+            assert close.float().mean() > 0.99, key
+            torch.testing.assert_close(weights[key], plain_weights[key], rtol=2e-2, atol=1e-4, msg=key)
+        else:
+            torch.testing.assert_close(weights[key], plain_weights[key], rtol=1e-3, atol=1e-5, msg=key)

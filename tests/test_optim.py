@@ -543,3 +543,76 @@ def test_fused_in_place_adamw_matches_the_foreach_path_and_the_packed_math(weigh
         torch.testing.assert_close(fused, alone, rtol=1e-6, atol=1e-7, msg=name)
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opts[0].state[fused][key], opts[1].state[foreach][key], rtol=1e-6, atol=1e-8)
+
+
+class _ReadOnTheDevice:
+    """Stands in for RecordedScalars on the CPU: every step reads its scalars from 0-dim tensors
+    holding the values a replay would have loaded, so the tensor path of the update math runs."""
+
+    def __init__(self, opt: ParamOptimizer):
+        self.opt, self.steps = opt, 0
+
+    def place(self, states, group):
+        self.steps += 1
+        return {k: torch.tensor(v) for k, v in self.opt.scalars(group, states[0]["step"]).items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_scalars_read_from_the_device_give_the_steps_of_scalars_given_as_numbers(cls, dtype):
+    """What a recorded step computes (optim/base.py RecordedScalars): learning rate and step-count
+    scalars as tensors, through packs with per-member flags, tensors alone and chunked tensors,
+    with weight decay and a learning rate that changes every step."""
+    models = [_Blocks(dtype), _Blocks(dtype)]
+    opts = [cls(m.parameters(), lr=1e-3, weight_decay=0.1, rounding=RoundingGenerators(0)) for m in models]
+    for opt in opts:
+        opt.fused = False  # fp32 AdamW numbers would step in place; a recorded step always packs
+        opt.MIN_PACK_NUMEL = 1000  # the 128 x 128 matrices and the head step in chunks where they can
+    device_side = _ReadOnTheDevice(opts[1])
+    opts[1]._recorded = device_side
+    for step in range(3):
+        for model, opt in zip(models, opts):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (step + 1)
+            pairs = _grads(model)
+            big = [(p, g) for p, g in pairs if opt.chunks(p)]
+            flags = [torch.tensor(True) for _ in pairs if not opt.chunks(_[0])]
+            opt.step_params([(p, g) for p, g in pairs if not opt.chunks(p)], finite=flags)
+            for p, g in big:
+                opt.step_chunked(p, ChunkedGrad([g]))
+            opt.step_param(*pairs[0])  # and one tensor alone
+            opt.zero_grad()
+    assert device_side.steps > 3 * 3
+    chunked = any(opts[1].chunks(p) for p in models[1].parameters())
+    assert chunked == (cls is Adafactor or (cls is AdamW and dtype == torch.bfloat16))
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        # float rounding apart (a product fused or not), where a wrong step's learning rate or bias
+        # correction would move every weight by its whole update. That rounding may move a bf16
+        # value's stochastic rounding, or an 8-bit moment's code, to a neighbour: a few values in
+        # ten thousand
+        close = torch.isclose(b.float(), a.float(), rtol=1e-5, atol=1e-7)
+        assert close.float().mean() >= (1.0 if dtype == torch.float32 and cls is not AdamW8bit else 0.999), name
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-4, msg=name)
+
+
+def test_recorded_scalars_count_steps_back_and_load_each_replay_s_numbers():
+    model = _Blocks(torch.float32)
+    opt = Adafactor(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt.step_params(_grads(model))
+    model.zero_grad()
+    counted = {id(p): opt.state[p]["step"] for p in model.parameters()}
+    assert set(counted.values()) == {1}
+    recorded = opt.record_scalars(torch.device("cpu"), 64)
+    opt.step_params(_grads(model))  # the recording (on a GPU its kernels would not run yet)
+    places = len(recorded._steps)
+    recorded.close()
+    assert opt._recorded is None and {opt.state[p]["step"] for p in model.parameters()} == {1}
+    for replay, lr in ((2, 1e-3), (3, 5e-4)):
+        opt.param_groups[0]["lr"] = lr  # a schedule moved it
+        recorded.load()
+        assert {opt.state[p]["step"] for p in model.parameters()} == {replay}
+        want = list(opt.scalars(opt.param_groups[0], replay).values()) * places
+        torch.testing.assert_close(recorded.values[:len(want)], torch.tensor(want, dtype=torch.float32))
+    opt.record_scalars(torch.device("cpu"), 3)  # too few places: the recording fails, clearly
+    with pytest.raises(RuntimeError, match="more than 3 scalars"):
+        opt.step_params(_grads(model))

@@ -179,10 +179,11 @@ class TrainConfig(_Section):
         False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
         "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
-        "memory.offload_activations, optimizer_in_backward, compile, LoRA dropout, or grad_accum > 1 "
-        "on full_bf16 weights with stochastic_rounding. A quantized LoRA base records too. The gradients "
-        "stay allocated between steps and the graphs keep their activations in a memory pool of "
-        "their own: the memory report shows the peak.")
+        "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 on full_bf16 weights "
+        "with stochastic_rounding or with optimizer_in_backward. A quantized LoRA base records too. "
+        "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
+        "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
+        "their activations in a memory pool of their own: the memory report shows the peak.")
     noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
     min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
@@ -383,7 +384,8 @@ class RunConfig(_Section):
             clash = [name for name, on in (
                 ("memory.stream_weights", self.memory.stream_weights),
                 ("memory.offload_activations", self.memory.offload_activations),
-                ("train.optimizer_in_backward", self.train.optimizer_in_backward),
+                ("train.optimizer_in_backward with train.grad_accum > 1",
+                 self.train.optimizer_in_backward and self.train.grad_accum > 1),
                 ("train.compile", self.train.compile),
                 ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0),
                 ("train.grad_accum > 1 on bf16 weights with train.stochastic_rounding",

@@ -368,9 +368,10 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
-    if t.cuda_graphs:
+    if t.cuda_graphs and not t.optimizer_in_backward:
         # train/graphs.py: the gradient buffers stay allocated, and the recordings' pool keeps the
-        # room of the activations while the optimizer steps
+        # room of the activations while the optimizer steps. With the step inside backward the
+        # recorded backward steps too: its pool's peak is the eager step's (below)
         return {**base, **max([{"gradients": grads, **act, "autocast copies": terms["autocast copies"]},
                                {"gradients": grads, **act, "step temporaries": temps}],
                               key=lambda c: sum(c.values()))}
@@ -422,7 +423,8 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
         terms = device_terms(facts, cfg)
         samples = _samples_phase(facts, cfg, terms)
         if cfg.train.cuda_graphs:  # grids between steps: the owned gradients and the pool stay
-            samples["gradients"] = terms["gradients"]
+            if not cfg.train.optimizer_in_backward:
+                samples["gradients"] = terms["gradients"]
             samples["graph pool"] = sum(_activations(facts, cfg, side).values())
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
     parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}

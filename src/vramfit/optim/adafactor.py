@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, norm_checks
+from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, norm_checks, scaled, scaled_
 
 EPS1 = 1e-30
 CLIP_THRESHOLD = 1.0
@@ -77,15 +77,18 @@ class Adafactor(ParamOptimizer):
             state["exp_avg_sq"] = torch.zeros(shape, device=p.device)
         return state
 
+    def scalars(self, group: dict, step: int) -> dict[str, float]:
+        beta2t = 1.0 - math.pow(step, DECAY_RATE)
+        return {"lr": group["lr"], "beta2t": beta2t, "rest": 1.0 - beta2t, "decay": -group["weight_decay"] * group["lr"]}
+
     def chunks(self, p: torch.Tensor) -> bool:
         # a chunk is whole rows of the matrix view: a row of more than the limit could not be bounded
         return p.dim() >= 2 and self._chunkable(p)
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
-        group, state, spans = self._begin_chunked(p, grad)
+        group, state, hyper, spans = self._begin_chunked(p, grad)
         rows, cols = grad.shape
-        beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
         # pass 1: g^2's row and column sums, unscaled; the norm is their total
         row_sum = torch.empty(rows, dtype=torch.float32, device=p.device)
         col_sum = torch.zeros(cols, dtype=torch.float32, device=p.device)
@@ -102,8 +105,8 @@ class Adafactor(ParamOptimizer):
             row_sum.mul_(squared)
             col_sum.mul_(squared)
         row_mean, col_mean = row_sum.div_(cols).add_(EPS1), col_sum.div_(rows).add_(EPS1)
-        row = state["exp_avg_sq_row"].mul(beta2t).add_(row_mean, alpha=1.0 - beta2t)
-        col = state["exp_avg_sq_col"].mul(beta2t).add_(col_mean, alpha=1.0 - beta2t)
+        row = scaled_(state["exp_avg_sq_row"].mul(hyper["beta2t"]), row_mean, hyper["rest"])
+        col = scaled_(state["exp_avg_sq_col"].mul(hyper["beta2t"]), col_mean, hyper["rest"])
         self._store(state["exp_avg_sq_row"], row, finite)
         self._store(state["exp_avg_sq_col"], col, finite)
         r_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
@@ -118,46 +121,44 @@ class Adafactor(ParamOptimizer):
         if scale is not None:
             rms.mul_(scale)
         # the step is update * factor: the clipping scale, the RMS clip and the learning rate at once
-        factor = (rms / CLIP_THRESHOLD).clamp_(min=1.0).reciprocal_().mul_(group["lr"])
+        factor = (rms / CLIP_THRESHOLD).clamp_(min=1.0).reciprocal_().mul_(hyper["lr"])
         if scale is not None:
             factor.mul_(scale)
         r_factor.mul_(factor)
         matrix = p.view(rows, cols)
-        decay = -group["weight_decay"] * group["lr"]
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
             step = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop)
             old = matrix[start:stop]
-            if decay:
+            if group["weight_decay"]:
                 old32 = old.float()
-                new = torch.add(old32, old32, alpha=decay).sub_(step)
+                new = scaled(old32, old32, hyper["decay"]).sub_(step)
             else:
                 new = torch.sub(old, step, out=step)
             self._store(old, new, finite)
             del step, new
         return finite
 
-    def _update(self, p32, grad, state, group, finite, batch_dims):
+    def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         shape = p32.shape
         grad = grad.reshape(shape[:batch_dims] + _matrix_shape(shape[batch_dims:]))
-        lr = group["lr"]
-        beta2t = 1.0 - math.pow(state["step"], DECAY_RATE)
+        beta2t, rest = hyper["beta2t"], hyper["rest"]
         sq = grad.square().add_(EPS1)
         # `sq` is read once more (the moments) and then holds the update, and with no weight decay
         # the new value too: the temporaries are p32, grad and sq, 12 bytes per value.
         if "exp_avg_sq_row" in state:
-            row = state["exp_avg_sq_row"].mul(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
-            col = state["exp_avg_sq_col"].mul(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
+            row = scaled_(state["exp_avg_sq_row"].mul(beta2t), sq.mean(dim=-1), rest)
+            col = scaled_(state["exp_avg_sq_col"].mul(beta2t), sq.mean(dim=-2), rest)
             self._store(state["exp_avg_sq_row"], row, finite)
             self._store(state["exp_avg_sq_col"], col, finite)
             r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
             update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=sq).mul_(grad)
         else:
-            avg = state["exp_avg_sq"].mul(beta2t).add_(sq, alpha=1.0 - beta2t)
+            avg = scaled_(state["exp_avg_sq"].mul(beta2t), sq, rest)
             self._store(state["exp_avg_sq"], avg, finite)
             update = torch.rsqrt(avg, out=sq).mul_(grad)
             del avg
-        update.div_(_rms(update, batch_dims, CLIP_THRESHOLD).clamp_(min=1.0)).mul_(lr)
+        update.div_(_rms(update, batch_dims, CLIP_THRESHOLD).clamp_(min=1.0)).mul_(hyper["lr"])
         update = update.view(shape)
         if group["weight_decay"]:  # p + (-wd lr) p, as transformers computes it, then the step
-            return torch.add(p32, p32, alpha=-group["weight_decay"] * lr).sub_(update)
+            return scaled(p32, p32, hyper["decay"]).sub_(update)
         return torch.sub(p32, update, out=update)

@@ -54,18 +54,22 @@ class AdamW(ParamOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         return {"step": 0, "exp_avg": self._moment(p, True), "exp_avg_sq": self._moment(p, False)}
 
-    def _update(self, p32, grad, state, group, finite, batch_dims):
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    def scalars(self, group: dict, step: int) -> dict[str, float]:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        return {"keep": 1 - lr * group["weight_decay"], "bias2": math.sqrt(1 - beta2 ** step),
+                "minus_step": -lr / (1 - beta1 ** step)}
+
+    def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         beta1, beta2 = group["betas"]
-        step = state["step"]
         exp_avg = fp32(state["exp_avg"]).lerp(grad, 1 - beta1)
         exp_avg_sq = fp32(state["exp_avg_sq"]).mul(beta2).addcmul_(grad, grad, value=1 - beta2)
         self._store(state["exp_avg"], exp_avg, finite)
         self._store(state["exp_avg_sq"], exp_avg_sq, finite)
-        new = p32 * (1 - lr * wd) if wd else p32.clone()
-        step_size = lr / (1 - beta1 ** step)
-        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
-        return new.addcdiv_(exp_avg, denom, value=-step_size)
+        new = p32 * hyper["keep"] if group["weight_decay"] else p32.clone()
+        denom = exp_avg_sq.sqrt_().div_(hyper["bias2"]).add_(group["eps"])
+        if torch.is_tensor(hyper["minus_step"]):  # a recorded step: the step size is read on the device
+            return new.addcmul_(exp_avg.div_(denom), hyper["minus_step"])
+        return new.addcdiv_(exp_avg, denom, value=hyper["minus_step"])
 
     def chunks(self, p: torch.Tensor) -> bool:
         # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no).
@@ -76,7 +80,7 @@ class AdamW(ParamOptimizer):
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
         """Two passes over row chunks: the gradient's norm (the finite check and the clipping),
         then `_update` on each chunk with its slices of the moments, written back as it goes."""
-        group, state, spans = self._begin_chunked(p, grad)
+        group, state, hyper, spans = self._begin_chunked(p, grad)
         rows, cols = grad.shape
         square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
         for start, stop in spans:
@@ -90,8 +94,8 @@ class AdamW(ParamOptimizer):
             if scale is not None:
                 g.mul_(scale)
             old = matrix[start:stop]
-            part = {"step": state["step"], **{k: v[start:stop] for k, v in moments.items()}}
-            self._store(old, self._update(old.float(), g, part, group, finite, 0), finite)
+            part = {k: v[start:stop] for k, v in moments.items()}
+            self._store(old, self._update(old.float(), g, part, group, hyper, finite, 0), finite)
             del g
         return finite
 
@@ -99,7 +103,7 @@ class AdamW(ParamOptimizer):
     # torch.optim.AdamW(fused=True) runs it) where this torch has it; else the foreach ops below
     fused = True
 
-    def _update_in_place(self, params, grads, states, group):
+    def _update_in_place(self, params, grads, states, group, hyper):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         step = states[0]["step"]

@@ -1,8 +1,10 @@
 """The base of vramfit's optimizers: fp32 math per parameter (or per pack of them), stochastic write-back.
 
-Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_init_state` and
-`_update(p32, grad32, state, group, finite, batch_dims)`: the new fp32 parameter from fp32 copies of one
-parameter and its gradient, with its state updated. The base turns that into
+Every optimizer vramfit offers derives from `ParamOptimizer` and implements `_init_state`,
+`scalars(group, step)` (the numbers of one step that change from step to step: the learning rate
+and whatever the step count sets) and `_update(p32, grad32, state, group, hyper, finite,
+batch_dims)`: the new fp32 parameter from fp32 copies of one parameter and its gradient, with its
+state updated, `hyper` being those scalars. The base turns that into
 
 - `step_param(p, grad, finite=None)`: step one parameter now (`step_params` below steps many,
   packed: the loop's `step()` after backward, and optim/in_backward.py from gradient hooks
@@ -96,6 +98,74 @@ class RoundingGenerators:
                 self._pending[kind] = state.cpu()
 
 
+def scaled(a: torch.Tensor, b: torch.Tensor, alpha) -> torch.Tensor:
+    """a + alpha * b, a new tensor; `alpha` a number or a 0-dim tensor (a recorded step's scalar)."""
+    return torch.addcmul(a, b, alpha) if torch.is_tensor(alpha) else torch.add(a, b, alpha=alpha)
+
+
+def scaled_(a: torch.Tensor, b: torch.Tensor, alpha) -> torch.Tensor:
+    """a += alpha * b, in place; `alpha` as in `scaled`."""
+    return a.addcmul_(b, alpha) if torch.is_tensor(alpha) else a.add_(b, alpha=alpha)
+
+
+class RecordedScalars:
+    """The numbers of optimizer steps recorded into a CUDA graph (train/graphs.py, with the step
+    inside backward), kept on the device.
+
+    A recording holds kernels, not Python: a learning rate or a bias correction handed to a kernel
+    as a number would come back as the recording step's number at every replay. So while steps
+    are recorded each of them (one parameter, or a pack) takes places for its `scalars` in one
+    fp32 device tensor, and its kernels read them there. A recording runs none of its kernels, so
+    `close()` counts back the step counts the recorded steps advanced. Before each replay `load()`
+    counts every recorded step once, as an eager step would, works out their scalars on the host
+    and puts them all in place with one host-to-device copy.
+
+    Cost: 4 bytes a scalar (up to four a step of a parameter or pack) on the device and in pinned
+    host memory; the host's work per replay is a loop over the recorded steps (about 1,700 for a
+    full SSD-1B UNet stepped alone, far fewer packed).
+    """
+
+    def __init__(self, optimizer: "ParamOptimizer", device: torch.device, capacity: int):
+        self.optimizer = optimizer
+        self.values = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self._host = torch.zeros(capacity, dtype=torch.float32, pin_memory=self.values.is_cuda)
+        self._steps: list[tuple[list[dict], dict]] = []
+        self._used = 0
+        self._copied: Optional[torch.cuda.Event] = None  # the last load's copy; the host buffer is free after it
+
+    def place(self, states: list[dict], group: dict) -> dict[str, torch.Tensor]:
+        """The places of the scalars of a step of `states` (already counted) in `group`."""
+        names = list(self.optimizer.scalars(group, states[0]["step"]))
+        start, self._used = self._used, self._used + len(names)
+        if self._used > self.values.numel():
+            raise RuntimeError(f"the recorded optimizer steps need more than {self.values.numel()} scalars")
+        self._steps.append((states, group))
+        return {name: self.values[start + i] for i, name in enumerate(names)}
+
+    def close(self) -> None:
+        """The recording ended: steps read numbers again, and the step counts go back."""
+        self.optimizer._recorded = None
+        for states, _ in self._steps:
+            for state in states:
+                state["step"] -= 1
+
+    def load(self) -> None:
+        """Before a replay: count each recorded step and put its scalars in their places."""
+        numbers: list[float] = []
+        for states, group in self._steps:
+            for state in states:
+                state["step"] += 1
+            numbers.extend(self.optimizer.scalars(group, states[0]["step"]).values())
+        if self._copied is not None:
+            self._copied.synchronize()
+        count = len(numbers)
+        self._host[:count] = torch.tensor(numbers, dtype=torch.float32)
+        self.values[:count].copy_(self._host[:count], non_blocking=True)
+        if self.values.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
 class ParamOptimizer(torch.optim.Optimizer):
     """A torch Optimizer whose step is `step_param` for each parameter (see the module doc)."""
 
@@ -103,21 +173,52 @@ class ParamOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.rounding = rounding
         self._groups_by_param: Optional[dict[int, dict]] = None
+        self._recorded: Optional[RecordedScalars] = None  # while a CUDA graph records steps
+
+    def _advance(self, states: list[dict], group: dict) -> dict:
+        """Count one step of each of `states` (one parameter, or a pack of them at one step
+        count) and return that step's `scalars`: numbers, or while a step is recorded
+        (`record_scalars`) their places on the device."""
+        for state in states:
+            state["step"] += 1
+        if self._recorded is not None:
+            return self._recorded.place(states, group)
+        return self.scalars(group, states[0]["step"])
+
+    def record_scalars(self, device: torch.device, capacity: int) -> "RecordedScalars":
+        """From now until `RecordedScalars.close()`, steps read their scalars from places on
+        `device` (see RecordedScalars)."""
+        self._recorded = RecordedScalars(self, device, capacity)
+        return self._recorded
+
+    def ensure_state(self, params) -> None:
+        """Make the state of each of `params` that has none yet (a recording must find it)."""
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(self._init_state(p, self._group_of(p)))
 
     # ---- what a subclass implements -------------------------------------------------------
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         raise NotImplementedError
 
-    def _update(self, p32: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
+    def scalars(self, group: dict, step: int) -> dict[str, float]:
+        """The numbers `_update` and `step_chunked` read that change between steps (the learning
+        rate, which a schedule sets, and what the step count `step` sets), by name. A recorded
+        step (`record_scalars`) reads them from the device instead, so each must be used as a
+        factor (`mul`, `scaled`), never as a Python number the kernel bakes in."""
+        raise NotImplementedError
+
+    def _update(self, p32: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, hyper: dict,
                 finite: Optional[torch.Tensor], batch_dims: int) -> torch.Tensor:
         """The new fp32 value of the parameter, as a new tensor; `p32` is read only (for an fp32
         parameter it is the parameter itself) and each state tensor is written through
-        `self._store(state[key], new_value, finite)`. With `batch_dims` 1 the tensors are a stack
-        of parameters of one shape along dimension 0, each to be updated on its own."""
+        `self._store(state[key], new_value, finite)`. `hyper`: `scalars(group, step)` of this
+        step, as numbers or (a recorded step) 0-dim tensors. With `batch_dims` 1 the tensors are a
+        stack of parameters of one shape along dimension 0, each to be updated on its own."""
         raise NotImplementedError
 
     def _update_in_place(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
-                         group: dict) -> bool:
+                         group: dict, hyper: dict) -> bool:
         """Optionally, the update of fp32 parameters with fp32 gradients and state, written in
         place with foreach ops (no packing copies); returns False where not implemented."""
         return False
@@ -159,13 +260,13 @@ class ParamOptimizer(torch.optim.Optimizer):
         return (p.dim() >= 1 and p.numel() > self.MIN_PACK_NUMEL and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
                 and type(p.data) is torch.Tensor and p.is_contiguous())
 
-    def _begin_chunked(self, p: torch.Tensor, grad: "ChunkedGrad") -> tuple[dict, dict, list[tuple[int, int]]]:
-        """(group, state with the step counted, row spans) of a chunked step of `p`."""
+    def _begin_chunked(self, p: torch.Tensor, grad: "ChunkedGrad") -> tuple[dict, dict, dict, list[tuple[int, int]]]:
+        """(group, state with the step counted, the step's scalars, row spans) of a chunked step of `p`."""
         group, state = self._group_of(p), self.state[p]
         if not state:
             state.update(self._init_state(p, group))
-        state["step"] += 1
-        return group, state, grad.spans(self.MIN_PACK_NUMEL)
+        hyper = self._advance([state], group)
+        return group, state, hyper, grad.spans(self.MIN_PACK_NUMEL)
 
     def follow(self, p: torch.Tensor) -> None:
         """Move `p`'s state tensors to `p`'s device where they are elsewhere (a streamed weight's
@@ -236,14 +337,14 @@ class ParamOptimizer(torch.optim.Optimizer):
         device = params[0].device
         async_copy = device.type == "cuda"
         states = [self.state[p] for p in params]
-        for state in states:
-            state["step"] += 1
+        group = self._group_of(params[0])
+        hyper = self._advance(states, group)
         grads = [g for _, g in members]
         state_tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
-        if finite is None and all(type(t) is torch.Tensor for t in state_tensors) and all(
+        if finite is None and self._recorded is None and all(type(t) is torch.Tensor for t in state_tensors) and all(
                 t.dtype == torch.float32 and t.device == device for t in [*params, *grads, *state_tensors]):
             # fp32 throughout: nothing to round, so the update runs in place on the tensors themselves
-            if self._update_in_place(params, grads, states, self._group_of(params[0])):
+            if self._update_in_place(params, grads, states, group, hyper):
                 return
         flat = self.elementwise
         if isinstance(finite, list):
@@ -260,8 +361,7 @@ class ParamOptimizer(torch.optim.Optimizer):
         for key, value in states[0].items():
             if torch.is_tensor(value):
                 packed_state[key] = _pack_state([s[key] for s in states], pack)
-        new = self._update(packed_p.float(), grads, packed_state, self._group_of(params[0]), finite,
-                           batch_dims=0 if flat else 1)
+        new = self._update(packed_p.float(), grads, packed_state, group, hyper, finite, batch_dims=0 if flat else 1)
         self._store(packed_p, new, finite)
         _unpack_into(params, packed_p, flat)
         for key, value in packed_state.items():
@@ -275,14 +375,14 @@ class ParamOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state.update(self._init_state(p, group))
-        state["step"] += 1
+        hyper = self._advance([state], group)
         # A copy to the GPU may be asynchronous; one to the CPU must not be (the CPU math would
         # read it before it lands).
         async_copy = p.device.type == "cuda"
         if finite is not None:
             finite = finite.to(p.device, non_blocking=async_copy)
         grad = grad.to(p.device, torch.float32, non_blocking=async_copy)
-        new = self._update(p.float(), grad, state, group, finite, batch_dims=0)
+        new = self._update(p.float(), grad, state, group, hyper, finite, batch_dims=0)
         self._store(p, new, finite)
 
     def _store(self, dst: torch.Tensor, value: torch.Tensor, finite: Optional[torch.Tensor]) -> None:

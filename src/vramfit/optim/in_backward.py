@@ -177,10 +177,15 @@ class BackwardSteps:
         for finite in flags:
             by_device.setdefault(finite.device, []).append(finite)
         for device, group in by_device.items():
-            held = self._held_back.get(device)
-            if held is None:
-                held = self._held_back[device] = torch.zeros((), dtype=torch.int64, device=device)
-            held.add_(torch.stack(group).logical_not().sum())
+            self._held_count(device).add_(torch.stack(group).logical_not().sum())
+
+    def _held_count(self, device: torch.device) -> torch.Tensor:
+        """The count of held-back tensors on `device`. It stays put once made (zeroed after each
+        step, never replaced): a recorded step (RecordedStep) adds into it at every replay."""
+        held = self._held_back.get(device)
+        if held is None:
+            held = self._held_back[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return held
 
     @torch.no_grad()
     def finish(self) -> int:
@@ -201,13 +206,17 @@ class BackwardSteps:
             self._take(p)
         self._flush()
         held = sum(int(h) for h in self._held_back.values())
-        self._held_back.clear()
+        self._zero_held()
         return held
+
+    def _zero_held(self) -> None:
+        for count in self._held_back.values():
+            count.zero_()
 
     def discard(self) -> None:
         """Drop what was accumulated (a skipped step)."""
         self._buffers.clear()
-        self._held_back.clear()
+        self._zero_held()
         self._pending, self._pending_numel = [], 0
 
     def remove(self) -> None:
@@ -223,6 +232,62 @@ class BackwardSteps:
         return (sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
                 + sum(tensor_bytes(b) for b in self._buffers.values())
                 + sum(tensor_bytes(grad) for _, grad, _ in self._pending))
+
+
+class RecordedStep:
+    """The step inside backward, recorded with a CUDA graph's backward (train/graphs.py).
+
+    The recorded backward runs the gradient hooks once, as a recording: their packs, chunks,
+    clipping, finite checks and stochastic rounding become kernels of the graph, so every replay
+    of the backward steps the weights too, with no Python and no launches of its own. What a
+    replay cannot redo is the hooks' host work, so the recording is set up for that:
+    - the optimizer state of every weight the backward reaches exists before the recording
+      (state made inside it would be memory of the graph's pool, zeroed at every replay);
+    - the learning rate and the step-count scalars are read from the device (optim/base.py
+      RecordedScalars), loaded before each replay, and the step counts the recording advanced
+      go back (a recording runs none of its kernels);
+    - the pack still waiting when backward ends steps inside the recording (`end`), not in
+      `finish()` after it;
+    - the rounding's generator is registered with the graph, which then advances its offset by
+      the recording's draws at each replay, as the same draws made eagerly would;
+    - the held-back count is a tensor that stays put (`_held_count`).
+    One micro-batch per step only: with accumulation the earlier micro-batches' hooks add into
+    buffers that they first adopt, host work a replay would skip (config/schema.py refuses it).
+    """
+
+    # up to four scalars a step of one parameter or pack (optim/*.py `scalars`)
+    SCALARS_PER_STEP = 4
+
+    def __init__(self, steps: BackwardSteps, params: list[torch.Tensor], device: torch.device):
+        self.steps, self.params, self.device = steps, params, device
+        self.scalars = None
+
+    def begin(self, graph) -> None:
+        """Before the backward's recording starts."""
+        optimizer = self.steps.optimizer
+        optimizer.ensure_state(self.params)
+        self.steps._held_count(self.device)
+        if optimizer.rounding is not None:
+            graph.register_generator_state(optimizer.rounding(self.device))
+        self.steps.begin(True)
+        self.scalars = optimizer.record_scalars(self.device, self.SCALARS_PER_STEP * len(self.params) + 1)
+
+    def end(self) -> None:
+        """Inside the recording, after backward: the pack still waiting steps too."""
+        self.steps._flush()
+
+    def close(self, failed: bool) -> None:
+        """After the recording. A failed one leaves nothing of itself behind: no pending
+        gradients, and no gradient of the recording's memory in `p.grad`."""
+        if self.scalars is not None:
+            self.scalars.close()
+        if failed:
+            self.steps.discard()
+            for p in self.params:
+                p.grad = None
+
+    def before_replay(self) -> None:
+        self.scalars.load()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

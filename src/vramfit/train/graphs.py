@@ -27,12 +27,21 @@ optimizer step), and a weight the forward does not use keeps no gradient, as eag
 signature whose recording fails (a warning says why) runs eagerly, adding into whatever `p.grad`
 holds.
 
+The optimizer step inside backward (`steps`: train.optimizer_in_backward, one micro-batch a
+step) is recorded with the backward instead: the gradient hooks run while the backward is
+recorded, so their packed steps become kernels of the same graph, and each replay of the
+backward steps every weight it reaches, each gradient freed as soon as it is applied, as
+eagerly. No gradient buffers are owned then. optim/in_backward.py `RecordedStep` says what the
+recording sets up for the host work a replay skips (the learning rate and step counts, read from
+the device and loaded before each replay; the rounding generator; the last pack).
+
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations), train.compile, the optimizer step inside backward and bf16
-  gradient sums with stochastic rounding (both are gradient hooks that a recorded backward would
-  bake in) are refused beside cuda_graphs (config/schema.py). A quantized LoRA base records as it
+  memory.offload_activations), train.compile, and bf16 gradient sums with stochastic rounding or
+  the optimizer step inside backward over several micro-batches (gradient hooks whose host work
+  differs between micro-batches, which a recorded backward would bake in) are refused beside
+  cuda_graphs (config/schema.py). A quantized LoRA base records as it
   is: widening its weights is GPU work like any other, and replaying it removes the host cost of
   torchao's tensor subclasses, which otherwise dominates such a step.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
@@ -123,10 +132,20 @@ class CudaRecording:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
             outs = flat(*self.static_in)
-        prepare(outs)
+        self.step = prepare(outs)  # the step inside backward (optim/in_backward.py RecordedStep), or None
         self.static_grad_out = [torch.zeros_like(o) for o in outs]
-        with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
-            torch.autograd.backward(outs, self.static_grad_out)
+        if self.step is not None:
+            self.step.begin(self.bwd)
+        failed = True
+        try:
+            with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
+                torch.autograd.backward(outs, self.static_grad_out)
+                if self.step is not None:
+                    self.step.end()
+            failed = False
+        finally:
+            if self.step is not None:
+                self.step.close(failed)
         torch.cuda.current_stream().wait_stream(stream)
         self.static_out = [o.detach() for o in outs]
 
@@ -141,6 +160,8 @@ class CudaRecording:
         with torch.cuda.device(self.device):
             for static, grad in zip(self.static_grad_out, grads):
                 static.copy_(grad) if grad is not None else static.zero_()
+            if self.step is not None:
+                self.step.before_replay()
             self.bwd.replay()
 
 
@@ -159,10 +180,11 @@ class _Replay(torch.autograd.Function):
 class GraphedDenoiser(torch.nn.Module):
     """The denoiser, with each training call signature recorded and replayed (see the module doc)."""
 
-    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None):
+    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None):
         super().__init__()
         self.denoiser = denoiser
         self._recorder = recorder
+        self._steps = steps  # optim/in_backward.py BackwardSteps when the step runs inside backward
         self._recordings: dict[Any, Optional[object]] = {}
         self._owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, its gradient buffer)
         self._used: dict[Any, list[torch.Tensor]] = {}
@@ -194,7 +216,8 @@ class GraphedDenoiser(torch.nn.Module):
         recording = self._recordings[key]
         if recording is None:  # recording failed for this signature: it runs as it would without graphs
             return self.denoiser(*args, **kwargs)
-        self._adopt(self._used[key])
+        if self._steps is None:  # the step inside backward takes each gradient as it comes
+            self._adopt(self._used[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
         return pytree.tree_unflatten(list(outs), recording.out_spec)
 
@@ -238,7 +261,12 @@ class GraphedDenoiser(torch.nn.Module):
 
         def prepare(outs):
             self._used[key] = used_parameters(outs)
-            self._adopt(self._used[key])
+            if self._steps is None:
+                self._adopt(self._used[key])
+                return None
+            from vramfit.optim.in_backward import RecordedStep
+
+            return RecordedStep(self._steps, self._used[key], self.device)
 
         try:
             if self._recorder is not None:

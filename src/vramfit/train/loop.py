@@ -106,14 +106,16 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         return micro_step_loss(family, loss_bundle, data.batch(group), cfg, micro_batch_generator(cfg.seed, index),
                                device, dtype)
 
+    grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
+                                round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
+                                max_grad_norm=cfg.max_grad_norm, device=device)
     if cfg.cuda_graphs:  # train/graphs.py: record the denoiser per input signature, replay after
         from vramfit.train.graphs import GraphedDenoiser, check_device
 
         check_device(device)
-        loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser))
-    grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
-                                round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
-                                max_grad_norm=cfg.max_grad_norm, device=device)
+        # with the step inside backward, the recorded backward steps the weights too
+        stepping = grad_hooks if cfg.optimizer_in_backward else None
+        loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser, steps=stepping))
     # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
     streamer = streamer_of(unet)
     if streamer is not None and grad_hooks is not None and grad_hooks.in_backward and getattr(
