@@ -403,6 +403,9 @@ class ParamOptimizer(torch.optim.Optimizer):
                 dst.scale.copy_(torch.where(keep_scale, dst.scale, old[1]))
             return
         rounds = self.rounding is not None and dst.dtype == torch.bfloat16
+        if rounds and (finite is None or finite.dim() == 0):  # the flag goes with the rounding (one kernel on a GPU)
+            copy_stochastic_(dst, value, self.rounding(dst.device), finite)
+            return
         if finite is not None:
             if not rounds and value.dtype == dst.dtype and value.shape == dst.shape:
                 torch.where(finite, value, dst, out=dst)  # one kernel: the masked write itself
