@@ -29,6 +29,18 @@ MIN_PACK_NUMEL values, measured on CPU) instead of 12 to 13 bytes per value of t
 beside an fp32 copy of its gradient. Equal to the whole update within float rounding (sums of
 chunk sums and chunk dot products; a clipped gradient's squares are the squares times the
 scale's square).
+
+On a GPU with Triton, for a bf16 weight written with stochastic rounding, each pass runs as one
+kernel a chunk (`_sums_kernel`, `_squares_kernel`, `_apply_kernel`; the first two leave one
+partial sum a program, which torch adds up: the same order at every run): g^2 and the update
+r[row] c[col] g are formed in registers, never as fp32 tensors, and pass 3 adds the weight decay,
+rounds the new value (memory/stochastic_rounding.py's Philox rounding) and holds it back on a
+False finite flag in the same pass. Per value that is 2 bytes read in each of passes 1 and 2 and
+6 moved in pass 3, against about 26, 22 and 40 for the torch ops, and five kernels a chunk
+instead of about twenty. It pays where the
+GPU's time is the step's (a step inside backward recorded as a CUDA graph, train/graphs.py);
+tests/test_fused_kernels.py holds it to the exact fp32 step (each value one of its two bf16
+neighbours, unbiased).
 """
 from __future__ import annotations
 
@@ -37,7 +49,97 @@ from typing import Optional
 
 import torch
 
+from vramfit.memory.stochastic_rounding import FUSED_BLOCK, device_seed, fused_kernels, on, triton
 from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, norm_checks, scaled, scaled_
+
+if triton is not None:
+    import triton.language as tl
+
+    from vramfit.memory.stochastic_rounding import round_bf16
+
+    @triton.jit
+    def _apply_kernel(p_ptr, g_ptr, g2_ptr, r_ptr, c_ptr, decay_ptr, keep_ptr, seed_ptr, n, cols,
+                      TWO: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 3 of a chunked step of a bf16 weight, fused: for each value of the chunk,
+        new = old (+ decay * old) - r[row] * c[col] * g (g: one part, or the sum of two in fp32),
+        rounded stochastically into the weight; nothing is written when the finite flag is False.
+        The torch ops compute the same products in the same order (r c, then times g)."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n * tl.load(keep_ptr).to(tl.int64)  # a False finite flag: no value is inside
+        g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        if TWO:
+            g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0)
+        c = tl.load(c_ptr + offsets % cols, mask=inside, other=0.0)
+        old = tl.load(p_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        if DECAY:
+            old = old + old * tl.load(decay_ptr)
+        new = old - (r * c) * g
+        tl.store(p_ptr + offsets, round_bf16(new, tl.load(seed_ptr), offsets), mask=inside)
+
+    @triton.jit
+    def _squares_kernel(g_ptr, g2_ptr, r_ptr, c_ptr, out_ptr, n, cols, TWO: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 2 of a chunked step, fused: each program's sum of ((r[row] c[col]) g)^2 over its
+        block, one partial sum a program (summed by torch: the same order at every run)."""
+        program = tl.program_id(0)
+        offsets = program.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        if TWO:
+            g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0)
+        c = tl.load(c_ptr + offsets % cols, mask=inside, other=0.0)
+        update = (r * c) * g
+        tl.store(out_ptr + program, tl.sum(update * update, axis=0))
+
+
+    @triton.jit
+    def _sums_kernel(g_ptr, g2_ptr, row_ptr, part_ptr, rows, cols, TWO: tl.constexpr, ROWS: tl.constexpr,
+                     COLS: tl.constexpr):
+        """Pass 1 of a chunked step, fused: g^2's sum over each of a program's ROWS rows (into
+        row_ptr) and over each column of them (one row of partial sums a program, summed by
+        torch: the same order at every run)."""
+        program = tl.program_id(0)
+        row = program * ROWS + tl.arange(0, ROWS)
+        in_rows = row < rows
+        total = tl.zeros((ROWS,), dtype=tl.float32)
+        for start in range(0, cols, COLS):
+            col = start + tl.arange(0, COLS)
+            in_cols = col < cols
+            inside = in_rows[:, None] & in_cols[None, :]
+            offsets = row[:, None].to(tl.int64) * cols + col[None, :]
+            g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            if TWO:
+                g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            squares = g * g
+            total += tl.sum(squares, axis=1)
+            tl.store(part_ptr + program.to(tl.int64) * cols + col, tl.sum(squares, axis=0), mask=in_cols)
+        tl.store(row_ptr + row, total, mask=in_rows)
+
+
+SUM_ROWS, SUM_COLS = 16, 256  # a pass-1 program's rows, and the columns it reads at a time
+
+
+def _sums_fused(parts: list[torch.Tensor], row_sum: torch.Tensor) -> torch.Tensor:
+    """Pass 1 on one chunk: its rows' sums of g^2 written into `row_sum`; returns its column sums."""
+    rows, cols = parts[0].shape
+    programs = triton.cdiv(rows, SUM_ROWS)
+    partial = torch.empty(programs, cols, dtype=torch.float32, device=row_sum.device)
+    with on(row_sum.device):
+        _sums_kernel[(programs,)](parts[0], parts[-1], row_sum, partial, rows, cols, TWO=len(parts) == 2,
+                                  ROWS=SUM_ROWS, COLS=SUM_COLS)
+    return partial.sum(dim=0)
+
+
+def _squares_fused(parts: list[torch.Tensor], r_factor: torch.Tensor, c_factor: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of one chunk's update (pass 2) from `_squares_kernel`."""
+    n, cols = parts[0].numel(), parts[0].shape[-1]
+    programs = triton.cdiv(n, FUSED_BLOCK)
+    partial = torch.empty(programs, dtype=torch.float32, device=parts[0].device)
+    with on(partial.device):
+        _squares_kernel[(programs,)](parts[0], parts[-1], r_factor, c_factor, partial, n, cols,
+                                     TWO=len(parts) == 2, BLOCK=FUSED_BLOCK)
+    return partial.sum()
 
 EPS1 = 1e-30
 CLIP_THRESHOLD = 1.0
@@ -92,7 +194,11 @@ class Adafactor(ParamOptimizer):
         # pass 1: g^2's row and column sums, unscaled; the norm is their total
         row_sum = torch.empty(rows, dtype=torch.float32, device=p.device)
         col_sum = torch.zeros(cols, dtype=torch.float32, device=p.device)
+        fused = self._fused_passes(p, grad)
         for start, stop in spans:
+            if fused:
+                col_sum.add_(_sums_fused([t[start:stop] for t in grad.parts], row_sum[start:stop]))
+                continue
             sq = grad.rows(start, stop).square_()
             torch.sum(sq, dim=-1, out=row_sum[start:stop])
             col_sum.add_(sq.sum(dim=0))
@@ -114,6 +220,9 @@ class Adafactor(ParamOptimizer):
 
         square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 2: the update's RMS
+            if fused:
+                square_sum.add_(_squares_fused([t[start:stop] for t in grad.parts], r_factor[start:stop], c_factor))
+                continue
             flat = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop).view(-1)
             square_sum.add_(torch.dot(flat, flat))
             del flat
@@ -126,9 +235,14 @@ class Adafactor(ParamOptimizer):
             factor.mul_(scale)
         r_factor.mul_(factor)
         matrix = p.view(rows, cols)
+        decay = hyper["decay"] if group["weight_decay"] else None
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
-            step = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop)
             old = matrix[start:stop]
+            if fused:
+                self._apply_fused(old, [t[start:stop] for t in grad.parts], r_factor[start:stop], c_factor, decay,
+                                  finite)
+                continue
+            step = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop)
             if group["weight_decay"]:
                 old32 = old.float()
                 new = scaled(old32, old32, hyper["decay"]).sub_(step)
@@ -137,6 +251,27 @@ class Adafactor(ParamOptimizer):
             self._store(old, new, finite)
             del step, new
         return finite
+
+    def _fused_passes(self, p: torch.Tensor, grad: ChunkedGrad) -> bool:
+        """Whether the passes of this chunked step run as Triton kernels (`_sums_kernel`,
+        `_squares_kernel`, `_apply_kernel`): a bf16 weight written with stochastic rounding, a
+        gradient of one or two contiguous parts, on a GPU with Triton."""
+        return (p.dtype == torch.bfloat16 and self.rounding is not None and len(grad.parts) <= 2
+                and fused_kernels(p, *grad.parts))
+
+    def _apply_fused(self, old: torch.Tensor, parts: list[torch.Tensor], r_factor: torch.Tensor,
+                     c_factor: torch.Tensor, decay, finite: torch.Tensor) -> None:
+        """Pass 3 of a chunked step on one chunk in one kernel (`_apply_kernel`)."""
+        device = old.device
+        if decay is not None and not torch.is_tensor(decay):
+            decay = torch.full((), decay, dtype=torch.float32, device=device)
+        seed = device_seed(self.rounding(device), device)
+        rows, cols = old.shape
+        with on(device):
+            _apply_kernel[(triton.cdiv(old.numel(), FUSED_BLOCK),)](
+                old, parts[0], parts[-1], r_factor, c_factor, decay if decay is not None else seed,
+                finite.view(torch.uint8), seed,
+                old.numel(), cols, TWO=len(parts) == 2, DECAY=decay is not None, BLOCK=FUSED_BLOCK)
 
     def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         shape = p32.shape

@@ -1,0 +1,51 @@
+"""The Triton kernels of stochastic rounding and of Adafactor's chunked step, run by
+tests/fused_kernels_check.py: on the CPU under Triton's interpreter where Triton is installed,
+and on a GPU where there is one. Without Triton the torch ops run instead (every other test)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CHECK = Path(__file__).with_name("fused_kernels_check.py")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _neighbours(value: float) -> tuple[float, float]:
+    low = torch.tensor(value).bfloat16().float().item()
+    if low > value:
+        low -= 2 ** (math.frexp(value)[1] - 8)
+    return low, low + 2 ** (math.frexp(low)[1] - 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_rounding_and_chunked_adafactor_steps(device):
+    env = {**os.environ, "TRITON_INTERPRET": "1" if device == "cpu" else "0"}
+    done = subprocess.run([sys.executable, str(CHECK), device], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+
+    rounding = report["rounding"]
+    assert rounding["torch_ops_calls"] == 0  # one fused kernel, no noise tensor
+    low, high = _neighbours(1.0 + 3 * 2**-10)
+    big = torch.tensor(3.4e38).bfloat16().float().item()  # rounds to its bf16 value or to inf
+    assert rounding["nan"] and rounding["specials"][:3] == [math.inf, -math.inf, 1.0]
+    assert rounding["specials"][3] in (big, math.inf)
+    assert rounding["values"] == [low, high] and rounding["up"] == pytest.approx(0.375, abs=0.02)
+    assert rounding["same"] and rounding["held_untouched"]  # same generator state, same bits; a False flag writes nothing
+
+    assert len(report["steps"]) == 4
+    for step in report["steps"]:
+        assert step["finite"] == [True, True] and step["launches"] == step["chunks"] >= 10  # a kernel a chunk
+        assert step["within_a_spacing"] and abs(step["bias_in_spacings"]) < 0.02  # a neighbour, unbiased
+        assert step["moved"] > 0.5 and step["state_error"] < 1e-6
+        assert step["held_back"] and step["untouched"]  # a NaN gradient: the weight keeps its values
