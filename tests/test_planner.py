@@ -315,13 +315,17 @@ def test_on_a_gpu_the_planner_records_cuda_graphs_where_they_fit(ssd1b, monkeypa
     assert roomy.train.cuda_graphs and not roomy.train.gradient_checkpointing
     at8, _ = _choose(ssd1b, FULL_1024, 8)  # predicted 6.17 GiB with graphs and checkpointing
     assert at8.train.cuda_graphs and at8.train.gradient_checkpointing
-    at6, choice = _choose(ssd1b, FULL_1024, 6.44)  # the seed's peak: 5.80 GiB usable
-    assert not at6.train.cuda_graphs and at6.train.gradient_checkpointing
-    assert any(r.startswith("train.cuda_graphs = false: with true the train phase") for r in choice.reasons)
-    at4, choice = _choose(ssd1b, FULL_1024, 4)  # the step inside backward: recorded with the backward
+    # the seed's peak (5.80 GiB usable): graphs with checkpointing do not fit; with the step inside
+    # backward, recorded with the backward, they do, before any setting without graphs
+    at6, _ = _choose(ssd1b, FULL_1024, 6.44)
+    assert at6.train.cuda_graphs and at6.train.gradient_checkpointing and at6.train.optimizer_in_backward
+    at4, choice = _choose(ssd1b, FULL_1024, 4)
     assert at4.train.optimizer_in_backward and at4.train.cuda_graphs
     eager = with_values(at4, {"train.cuda_graphs": False})  # no gradient buffers of the graphs' own
     assert _train_peak(choice.after) == _train_peak(predict(ssd1b, eager))
+    at2, choice = _choose(ssd1b, FULL_1024, 2)  # streamed weights: graphs refused beside them
+    assert at2.memory.stream_weights and not at2.train.cuda_graphs
+    assert any(r.startswith("train.cuda_graphs = false: true does not go with") for r in choice.reasons)
     bf16_sums, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "grad_accum": 8}}, 40)
     assert not bf16_sums.train.cuda_graphs  # stochastically rounded bf16 gradient sums: refused together
     on_cpu, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "device": "cpu"}}, 40)

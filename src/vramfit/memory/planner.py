@@ -439,11 +439,12 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
 class Knob:
     """A memory setting the planner may choose: options fastest first, a rank each, the phase group
     it acts on. Ranks are powers of two (but nf4, one above int8), so sorting combinations by their
-    sum follows the ladder CUDA graphs without checkpointing > with checkpointing > no graphs >
-    + step in backward > + offloaded activations > + quantized base (LoRA; int8, then nf4 with
-    the same other settings) > + streamed weights: a rung is taken only when no mix of the earlier
-    ones fits. A combination the config's own checks refuse (graphs beside streamed weights, say)
-    is skipped."""
+    sum follows the ladder: with CUDA graphs, checkpointing, then the step in backward (recorded
+    with the backward: SSD-1B 0.180 s a step at 3.30 GiB, against 0.364 s at 5.61 GiB for
+    checkpointing alone without graphs, docs/benchmarks.md), then both; then the same without
+    graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same other
+    settings); + streamed weights: a rung is taken only when no mix of the earlier ones fits. A
+    combination the config's own checks refuse (graphs beside streamed weights, say) is skipped."""
 
     key: str  # section.name
     options: tuple
@@ -453,10 +454,11 @@ class Knob:
 
 KNOBS = (
     Knob("train.gradient_checkpointing", (False, True), (0, 1), "train"),
-    # recorded steps hold their gradients and activation pool: off saves memory, costs the most speed
-    Knob("train.cuda_graphs", (True, False), (0, 2), "train"),
-    Knob("train.optimizer_in_backward", (False, True), (0, 4), "train"),
-    Knob("memory.offload_activations", (False, True), (0, 8), "train"),
+    # the step in backward records with the backward (train/graphs.py): cheap beside graphs
+    Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
+    Knob("memory.offload_activations", (False, True), (0, 4), "train"),  # never beside graphs
+    # without graphs every step is bound by the host: slower than any recorded rung
+    Knob("train.cuda_graphs", (True, False), (0, 8), "train"),
     # nf4 just after int8: a step over either is about as fast (SD3-M LoRA 512 batch 4, machine I,
     # c8e4b88: 0.193 s int8 and 0.204 s nf4 with graphs, 0.423 s int8 without), so a quantized base
     # that keeps graphs (or leaves the step out of backward, or activations on the GPU) comes first
