@@ -616,3 +616,15 @@ def test_recorded_scalars_count_steps_back_and_load_each_replay_s_numbers():
     opt.record_scalars(torch.device("cpu"), 3)  # too few places: the recording fails, clearly
     with pytest.raises(RuntimeError, match="more than 3 scalars"):
         opt.step_params(_grads(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_what_the_class_says_it_chunks_is_what_it_chunks(cls, dtype):
+    """The planner reads `chunks_weights_of` before any weight exists; a large weight of that
+    dtype is then chunked exactly when it says so."""
+    big = torch.nn.Parameter(torch.zeros(64, 96, dtype=dtype))
+    opt = cls([big], lr=1e-3)
+    opt.MIN_PACK_NUMEL = 1000
+    assert opt.chunks(big) == cls.chunks_weights_of(dtype)
+    assert cls.chunks_weights_of(dtype) == (cls is Adafactor or (cls is AdamW and dtype == torch.bfloat16))

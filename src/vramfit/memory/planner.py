@@ -73,7 +73,7 @@ from vramfit.config.schema import RunConfig, parse_size
 from vramfit.memory.encoder_stream import encoder_device_bytes
 from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
 from vramfit.optim.base import ParamOptimizer
-from vramfit.optim.build import streamed_step_on_device
+from vramfit.optim.build import optimizer_class, streamed_step_on_device
 
 GIB = 2**30
 MIB = 2**20
@@ -378,9 +378,10 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     # autocast's bf16 copies of the fp32 weights live until forward ends
     candidates = [{"gradients": accumulated, **act, "autocast copies": terms["autocast copies"]}]
     if t.optimizer_in_backward:
-        # tensors of more than a pack limit step in chunks of one (the optimizers' `chunks`: Adafactor,
-        # and AdamW on bf16 weights; fp32 ones step in place)
-        if t.optimizer == "adafactor" or (t.optimizer == "adamw" and t.precision == "full_bf16"):
+        # tensors of more than a pack limit step in chunks of one (the optimizers' `chunks_weights_of`:
+        # Adafactor, and AdamW on bf16 weights; fp32 ones step in place)
+        weights = torch.bfloat16 if t.precision == "full_bf16" else torch.float32
+        if optimizer_class(t.optimizer).chunks_weights_of(weights):
             temps = STEP_TEMP_BYTES[t.optimizer] * min(terms["pack numel"], ParamOptimizer.MIN_PACK_NUMEL)
         candidates.append({"gradients": max(accumulated, terms["largest bytes"]), **act,
                            "step temporaries": int(IN_BACKWARD_TEMP_SHARE * temps)})

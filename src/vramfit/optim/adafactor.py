@@ -183,6 +183,10 @@ class Adafactor(ParamOptimizer):
         beta2t = 1.0 - math.pow(step, DECAY_RATE)
         return {"lr": group["lr"], "beta2t": beta2t, "rest": 1.0 - beta2t, "decay": -group["weight_decay"] * group["lr"]}
 
+    @classmethod
+    def chunks_weights_of(cls, dtype: torch.dtype) -> bool:
+        return True
+
     def chunks(self, p: torch.Tensor) -> bool:
         # a chunk is whole rows of the matrix view: a row of more than the limit could not be bounded
         return p.dim() >= 2 and self._chunkable(p)

@@ -71,10 +71,14 @@ class AdamW(ParamOptimizer):
             return new.addcmul_(exp_avg.div_(denom), hyper["minus_step"])
         return new.addcdiv_(exp_avg, denom, value=hyper["minus_step"])
 
-    def chunks(self, p: torch.Tensor) -> bool:
+    @classmethod
+    def chunks_weights_of(cls, dtype: torch.dtype) -> bool:
         # elementwise: any rows; moments of the parameter's dtype and layout (8-bit moments: no).
         # An fp32 weight steps in place (torch's fused kernel, no temporaries): never chunked.
-        return type(self)._moment is AdamW._moment and p.dtype != torch.float32 and self._chunkable(p)
+        return cls._moment is AdamW._moment and dtype != torch.float32
+
+    def chunks(self, p: torch.Tensor) -> bool:
+        return self.chunks_weights_of(p.dtype) and self._chunkable(p)
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:

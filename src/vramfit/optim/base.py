@@ -242,6 +242,12 @@ class ParamOptimizer(torch.optim.Optimizer):
     # weight's state may then live on the compute device and the weight step there (memory/offload.py).
     compact_state = False
 
+    @classmethod
+    def chunks_weights_of(cls, dtype: torch.dtype) -> bool:
+        """Whether this optimizer steps large weights of `dtype` in chunks (`chunks` says which
+        tensors): by class, so that the planner can tell before any weight exists."""
+        return False
+
     def chunks(self, p: torch.Tensor) -> bool:
         """Whether `step_chunked` can step `p`: an optimizer that implements it says so for tensors
         of more than MIN_PACK_NUMEL values. The base steps every tensor whole."""
