@@ -95,7 +95,8 @@ def cmd_plan(args) -> int:
 def cmd_cache(args) -> int:
     from vramfit.memory.accounting import MemoryTracker
     from vramfit.memory.planner import fit_to_budget
-    from vramfit.train.setup import cache_root, pick_device, prepare
+    from vramfit.memory.accounting import pick_device
+    from vramfit.train.setup import cache_root, prepare
 
     cfg = load_config(args.config, args.overrides)
     cfg = fit_to_budget(cfg, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys

@@ -448,12 +448,6 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPE_NAMES[name]
@@ -476,6 +470,7 @@ def save_png(image, path: Path, info: dict[str, str]) -> None:
 def run_generate(args) -> int:
     """The `vramfit generate` command: write <out>/<index>-<seed>.png (and compare.png), print paths."""
     from vramfit.config.schema import ModelConfig
+    from vramfit.memory.accounting import pick_device
     from vramfit.models.registry import detect_family
     from vramfit.models.sources import resolve_source
 

@@ -20,6 +20,14 @@ import torch
 GIB = 2**30
 
 
+def pick_device(name: str) -> torch.device:
+    """The device a setting names (train.device, generate's --device): "auto" is the GPU when
+    there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def concrete_device(device) -> torch.device:
     """`device` as tensors on it report it: "cuda" without an index is the current GPU, cuda:N."""
     device = torch.device(device)

@@ -23,7 +23,7 @@ from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
 from vramfit.formats.safetensors_io import write_text_atomic
-from vramfit.memory.accounting import MemoryReport, MemoryTracker
+from vramfit.memory.accounting import MemoryReport, MemoryTracker, pick_device
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
 from vramfit.memory.planner import budget_of, fit_to_budget
@@ -53,12 +53,6 @@ class RunResult:
     scan: ScanResult
     cache_stats: dict
     rank: int = 0  # of a multi-process run (train/distributed.py); rank 0 wrote the files
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def cache_root(cfg: RunConfig) -> Path:
