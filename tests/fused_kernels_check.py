@@ -34,7 +34,8 @@ def rounding(device: str) -> dict:
             "same": torch.equal(out[1:], again[1:]), "held_untouched": bool((held == 0).all())}
 
 
-def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, shape=(96, 160), limit=1000) -> dict:
+def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, shape=(96, 160), limit=1000,
+                 transposed=False) -> dict:
     """One chunked Adafactor step of a bf16 weight (its three passes fused) against the exact step of
     its fp32 copy (no rounding): every value one of the two bf16 neighbours of the exact one, the
     rounding unbiased, the factored moments equal."""
@@ -43,6 +44,8 @@ def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, 
     start = weight.clone()
     exact = weight.float().clone()
     grads = [torch.randn(*shape, device=device).bfloat16() for _ in range(parts)]
+    if transposed:  # views that are not contiguous: the kernels must not take them
+        grads = [torch.randn(*shape[::-1], device=device).bfloat16().t() for _ in range(parts)]
     opts = [Adafactor([w], lr=1e-2, weight_decay=weight_decay, rounding=r)
             for w, r in ((weight, RoundingGenerators(0)), (exact, None))]
     launched = []
@@ -59,7 +62,7 @@ def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, 
               for k in ("exp_avg_sq_row", "exp_avg_sq_col")}  # relative: pass 1 sums in another order
     before = weight.clone()
     poisoned = [g.clone() for g in grads]
-    poisoned[0].view(-1)[7] = float("nan")
+    poisoned[0][0, 7] = float("nan")
     held = opts[0].step_chunked(weight, ChunkedGrad(poisoned), max_norm)
     return {"finite": [bool(f) for f in finite], "launches": len(launched),
             "chunks": len(ChunkedGrad(grads).spans(limit)),
@@ -75,5 +78,6 @@ if __name__ == "__main__":
               "steps": [chunked_step(device, wd, norm, parts) for wd, norm, parts in
                         ((0.0, 0.0, 1), (0.1, 5.0, 2), (0.1, 0.0, 2))]
                        # rows that are not a multiple of a pass-1 program's, columns over several of its reads
-                       + [chunked_step(device, 0.0, 0.0, 2, shape=(100, 600), limit=6000)]}
+                       + [chunked_step(device, 0.0, 0.0, 2, shape=(100, 600), limit=6000),
+                          chunked_step(device, 0.1, 0.0, 1, shape=(64, 64), transposed=True)]}
     print(json.dumps(report))

@@ -15,7 +15,7 @@ from vramfit.cli import main
 from vramfit.optim.adafactor import Adafactor
 from vramfit.optim.adamw import AdamW, AdamW8bit
 from vramfit.optim.base import RoundingGenerators, state_bytes
-from vramfit.optim.in_backward import BackwardSteps
+from vramfit.optim.in_backward import BackwardSteps, RecordedStep
 
 OPTIMIZERS = [Adafactor, AdamW, AdamW8bit]
 
@@ -517,3 +517,48 @@ def test_on_a_gpu_chunks_follow_the_run_device_and_match_the_whole_step(device, 
         assert len(calls) == (6 * 3 if chunk else 0)
     for a, b in zip(results[False].parameters(), results[True].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+class _Graph:
+    """Stands in for torch.cuda.CUDAGraph where RecordedStep registers the rounding generator."""
+
+    def __init__(self):
+        self.generators: list = []
+
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_recorded_step_is_set_up_before_the_recording_and_counted_back_after(fails):
+    """What RecordedStep does around a recording (train/graphs.py), on the CPU, where the
+    "recorded" hooks run at once (their kernels read places of zeros): state and the held-back
+    count exist first, the generator is registered, the last pack steps inside, the step counts
+    go back; a failed recording leaves no pending gradient and no p.grad."""
+    model = _Deep(torch.bfloat16)
+    params = list(model.parameters())
+    opt = Adafactor(params, lr=1e-2, rounding=RoundingGenerators(0))
+    opt.MIN_PACK_NUMEL = 9000  # two 64 x 64 weights (and their biases) a pack: some wait at the end
+    hooks = BackwardSteps(params, opt, in_backward=True, round_sums=True)
+    step, graph, cpu = RecordedStep(hooks, params, torch.device("cpu")), _Graph(), torch.device("cpu")
+    assert not any(opt.state[p] for p in params)
+    step.begin(graph)
+    assert all(opt.state[p]["step"] == 0 for p in params)  # made before: never inside the recording
+    assert graph.generators == [opt.rounding(cpu)] and cpu in hooks._held_back
+    _loss(model, _inputs(1, 1, torch.bfloat16, shape=(2, 64))[0][0]).backward()
+    assert hooks._pending  # the last pack waits for the end of backward
+    if fails:
+        model.layers[0].weight.grad = torch.ones(64, 64, dtype=torch.bfloat16)  # as a half-done recording may leave
+        step.close(failed=True)
+        assert not hooks._pending and all(p.grad is None for p in params)
+    else:
+        step.end()
+        assert not hooks._pending
+        step.close(failed=False)
+    assert opt._recorded is None
+    assert all(opt.state[p]["step"] == 0 for p in params)  # a recording runs none of its kernels
+    if not fails:
+        step.before_replay()  # each replay counts its steps once and loads their scalars
+        assert all(opt.state[p]["step"] == 1 for p in params)
+        assert step.scalars.values.view(-1, step.scalars.SLOT)[0, 0] == opt.param_groups[0]["lr"]
+        assert hooks.finish() == 0

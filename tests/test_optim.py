@@ -612,10 +612,27 @@ def test_recorded_scalars_count_steps_back_and_load_each_replay_s_numbers():
         recorded.load()
         assert {opt.state[p]["step"] for p in model.parameters()} == {replay}
         want = list(opt.scalars(opt.param_groups[0], replay).values()) * places
-        torch.testing.assert_close(recorded.values[:len(want)], torch.tensor(want, dtype=torch.float32))
-    opt.record_scalars(torch.device("cpu"), 3)  # too few places: the recording fails, clearly
+        loaded = recorded.values.view(-1, recorded.SLOT)[:len(want)]  # one value every 16 bytes
+        torch.testing.assert_close(loaded[:, 0], torch.tensor(want, dtype=torch.float32))
+        assert not loaded[:, 1:].any()
+    too_few = opt.record_scalars(torch.device("cpu"), 3)  # too few places: the recording fails, clearly
     with pytest.raises(RuntimeError, match="more than 3 scalars"):
         opt.step_params(_grads(model))
+    too_few.close()  # and every step it counted, the failing one too, is counted back
+    assert {opt.state[p]["step"] for p in model.parameters()} == {3}
+
+
+def test_recorded_scalars_sit_16_bytes_apart_as_fresh_tensors_do():
+    """A Triton kernel handed a place compiles for its alignment; a place must look like the
+    fresh tensor an eager step hands it."""
+    model = _Blocks(torch.float32)
+    opt = Adafactor(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt.step_params(_grads(model))
+    recorded = opt.record_scalars(torch.device("cpu"), 64)
+    places = [recorded.place([opt.state[p]], opt.param_groups[0]) for p in list(model.parameters())[:3]]
+    recorded.close()
+    addresses = [t.data_ptr() for step in places for t in step.values()]
+    assert len(set(addresses)) == 12 and all(a % 16 == 0 for a in addresses)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

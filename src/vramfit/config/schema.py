@@ -393,10 +393,11 @@ class RunConfig(_Section):
                  and self.train.stochastic_rounding and self.train.grad_accum > 1)) if on]
             if clash:
                 raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
-                                 "backward replay the same weights at the same places with no host work "
-                                 "or random draws between their kernels, which these settings need "
-                                 "(moving weights, stepping or rounding in gradient hooks, compiled "
-                                 "guards, dropout masks); turn one of them off")
+                                 "backward replay the same weights at the same places, and the same "
+                                 "gradient-hook work at every call, with no host work between their "
+                                 "kernels, which these settings need (moving weights, hooks that act "
+                                 "differently from one micro-batch to the next, compiled guards, dropout "
+                                 "masks); turn one of them off")
         if self.sample.every_steps and self.memory.stream_weights:
             raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
                              "whole denoiser on the GPU while they render; render them after training "

@@ -36,8 +36,9 @@ partial sum a program, which torch adds up: the same order at every run): g^2 an
 r[row] c[col] g are formed in registers, never as fp32 tensors, and pass 3 adds the weight decay,
 rounds the new value (memory/stochastic_rounding.py's Philox rounding) and holds it back on a
 False finite flag in the same pass. Per value that is 2 bytes read in each of passes 1 and 2 and
-6 moved in pass 3, against about 26, 22 and 40 for the torch ops, and five kernels a chunk
-instead of about twenty. It pays where the
+6 moved in pass 3, against about 26, 22 and 40 for the torch ops; a chunk takes three Triton
+kernels and five small torch ops (the two partial sums' totals, their adds, the seed's draw)
+instead of about twenty full-size ones. It pays where the
 GPU's time is the step's (a step inside backward recorded as a CUDA graph, train/graphs.py);
 tests/test_fused_kernels.py holds it to the exact fp32 step (each value one of its two bf16
 neighbours, unbiased).
@@ -240,6 +241,8 @@ class Adafactor(ParamOptimizer):
         r_factor.mul_(factor)
         matrix = p.view(rows, cols)
         decay = hyper["decay"] if group["weight_decay"] else None
+        if fused and decay is not None and not torch.is_tensor(decay):  # the kernel reads it from the device
+            decay = torch.full((), decay, dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
             old = matrix[start:stop]
             if fused:
@@ -267,8 +270,6 @@ class Adafactor(ParamOptimizer):
                      c_factor: torch.Tensor, decay, finite: torch.Tensor) -> None:
         """Pass 3 of a chunked step on one chunk in one kernel (`_apply_kernel`)."""
         device = old.device
-        if decay is not None and not torch.is_tensor(decay):
-            decay = torch.full((), decay, dtype=torch.float32, device=device)
         seed = device_seed(self.rounding(device), device)
         rows, cols = old.shape
         with on(device):

@@ -120,27 +120,39 @@ class RecordedScalars:
     counts every recorded step once, as an eager step would, works out their scalars on the host
     and puts them all in place with one host-to-device copy.
 
-    Cost: 4 bytes a scalar (up to four a step of a parameter or pack) on the device and in pinned
+    Each place is 16 bytes from the next (one fp32 value and padding): a Triton kernel handed one
+    (Adafactor's decay) then sees the 16-byte alignment a fresh tensor has, as it does eagerly.
+    Triton compiles a variant per pointer alignment, and a variant first met while a graph records
+    cannot be loaded (CUDA forbids loading a module during capture): the recording would fail.
+
+    The recorded steps keep the optimizer's state and group dicts of the recording. Loading a state
+    dict into the optimizer replaces those, so it must come before any recording (a resumed run
+    loads its state before its first step).
+
+    Cost: 16 bytes a scalar (up to four a step of a parameter or pack) on the device and in pinned
     host memory; the host's work per replay is a loop over the recorded steps (about 1,700 for a
     full SSD-1B UNet stepped alone, far fewer packed).
     """
 
+    SLOT = 4  # fp32 values from one place to the next: 16 bytes
+
     def __init__(self, optimizer: "ParamOptimizer", device: torch.device, capacity: int):
         self.optimizer = optimizer
-        self.values = torch.zeros(capacity, dtype=torch.float32, device=device)
-        self._host = torch.zeros(capacity, dtype=torch.float32, pin_memory=self.values.is_cuda)
+        self.capacity = capacity
+        self.values = torch.zeros(capacity * self.SLOT, dtype=torch.float32, device=device)
+        self._host = torch.zeros(capacity * self.SLOT, dtype=torch.float32, pin_memory=self.values.is_cuda)
         self._steps: list[tuple[list[dict], dict]] = []
         self._used = 0
         self._copied: Optional[torch.cuda.Event] = None  # the last load's copy; the host buffer is free after it
 
     def place(self, states: list[dict], group: dict) -> dict[str, torch.Tensor]:
         """The places of the scalars of a step of `states` (already counted) in `group`."""
+        self._steps.append((states, group))  # first: a failure below still counts these steps back
         names = list(self.optimizer.scalars(group, states[0]["step"]))
         start, self._used = self._used, self._used + len(names)
-        if self._used > self.values.numel():
-            raise RuntimeError(f"the recorded optimizer steps need more than {self.values.numel()} scalars")
-        self._steps.append((states, group))
-        return {name: self.values[start + i] for i, name in enumerate(names)}
+        if self._used > self.capacity:
+            raise RuntimeError(f"the recorded optimizer steps need more than {self.capacity} scalars")
+        return {name: self.values[(start + i) * self.SLOT] for i, name in enumerate(names)}
 
     def close(self) -> None:
         """The recording ended: steps read numbers again, and the step counts go back."""
@@ -158,8 +170,8 @@ class RecordedScalars:
             numbers.extend(self.optimizer.scalars(group, states[0]["step"]).values())
         if self._copied is not None:
             self._copied.synchronize()
-        count = len(numbers)
-        self._host[:count] = torch.tensor(numbers, dtype=torch.float32)
+        count = len(numbers) * self.SLOT
+        self._host.view(-1, self.SLOT)[:len(numbers), 0] = torch.tensor(numbers, dtype=torch.float32)
         self.values[:count].copy_(self._host[:count], non_blocking=True)
         if self.values.is_cuda:
             self._copied = torch.cuda.Event()
