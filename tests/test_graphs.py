@@ -285,3 +285,30 @@ def test_reentrant_checkpointing_is_not_recorded():
     out = torch.utils.checkpoint.checkpoint(block, torch.randn(2, 4, requires_grad=True), use_reentrant=True)
     with pytest.raises(RuntimeError, match="reentrant"):
         graphs.used_parameters((out,))
+
+
+def test_with_the_step_in_backward_recording_waits_for_a_finished_step():
+    """The first recording must come after a step whose optimizer kernels ran eagerly (CUDA cannot
+    load a kernel while it records): a first call whose loss was not finite leaves none run."""
+    from vramfit.optim.adafactor import Adafactor
+    from vramfit.optim.in_backward import BackwardSteps
+
+    model = _Tiny()
+    params = list(model.parameters())
+    hooks = BackwardSteps(params, Adafactor(params, lr=1e-3), in_backward=True, round_sums=False)
+    calls = []
+
+    def refuse(flat, tensors, prepare):  # counts recordings; each then runs eagerly
+        calls.append(1)
+        raise RuntimeError("stand-in recording")
+
+    graphed = graphs.GraphedDenoiser(model, recorder=refuse, steps=hooks)
+    x = torch.randn(2, 4)
+    graphed(x)  # the first call, eager; its loss "was not finite": no backward, no step
+    graphed(x)
+    assert calls == []  # still eager: no step has run
+    hooks.begin(last=True)
+    graphed(x).square().mean().backward()
+    hooks.finish()
+    graphed(x)
+    assert calls == [1]  # after a finished step the next call records

@@ -78,6 +78,7 @@ class BackwardSteps:
         waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
+        self.completed = 0  # steps finished in backward (`finish`)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     @staticmethod
@@ -207,6 +208,7 @@ class BackwardSteps:
         self._flush()
         held = sum(int(h) for h in self._held_back.values())
         self._zero_held()
+        self.completed += 1
         return held
 
     def _zero_held(self) -> None:

@@ -206,7 +206,7 @@ class GraphedDenoiser(torch.nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         tensors = tuple(leaves[i] for i in positions)
-        if not self._warm or any(t.requires_grad for t in tensors):  # warm-up; or inputs that want gradients
+        if not self._warmed_up() or any(t.requires_grad for t in tensors):  # warm-up; or inputs that want gradients
             self._warm = True
             return self.denoiser(*args, **kwargs)
         self._forget_if_moved()
@@ -220,6 +220,13 @@ class GraphedDenoiser(torch.nn.Module):
             self._adopt(self._used[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
         return pytree.tree_unflatten(list(outs), recording.out_spec)
+
+    def _warmed_up(self) -> bool:
+        """Whether a training call has run eagerly. With the step inside backward, one whose step
+        ran too: the optimizer's kernels (Triton's among them) must have been loaded before a
+        recording launches them, as CUDA cannot load them while it records; a first step whose loss
+        was not finite skips its backward and leaves them unloaded."""
+        return self._warm and (self._steps is None or self._steps.completed > 0)
 
     @torch.no_grad()
     def _adopt(self, params: list[torch.Tensor]) -> None:
