@@ -136,8 +136,9 @@ def on(device: torch.device):
 
 def device_seed(generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """A Philox seed for a fused kernel, drawn on the device from `generator` (no host sync; a
-    recorded CUDA graph draws it anew at each replay)."""
-    return torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device, dtype=torch.int64)
+    recorded CUDA graph draws it anew at each replay). 62 bits (Philox takes 64): two of the
+    millions of draws of a long run meeting on one seed, and so on the same noise, is unlikely."""
+    return torch.randint(0, 2**62, (1,), generator=generator, device=device, dtype=torch.int64)
 
 
 def _round_fused(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator,
