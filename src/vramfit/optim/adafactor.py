@@ -93,7 +93,6 @@ if triton is not None:
         update = (r * c) * g
         tl.store(out_ptr + program, tl.sum(update * update, axis=0))
 
-
     @triton.jit
     def _sums_kernel(g_ptr, g2_ptr, row_ptr, part_ptr, rows, cols, TWO: tl.constexpr, ROWS: tl.constexpr,
                      COLS: tl.constexpr):
