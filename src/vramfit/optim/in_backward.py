@@ -257,9 +257,6 @@ class RecordedStep:
     buffers that they first adopt, host work a replay would skip (config/schema.py refuses it).
     """
 
-    # up to four scalars a step of one parameter or pack (optim/*.py `scalars`)
-    SCALARS_PER_STEP = 4
-
     def __init__(self, steps: BackwardSteps, params: list[torch.Tensor], device: torch.device):
         self.steps, self.params, self.device = steps, params, device
         self.scalars = None
@@ -272,7 +269,9 @@ class RecordedStep:
         if optimizer.rounding is not None:
             graph.register_generator_state(optimizer.rounding(self.device))
         self.steps.begin(True)
-        self.scalars = optimizer.record_scalars(self.device, self.SCALARS_PER_STEP * len(self.params) + 1)
+        # at most a step per parameter, each with its group's `scalars`
+        per_step = max(len(optimizer.scalars(group, 1)) for group in optimizer.param_groups)
+        self.scalars = optimizer.record_scalars(self.device, per_step * len(self.params))
 
     def end(self) -> None:
         """Inside the recording, after backward: the pack still waiting steps too."""
