@@ -34,8 +34,9 @@ def load(paths: list[Path]) -> list[dict]:
         old = merged.setdefault(g["workload"], dict(g, rows=[]))
         if not old.get("flops", {}).get("train_tflop"):
             old["flops"] = g.get("flops", {})
-        if g.get("commit") not in str(old.get("commit")).split(", "):
-            old["commit"] = f"{old.get('commit')}, {g.get('commit')}"
+        # the commits of every run merged, each once (a merged file's field already lists several)
+        seen = list(dict.fromkeys(str(old.get("commit")).split(", ")))
+        old["commit"] = ", ".join(seen + [c for c in dict.fromkeys(str(g.get("commit")).split(", ")) if c not in seen])
         refs = old.setdefault("references", [])
         for r in [*g.get("references", []), *g["rows"]]:  # every run's own references stay for its rows
             if r.get("role") in REF_ROLES and r.get("status") == "ok" and \

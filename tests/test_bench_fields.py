@@ -55,3 +55,24 @@ def test_phase_images_per_second_and_table():
     assert header.split()[-2:] == ["s/step", "img/s"]
     assert load.split()[-2:] == ["-", "-"] and train.split()[-2:] == ["0.250", "32.00"]
     assert report.to_dict()["phases"][1]["images_per_second"] == 32.0
+
+
+def test_merged_workload_reports_list_each_commit_once(tmp_path):
+    """bench/report.py merges one workload's files, run at several commits: the merged file's
+    commit field names each commit once, also when one of the files is itself a merge."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import report
+    finally:
+        sys.path.remove(bench)
+    row = {"side": "vramfit", "case": "inbwd", "role": "memory_saving", "status": "ok"}
+    files = []
+    for name, commit in (("a", "c1, c2, c1"), ("b", "c2"), ("c", "c3, c2")):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"workload": "sd3_full", "commit": commit, "rows": [dict(row, commit=commit)]}))
+    (merged,) = report.load(files)
+    assert merged["commit"] == "c1, c2, c3" and len(merged["rows"]) == 1
