@@ -645,3 +645,31 @@ def test_what_the_class_says_it_chunks_is_what_it_chunks(cls, dtype):
     opt.MIN_PACK_NUMEL = 1000
     assert opt.chunks(big) == cls.chunks_weights_of(dtype)
     assert cls.chunks_weights_of(dtype) == (cls is Adafactor or (cls is AdamW and dtype == torch.bfloat16))
+
+
+def test_adafactor_chunks_smaller_matrices_where_the_fused_kernels_run(monkeypatch):
+    """Where the fused kernels take a bf16 weight written with stochastic rounding, matrices of
+    more than FUSED_CHUNK_NUMEL values step in chunks instead of waiting for a pack; fp32
+    weights, bf16 ones without the rounding, vectors and tensors the kernels cannot take keep
+    the MIN_PACK_NUMEL limit. The step inside backward then leaves them out of its pack limit."""
+    import vramfit.optim.adafactor as adafactor
+    from vramfit.optim.in_backward import BackwardSteps
+
+    monkeypatch.setattr(Adafactor, "MIN_PACK_NUMEL", 4000)
+    monkeypatch.setattr(Adafactor, "FUSED_CHUNK_NUMEL", 1000)
+    mid = torch.nn.Parameter(torch.zeros(40, 50, dtype=torch.bfloat16))  # 2000 values
+    small = torch.nn.Parameter(torch.zeros(20, 40, dtype=torch.bfloat16))  # 800
+    vector = torch.nn.Parameter(torch.zeros(3000, dtype=torch.bfloat16))
+    long_rows = torch.nn.Parameter(torch.zeros(2, 5000, dtype=torch.bfloat16))  # a row over MIN_PACK_NUMEL
+    params = [mid, small, vector, long_rows]
+    taken: list[torch.Tensor] = []
+    monkeypatch.setattr(adafactor, "fused_kernels", lambda *ts: taken.extend(ts) or True)
+    rounded, plain = Adafactor(params, rounding=RoundingGenerators(0)), Adafactor(params)
+    assert [rounded.chunks(p) for p in params] == [True, False, False, False]
+    wide32 = torch.nn.Parameter(torch.zeros(40, 50))
+    assert not plain.chunks(mid) and not Adafactor([wide32], rounding=RoundingGenerators(0)).chunks(wide32)
+    assert any(t is mid for t in taken)
+    steps = BackwardSteps(params, rounded, in_backward=True, round_sums=False)
+    assert steps._chunked == {id(mid)} and steps._limit == 10000  # the largest waiting: the long rows
+    monkeypatch.setattr(adafactor, "fused_kernels", lambda *ts: False)  # no Triton, or not on a GPU
+    assert not rounded.chunks(mid)

@@ -19,7 +19,8 @@ holds g^2, then the update, then the new value (12 bytes per value; 16 with weig
 while a bf16 result is written back the rounding's 5 bytes per value.
 
 Chunked (`step_chunked`, used by the step inside backward for a tensor of more than
-MIN_PACK_NUMEL values whose rows each fit in that many): the same update read from the gradient
+MIN_PACK_NUMEL values, or FUSED_CHUNK_NUMEL where the fused kernels below run it, whose rows each
+fit in MIN_PACK_NUMEL): the same update read from the gradient
 in chunks of whole rows of the matrix view, in three passes: g^2's row and column sums (whose
 total is the gradient's norm, for the finite check and the clipping; the factors follow), the
 update's RMS, then the update itself, each chunk written back (with stochastic rounding) as it
@@ -187,9 +188,21 @@ class Adafactor(ParamOptimizer):
     def chunks_weights_of(cls, dtype: torch.dtype) -> bool:
         return True
 
+    # With the fused kernels a chunked step forms nothing of the matrix's size in fp32 and moves
+    # about a tenth of the bytes of the torch ops, so matrices down to this size step in chunks too
+    # instead of waiting for a pack (an fp32 copy of the gradient, then about 15 bytes a value of
+    # the pack's temporaries). Smaller ones still pack with others of their shape: fewer kernels.
+    FUSED_CHUNK_NUMEL = 1 << 20
+
     def chunks(self, p: torch.Tensor) -> bool:
         # a chunk is whole rows of the matrix view: a row of more than the limit could not be bounded
-        return p.dim() >= 2 and self._chunkable(p)
+        above = min(self.FUSED_CHUNK_NUMEL, self.MIN_PACK_NUMEL) if self._fuses(p) else self.MIN_PACK_NUMEL
+        return p.dim() >= 2 and self._chunkable(p, above)
+
+    def _fuses(self, p: torch.Tensor) -> bool:
+        """Whether a chunked step of `p` runs the fused kernels: a bf16 weight written with
+        stochastic rounding, where Triton can take it (memory/stochastic_rounding.py)."""
+        return p.dtype == torch.bfloat16 and self.rounding is not None and fused_kernels(p)
 
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
@@ -262,8 +275,7 @@ class Adafactor(ParamOptimizer):
         """Whether the passes of this chunked step run as Triton kernels (`_sums_kernel`,
         `_squares_kernel`, `_apply_kernel`): a bf16 weight written with stochastic rounding, a
         gradient of one or two contiguous parts, on a GPU with Triton."""
-        return (p.dtype == torch.bfloat16 and self.rounding is not None and len(grad.parts) <= 2
-                and fused_kernels(p, *grad.parts))
+        return self._fuses(p) and len(grad.parts) <= 2 and fused_kernels(p, *grad.parts)
 
     def _apply_fused(self, old: torch.Tensor, parts: list[torch.Tensor], r_factor: torch.Tensor,
                      c_factor: torch.Tensor, decay, finite: torch.Tensor) -> None:

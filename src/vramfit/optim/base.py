@@ -272,10 +272,11 @@ class ParamOptimizer(torch.optim.Optimizer):
         finite flag (0-dim bool tensor): when False, `p` and its state keep their values."""
         raise NotImplementedError
 
-    def _chunkable(self, p: torch.Tensor) -> bool:
-        """A dense contiguous tensor of more than MIN_PACK_NUMEL values whose [shape[0], rest]
-        rows each fit in that many (a chunk is whole rows)."""
-        return (p.dim() >= 1 and p.numel() > self.MIN_PACK_NUMEL and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
+    def _chunkable(self, p: torch.Tensor, above: Optional[int] = None) -> bool:
+        """A dense contiguous tensor of more than `above` values (default MIN_PACK_NUMEL) whose
+        [shape[0], rest] rows each fit in MIN_PACK_NUMEL (a chunk is whole rows)."""
+        above = self.MIN_PACK_NUMEL if above is None else above
+        return (p.dim() >= 1 and p.numel() > above and p.numel() // p.shape[0] <= self.MIN_PACK_NUMEL
                 and type(p.data) is torch.Tensor and p.is_contiguous())
 
     def _begin_chunked(self, p: torch.Tensor, grad: "ChunkedGrad") -> tuple[dict, dict, dict, list[tuple[int, int]]]:
