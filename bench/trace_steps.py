@@ -8,9 +8,15 @@ next `--active` are recorded. Writes under --out:
   <tag>.ops.txt         operators by total device time, and by CPU time
   <tag>.summary.json    per recorded step: wall time, device busy time, and device time by phase
                         (forward, backward, optimizer step, other)
+With --memory the profiler is off and the CUDA allocator's history is recorded from the start
+instead (torch.cuda.memory._record_memory_history, Python stacks), and <tag>.peak.json says
+where the peak allocation came: the peak's bytes and time, the allocation that reached it
+(its stack), and what was live then, summed by the innermost frame of this project's code (or
+of bench/seeds.py's, for a seed case) and by the innermost frame of any code.
 Not run in CI.
 
-usage: python bench/trace_steps.py WORKLOAD CASE|seed:CASE --out DIR [--tiny] [--skip N] [--active N] [--set K=V ...]
+usage: python bench/trace_steps.py WORKLOAD CASE|seed:CASE --out DIR [--tiny] [--skip N] [--active N]
+                                   [--memory] [--set K=V ...]
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--active", type=int, default=3, help="steps recorded")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra overrides")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--memory", action="store_true", help="record the allocator's history, not a profile")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{args.workload}_{args.case}"
@@ -114,8 +121,13 @@ def main(argv=None) -> None:
             prof.key_averages().table(sort_by=sort, row_limit=60) + "\n\n"
             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
-    prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
-        wait=max(0, args.skip - 1), warmup=1 if args.skip else 0, active=args.active, repeat=1), on_trace_ready=ready)
+    if args.memory:
+        prof = _NoProfile()
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES, stacks="python")
+    else:
+        prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
+            wait=max(0, args.skip - 1), warmup=1 if args.skip else 0, active=args.active, repeat=1),
+            on_trace_ready=ready)
     with prof:
         if args.case.startswith("seed:"):
             rc = _seed_case(args, prof, walls, steps)
@@ -123,11 +135,84 @@ def main(argv=None) -> None:
             rc = _vramfit_case(config, sets, args, prof, walls)
     if rc:
         sys.exit(f"vramfit train exited with {rc}")
+    if args.memory:
+        peak = memory_peak(torch.cuda.memory._snapshot(), "seeds.py" if seed else "vramfit")
+        torch.cuda.memory._record_memory_history(enabled=None)
+        peak.update(workload=args.workload, case=args.case, commit=_commit(), step_wall_s=walls,
+                    gpu=torch.cuda.get_device_name())
+        (args.out / f"{tag}.peak.json").write_text(json.dumps(peak, indent=1))
+        print(json.dumps({k: peak[k] for k in ("peak_bytes", "reached_by", "by_own_frame")}, indent=1)[:6000])
+        return
     summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)
     summary.update(workload=args.workload, case=args.case, sets=sets, commit=_commit(),
                    gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     (args.out / f"{tag}.summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "sets"}, indent=2))
+
+
+MEMORY_ENTRIES = 3_000_000  # allocator events kept: a few SDXL-sized steps and the load before them
+
+
+class _NoProfile:
+    """Stands in for the profiler while the allocator's history is recorded."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def step(self) -> None:
+        pass
+
+
+def _frame(frames: list[dict], own: str = "") -> str:
+    """The innermost frame whose file name contains `own` ("" for any), as file:line function."""
+    for f in frames:
+        if own in f["filename"]:
+            return f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+    return "(no such frame)"
+
+
+def memory_peak(snapshot: dict, own: str, top: int = 40) -> dict:
+    """Where allocated bytes peaked in the recorded history of `snapshot` (torch.cuda.memory._snapshot):
+    blocks count from their alloc until their free was requested, as torch's allocated-bytes
+    statistic counts them. Blocks allocated before the history began (none here: it starts
+    before the run) would be missing from the sums."""
+    traces = [t for t in snapshot["device_traces"] if t]
+    if not traces:
+        return dict(peak_bytes=0, reached_by=None, by_own_frame={}, by_frame={}, events=0)
+    events = traces[0]
+    live: dict[int, dict] = {}
+    total = best = 0
+    best_at, best_live = None, {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > best:
+                best, best_at = total, i
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    # the live set at the peak: replay once more up to it (cheaper than copying it at every new peak)
+    for e in events[:best_at + 1] if best_at is not None else []:
+        if e["action"] == "alloc":
+            best_live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            best_live.pop(e["addr"], None)
+
+    def summed(key) -> dict[str, float]:
+        sums: dict[str, int] = {}
+        for e in best_live.values():
+            name = key(e["frames"])
+            sums[name] = sums.get(name, 0) + e["size"]
+        return {k: round(v / 2**20, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
+
+    reached = events[best_at] if best_at is not None else None
+    return dict(peak_bytes=best, peak_gib=round(best / 2**30, 4), events=len(events), peak_event=best_at,
+                reached_by=None if reached is None else dict(
+                    size=reached["size"], stack=[_frame([f]) for f in reached["frames"][:25]]),
+                by_own_frame=summed(lambda frames: _frame(frames, own)), by_frame=summed(_frame))
 
 
 def _vramfit_case(config, sets: list[str], args, prof, walls: list[float]) -> int:

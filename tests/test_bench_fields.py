@@ -76,3 +76,35 @@ def test_merged_workload_reports_list_each_commit_once(tmp_path):
         files[-1].write_text(json.dumps({"workload": "sd3_full", "commit": commit, "rows": [dict(row, commit=commit)]}))
     (merged,) = report.load(files)
     assert merged["commit"] == "c1, c2, c3" and len(merged["rows"]) == 1
+
+
+def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
+    """bench/trace_steps.py --memory: the peak of allocated bytes over an allocator history, the
+    allocation that reached it, and the live blocks then, summed by the innermost frame of the
+    project's code."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import trace_steps
+    finally:
+        sys.path.remove(bench)
+
+    def at(*names):
+        return [{"filename": f"/x/{n.split(':')[0]}", "line": 1, "name": n.split(":")[1]} for n in names]
+
+    MIB = 2 ** 20
+    weights, temp = at("torch/nn.py:load", "vramfit/load.py:weights"), at("torch/ops.py:mul", "vramfit/step.py:update")
+    events = [dict(action="alloc", addr=1, size=100 * MIB, frames=weights),
+              dict(action="alloc", addr=2, size=30 * MIB, frames=temp),
+              dict(action="free_requested", addr=2, size=30 * MIB, frames=temp),
+              dict(action="alloc", addr=3, size=50 * MIB, frames=temp),  # the peak: 100 + 50
+              dict(action="alloc", addr=4, size=7 * MIB, frames=temp),  # ... and 157
+              dict(action="free_requested", addr=3, size=50 * MIB, frames=temp),
+              dict(action="alloc", addr=5, size=40 * MIB, frames=weights)]  # 147: under it
+    peak = trace_steps.memory_peak({"device_traces": [events]}, "vramfit")
+    assert peak["peak_bytes"] == 157 * MIB and peak["peak_event"] == 4 and peak["reached_by"]["size"] == 7 * MIB
+    assert peak["by_own_frame"] == {"vramfit/load.py:1 weights": 100.0, "vramfit/step.py:1 update": 57.0}
+    assert list(peak["by_frame"]) == ["torch/nn.py:1 load", "torch/ops.py:1 mul"]
