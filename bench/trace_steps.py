@@ -10,9 +10,10 @@ next `--active` are recorded. Writes under --out:
                         (forward, backward, optimizer step, other)
 With --memory the profiler is off and the CUDA allocator's history is recorded from the start
 instead (torch.cuda.memory._record_memory_history, Python stacks), and <tag>.peak.json says
-where the peak allocation came: the peak's bytes and time, the allocation that reached it
-(its stack), and what was live then, summed by the innermost frame of this project's code (or
-of bench/seeds.py's, for a seed case) and by the innermost frame of any code.
+where the measured steps' allocation peaked (vramfit's train phase; a seed case's timed steps):
+the peak, the allocation that reached it (its stack), and what was live then, summed by the
+innermost frame of this project's code (or of bench/seeds.py's, for a seed case) and by the
+innermost frame of any code, and its largest blocks; and the peak of every phase.
 Not run in CI.
 
 usage: python bench/trace_steps.py WORKLOAD CASE|seed:CASE --out DIR [--tiny] [--skip N] [--active N]
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
     ap.add_argument("--memory", action="store_true", help="record the allocator's history, not a profile")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or f"{args.workload}_{args.case}"
+    tag = args.tag or f"{args.workload}_{args.case}".replace(":", "-")
     w = WORKLOADS[args.workload]
     seed = args.case.startswith("seed:")
     ckpt = TINY_MODELS[w["layout"]] if args.tiny or seed else str(ensure_model(w["layout"], args.work))
@@ -122,7 +123,8 @@ def main(argv=None) -> None:
             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
     if args.memory:
-        prof = _NoProfile()
+        prof, resets = _NoProfile(), []
+        mark_peak_resets(resets)
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES, stacks="python")
     else:
         prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
@@ -136,12 +138,15 @@ def main(argv=None) -> None:
     if rc:
         sys.exit(f"vramfit train exited with {rc}")
     if args.memory:
-        peak = memory_peak(torch.cuda.memory._snapshot(), "seeds.py" if seed else "vramfit")
+        # the window of the measured steps: vramfit's train phase; the seed's timed steps (its last reset)
+        peak = memory_peak(torch.cuda.memory._snapshot(), "seeds.py" if seed else "vramfit", resets,
+                           "reset" if seed else "train")
         torch.cuda.memory._record_memory_history(enabled=None)
         peak.update(workload=args.workload, case=args.case, commit=_commit(), step_wall_s=walls,
                     gpu=torch.cuda.get_device_name())
         (args.out / f"{tag}.peak.json").write_text(json.dumps(peak, indent=1))
-        print(json.dumps({k: peak[k] for k in ("peak_bytes", "reached_by", "by_own_frame")}, indent=1)[:6000])
+        print(json.dumps({k: peak[k] for k in ("windows", "peak_bytes", "reached_by", "by_own_frame")},
+                         indent=1)[:6000])
         return
     summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)
     summary.update(workload=args.workload, case=args.case, sets=sets, commit=_commit(),
@@ -174,45 +179,85 @@ def _frame(frames: list[dict], own: str = "") -> str:
     return "(no such frame)"
 
 
-def memory_peak(snapshot: dict, own: str, top: int = 40) -> dict:
-    """Where allocated bytes peaked in the recorded history of `snapshot` (torch.cuda.memory._snapshot):
-    blocks count from their alloc until their free was requested, as torch's allocated-bytes
-    statistic counts them. Blocks allocated before the history began (none here: it starts
-    before the run) would be missing from the sums."""
-    traces = [t for t in snapshot["device_traces"] if t]
-    if not traces:
-        return dict(peak_bytes=0, reached_by=None, by_own_frame={}, by_frame={}, events=0)
-    events = traces[0]
+def _memory_mark(device) -> None:
+    """A one-block allocation whose stack names this function: where the run reset its peak
+    statistics, found again in the allocator's history (`memory_peak`)."""
+    torch.empty(MARK_BYTES, dtype=torch.uint8, device=device)
+
+
+MARK_BYTES = 512
+
+
+def mark_peak_resets(labels: list[str]) -> None:
+    """Wrap torch.cuda.reset_peak_memory_stats so that each call leaves a mark in the history and
+    its label in `labels`: the phase name where vramfit's memory report resets (its `name`),
+    else the calling function's name (bench/seeds.py's `reset`)."""
+    original = torch.cuda.reset_peak_memory_stats
+
+    def reset(device=None):
+        caller = sys._getframe(1)
+        labels.append(str(caller.f_locals.get("name", caller.f_code.co_name)))
+        original(device)
+        _memory_mark(device if device is not None else torch.cuda.current_device())
+
+    torch.cuda.reset_peak_memory_stats = reset
+
+
+def memory_peak(snapshot: dict, own: str, labels: list[str], window: str, top: int = 40) -> dict:
+    """Where allocated bytes peaked in the recorded history of `snapshot` (torch.cuda.memory._snapshot).
+    A block counts from its alloc until its free was requested, as torch's allocated-bytes
+    statistic counts it. The history is cut at the marks `mark_peak_resets` left (labelled by
+    `labels`, in order; what came before the first is "start"); each piece's peak is reported, and
+    for the last piece labelled `window`: the event that reached its peak (its stack), the live
+    blocks then summed by the innermost frame of code whose file contains `own` and by the
+    innermost frame of any code, and the largest live blocks."""
+    events = next((t for t in snapshot["device_traces"] if t), [])
+    cuts = [i for i, e in enumerate(events)
+            if e["action"] == "alloc" and any(f["name"] == "_memory_mark" for f in e["frames"])]
+    names = (["start"] + list(labels))[:len(cuts) + 1]
+    bounds = list(zip([0] + cuts, cuts + [len(events)]))
     live: dict[int, dict] = {}
-    total = best = 0
-    best_at, best_live = None, {}
-    for i, e in enumerate(events):
+    total = 0
+    pieces: list[dict] = []
+    for name, (lo, hi) in zip(names, bounds):
+        best, best_at = total, None
+        for i in range(lo, hi):
+            e = events[i]
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                total += e["size"]
+                if total > best:
+                    best, best_at = total, i
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                total -= live.pop(e["addr"])["size"]
+        pieces.append(dict(window=name, peak_gib=round(best / 2**30, 4), peak_bytes=best, peak_event=best_at))
+    chosen = next((p for p in reversed(pieces) if p["window"] == window), None)
+    report = dict(events=len(events), windows=pieces, window=window)
+    if chosen is None or chosen["peak_event"] is None:
+        return dict(report, peak_bytes=None, reached_by=None, by_own_frame={}, by_frame={}, largest=[])
+    at = chosen["peak_event"]
+    alive: dict[int, dict] = {}  # the live set at the peak: the history replayed once more up to it
+    for e in events[:at + 1]:
         if e["action"] == "alloc":
-            live[e["addr"]] = e
-            total += e["size"]
-            if total > best:
-                best, best_at = total, i
-        elif e["action"] == "free_requested" and e["addr"] in live:
-            total -= live.pop(e["addr"])["size"]
-    # the live set at the peak: replay once more up to it (cheaper than copying it at every new peak)
-    for e in events[:best_at + 1] if best_at is not None else []:
-        if e["action"] == "alloc":
-            best_live[e["addr"]] = e
+            alive[e["addr"]] = e
         elif e["action"] == "free_requested":
-            best_live.pop(e["addr"], None)
+            alive.pop(e["addr"], None)
 
     def summed(key) -> dict[str, float]:
         sums: dict[str, int] = {}
-        for e in best_live.values():
+        for e in alive.values():
             name = key(e["frames"])
             sums[name] = sums.get(name, 0) + e["size"]
         return {k: round(v / 2**20, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
 
-    reached = events[best_at] if best_at is not None else None
-    return dict(peak_bytes=best, peak_gib=round(best / 2**30, 4), events=len(events), peak_event=best_at,
-                reached_by=None if reached is None else dict(
-                    size=reached["size"], stack=[_frame([f]) for f in reached["frames"][:25]]),
-                by_own_frame=summed(lambda frames: _frame(frames, own)), by_frame=summed(_frame))
+    def stack(e: dict, depth: int) -> list[str]:
+        return [_frame([f]) for f in e["frames"][:depth]]
+
+    largest = sorted(alive.values(), key=lambda e: -e["size"])[:top]
+    return dict(report, peak_bytes=chosen["peak_bytes"], peak_gib=chosen["peak_gib"], peak_event=at,
+                reached_by=dict(size=events[at]["size"], stack=stack(events[at], 25)),
+                by_own_frame=summed(lambda frames: _frame(frames, own)), by_frame=summed(_frame),
+                largest=[dict(mib=round(e["size"] / 2**20, 2), stack=stack(e, 8)) for e in largest])
 
 
 def _vramfit_case(config, sets: list[str], args, prof, walls: list[float]) -> int:

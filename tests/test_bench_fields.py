@@ -79,9 +79,9 @@ def test_merged_workload_reports_list_each_commit_once(tmp_path):
 
 
 def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
-    """bench/trace_steps.py --memory: the peak of allocated bytes over an allocator history, the
-    allocation that reached it, and the live blocks then, summed by the innermost frame of the
-    project's code."""
+    """bench/trace_steps.py --memory: per window between peak resets (found by their marks), the
+    peak of allocated bytes over an allocator history; for the chosen window the allocation that
+    reached it and the live blocks then, summed by the innermost frame of the project's code."""
     import sys
     from pathlib import Path
 
@@ -97,14 +97,27 @@ def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
 
     MIB = 2 ** 20
     weights, temp = at("torch/nn.py:load", "vramfit/load.py:weights"), at("torch/ops.py:mul", "vramfit/step.py:update")
+    mark = at("torch/ops.py:empty", "bench/trace_steps.py:_memory_mark")
+
+    def marked(addr):
+        return [dict(action="alloc", addr=addr, size=512, frames=mark), dict(action="free_requested", addr=addr)]
+
     events = [dict(action="alloc", addr=1, size=100 * MIB, frames=weights),
+              dict(action="alloc", addr=9, size=300 * MIB, frames=temp),  # before the train window: not its peak
+              dict(action="free_requested", addr=9),
+              *marked(90),
               dict(action="alloc", addr=2, size=30 * MIB, frames=temp),
-              dict(action="free_requested", addr=2, size=30 * MIB, frames=temp),
-              dict(action="alloc", addr=3, size=50 * MIB, frames=temp),  # the peak: 100 + 50
-              dict(action="alloc", addr=4, size=7 * MIB, frames=temp),  # ... and 157
-              dict(action="free_requested", addr=3, size=50 * MIB, frames=temp),
-              dict(action="alloc", addr=5, size=40 * MIB, frames=weights)]  # 147: under it
-    peak = trace_steps.memory_peak({"device_traces": [events]}, "vramfit")
-    assert peak["peak_bytes"] == 157 * MIB and peak["peak_event"] == 4 and peak["reached_by"]["size"] == 7 * MIB
+              dict(action="free_requested", addr=2),
+              dict(action="alloc", addr=3, size=50 * MIB, frames=temp),
+              dict(action="alloc", addr=4, size=7 * MIB, frames=temp),  # the train peak: 157 MiB
+              dict(action="free_requested", addr=3),
+              dict(action="alloc", addr=5, size=40 * MIB, frames=weights),  # 147: under it
+              *marked(91),
+              dict(action="alloc", addr=6, size=20 * MIB, frames=temp)]  # save: 167
+    peak = trace_steps.memory_peak({"device_traces": [[], events]}, "vramfit", ["train", "save"], "train")
+    assert [(w["window"], w["peak_bytes"] // MIB) for w in peak["windows"]] == [("start", 400), ("train", 157),
+                                                                                 ("save", 167)]
+    assert peak["peak_bytes"] == 157 * MIB and peak["peak_event"] == 8 and peak["reached_by"]["size"] == 7 * MIB
     assert peak["by_own_frame"] == {"vramfit/load.py:1 weights": 100.0, "vramfit/step.py:1 update": 57.0}
     assert list(peak["by_frame"]) == ["torch/nn.py:1 load", "torch/ops.py:1 mul"]
+    assert [b["mib"] for b in peak["largest"]] == [100.0, 50.0, 7.0]
