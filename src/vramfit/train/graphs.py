@@ -52,6 +52,8 @@ Memory: the recordings' activations live in a pool of their own, which eager wor
 step) does not reuse. While that work runs the pool's room is reserved, not allocated, so
 `torch.cuda.max_memory_allocated` leaves it out: the planner adds it to the step's temporaries,
 and the fit probe (which records graphs as the run does) measures reserved memory instead.
+The recordings make cuBLAS workspaces of their own; the eager ones are freed before the first
+recording (`release_cublas_workspaces`).
 """
 from __future__ import annotations
 
@@ -281,6 +283,7 @@ class GraphedDenoiser(torch.nn.Module):
             else:
                 with torch.cuda.device(self.device):
                     if self._pool is None:
+                        release_cublas_workspaces()
                         self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
                     recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
         except torch.OutOfMemoryError:
@@ -293,6 +296,22 @@ class GraphedDenoiser(torch.nn.Module):
         log.info("train.cuda_graphs: recorded the denoiser's forward and backward for inputs %s "
                  "(%d weights get gradients)", shapes, len(self._used[key]))
         return recording
+
+
+def release_cublas_workspaces() -> None:
+    """Free the workspaces cuBLAS holds for the streams matrix products ran on so far.
+
+    torch gives cuBLAS a workspace per (handle, stream), 32 MiB each on the H200, and keeps it
+    for the life of the process. The eager warm-up's forward (this thread) and backward
+    (autograd's device thread) leave two on the default stream; a recording runs on a stream of
+    its own and gets two more in its pool. With no recording made yet (a new pool, whose first
+    recording follows) nothing recorded reads the old ones, and an eager product later (a sample
+    grid, a signature whose recording failed) makes its workspace again: so they go, and a
+    recorded run holds the two workspaces an eager run holds, not four."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        torch.cuda.synchronize()
+        clear()
 
 
 def weight_addresses(modules: Iterable[torch.nn.Module]) -> list[int]:
