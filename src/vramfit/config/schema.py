@@ -153,7 +153,12 @@ class TrainConfig(_Section):
         "fp32 and writes it back as train.stochastic_rounding says); mixed_bf16: fp32 master "
         "weights with bf16 autocast; fp32: everything fp32.",
     )
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool | float = Field(
+        True, description="Recompute the denoiser's blocks in backward instead of keeping their "
+        "activations: true (every block), false (none), or a share between 0 and 1 of the blocks, "
+        "spread evenly through the forward (0.25: one block in four recomputes; the others keep "
+        "their activations): memory between false and true, recomputation that share of true's. "
+        "memory/checkpointing.py.")
     max_grad_norm: float = Field(
         1.0, ge=0, description="Gradient clipping; 0 disables. Global norm, except with "
         "optimizer_in_backward: each tensor is clipped alone to max_grad_norm * "
@@ -203,6 +208,16 @@ class TrainConfig(_Section):
         description="A NaN/inf loss or gradient: skip that optimizer step (counted in run.json), "
         "or stop the run naming the step and the batch's files.",
     )
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _checkpoint_share(cls, value: bool | float) -> bool | float:
+        if isinstance(value, bool):
+            return value
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"a share of the blocks lies between 0 and 1, not {value}; or write true "
+                             f"(every block) or false (none)")
+        return True if value == 1.0 else False if value == 0.0 else float(value)
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":

@@ -162,10 +162,11 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         if cfg.train.precision == "full_bf16":  # fp32 adapters multiplied in bf16, as under autocast
             lora_in_base_dtype(unet)
         quantize_frozen_base(unet, cfg.lora, device)
-    if cfg.train.gradient_checkpointing:
-        from vramfit.train.graphs import graph_safe_checkpoint
+    if cfg.train.gradient_checkpointing is not False:  # every block, or a share of them
+        from vramfit.memory.checkpointing import checkpointing_function
 
-        unet.enable_gradient_checkpointing(graph_safe_checkpoint if cfg.train.cuda_graphs else None)
+        unet.enable_gradient_checkpointing(checkpointing_function(cfg.train.gradient_checkpointing,
+                                                                  graph_safe=cfg.train.cuda_graphs))
     else:
         unet.disable_gradient_checkpointing()
     if cfg.train.compile:

@@ -1,0 +1,73 @@
+"""Gradient checkpointing of the denoiser's blocks, all of them or a share (train.gradient_checkpointing).
+
+diffusers' models call a checkpointing function for each block they run (SD3's joint blocks;
+the UNet's resnets and transformer blocks) once `enable_gradient_checkpointing(function)` is
+set. `checkpointing_function` gives that function: torch's non-reentrant checkpoint for every
+block (true), or `PartialCheckpoint`, which checkpoints only a share of the blocks and runs the
+others as usual, so that they keep their activations for backward.
+
+Which blocks: in the order the forward first calls them, block i recomputes when
+floor((i + 1) x share) > floor(i x share): one in four for 0.25, spread evenly through the
+forward, the same blocks at every call (decided once per module). For SD3, whose blocks are
+alike, that is exactly the share of the activations kept by false and the recomputation of true;
+for a UNet the even spread samples every resolution level in about the same proportion, so
+memory/planner.py predicts the activations of a share s as s x those of checkpointing + (1 - s) x
+those without.
+
+Cost: a share keeps (1 - s) of the no-checkpointing activations beside s of the checkpointed
+inputs, and recomputes s of the forward in backward (true: all of it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+
+def checkpoint_block(module: Callable, *args):
+    """torch's non-reentrant checkpoint of one block call (diffusers' own default)."""
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+
+
+class PartialCheckpoint:
+    """A checkpointing function for diffusers' `enable_gradient_checkpointing` that recomputes a
+    `share` (0 < share < 1) of the blocks with `checkpoint` and runs the rest directly."""
+
+    def __init__(self, share: float, checkpoint: Callable = checkpoint_block):
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"a share of the blocks between 0 and 1 (exclusive), not {share}")
+        self.share, self.checkpoint = share, checkpoint
+        self._decided: dict[int, tuple[torch.nn.Module, bool]] = {}  # id -> (module, recomputes)
+
+    def recomputes(self, module) -> bool:
+        """Whether `module` is one of the checkpointed blocks (decided at its first call)."""
+        entry = self._decided.get(id(module))
+        if entry is None:
+            i = len(self._decided)
+            entry = self._decided[id(module)] = (module, math.floor((i + 1) * self.share) > math.floor(i * self.share))
+        return entry[1]
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(blocks that recompute, blocks seen so far)."""
+        return sum(1 for _, r in self._decided.values() if r), len(self._decided)
+
+    def __call__(self, module, *args):
+        return self.checkpoint(module, *args) if self.recomputes(module) else module(*args)
+
+
+def checkpointing_function(setting: bool | float, graph_safe: bool) -> Optional[Callable]:
+    """The function to give `enable_gradient_checkpointing` for train.gradient_checkpointing =
+    `setting` (true or a share; false never checkpoints). `graph_safe`: under train.cuda_graphs,
+    a checkpoint that saves no RNG state (train/graphs.py `graph_safe_checkpoint`); otherwise
+    None for every block (diffusers' default) or torch's non-reentrant checkpoint for a share."""
+    if setting is False:
+        raise ValueError("gradient checkpointing is off: there is no checkpointing function to give")
+    if graph_safe:
+        from vramfit.train.graphs import graph_safe_checkpoint
+
+        inner = graph_safe_checkpoint
+    else:
+        inner = None if setting is True else checkpoint_block
+    return inner if setting is True else PartialCheckpoint(float(setting), inner)

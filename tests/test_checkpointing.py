@@ -1,0 +1,94 @@
+"""train.gradient_checkpointing as a share of the blocks (memory/checkpointing.py): which blocks
+recompute, the same training as with every block or none, the config's checks, and the planner's
+prediction and choice."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config.schema import RunConfig
+from vramfit.memory import checkpointing
+from vramfit.memory.checkpointing import PartialCheckpoint
+from vramfit.memory.model_facts import facts_for_layout
+from vramfit.memory.planner import GIB, choose, predict
+
+
+@pytest.mark.parametrize("share,every", [(0.25, 4), (0.5, 2), (0.75, None)])
+def test_a_share_recomputes_that_share_of_the_blocks_spread_evenly(share, every):
+    calls: list[int] = []
+    blocks = [torch.nn.Identity() for _ in range(24)]
+    partial = PartialCheckpoint(share, lambda module, *args: calls.append(blocks.index(module)) or module(*args))
+    x = torch.ones(2)
+    for _ in range(2):  # the same blocks at every forward
+        for block in blocks:
+            assert torch.equal(partial(block, x), x)
+    recomputed = sorted(set(calls))
+    assert len(calls) == 2 * len(recomputed) and partial.counts == (int(24 * share), 24)
+    if every:
+        assert recomputed == list(range(every - 1, 24, every))
+    else:  # three in four: no two blocks in a row keep their activations
+        assert all(b - a <= 2 for a, b in zip([-1] + recomputed, recomputed + [24]))
+    with pytest.raises(ValueError):
+        PartialCheckpoint(1.0)
+
+
+def test_the_setting_takes_a_share_true_or_false():
+    def setting(value):
+        return RunConfig.model_validate({"train": {"gradient_checkpointing": value}}).train.gradient_checkpointing
+
+    assert setting(0.25) == 0.25 and setting(1) is True and setting(0.0) is False and setting(True) is True
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        setting(1.5)
+
+
+def _run(images, tmp_path, cache_root, name, share):
+    out = tmp_path / name
+    assert main(train_args(images, out, cache_root / "c", "train.precision=fp32", "train.optimizer=adamw",
+                           "save.dtype=fp32", "save.name=m", "train.steps=2",
+                           f"train.gradient_checkpointing={json.dumps(share)}")) == 0
+    return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
+
+
+def test_a_partly_checkpointed_run_trains_as_with_every_block_or_none(images, tmp_path, cache_root, monkeypatch):
+    """tiny SSD-1B through the CLI: half of its checkpointed blocks (resnets and transformer
+    blocks) recompute, and the losses and weights are those of checkpointing all or none."""
+    recomputed: list[int] = []
+    inner = checkpointing.checkpoint_block
+    monkeypatch.setattr(checkpointing, "checkpoint_block",
+                        lambda module, *args: recomputed.append(id(module)) or inner(module, *args))
+    seen: list[PartialCheckpoint] = []
+    init = PartialCheckpoint.__init__
+    monkeypatch.setattr(PartialCheckpoint, "__init__", lambda self, *a: seen.append(self) or init(self, *a))
+    runs = {share: _run(images, tmp_path, cache_root, str(share), share) for share in (False, 0.5, True)}
+    (partial,) = seen
+    recomputes, blocks = partial.counts
+    assert blocks >= 8 and recomputes == blocks // 2 and len(set(recomputed)) == recomputes
+    assert len(recomputed) == 2 * recomputes  # one forward a step, two steps
+    for share in (False, True):
+        torch.testing.assert_close(runs[0.5][0], runs[share][0], rtol=1e-5, atol=0)
+        for key, value in runs[share][1].items():
+            torch.testing.assert_close(runs[0.5][1][key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_the_planner_predicts_and_chooses_a_share():
+    """SD3-M LoRA at 1024: each larger share predicts less memory (the activations of the share
+    not checkpointed go), and a budget between all and none gets a share, not all."""
+    facts = facts_for_layout("sd3m", t5=True)
+    base = {"data": {"resolution": 1024, "max_aspect": 1.0}, "train": {"mode": "lora", "optimizer": "adamw8bit"},
+            "memory": {"offload_activations": False}, "lora": {"base_quantization": "none"}}
+
+    def train_peak(share) -> int:
+        cfg = RunConfig.model_validate({**base, "train": {**base["train"], "gradient_checkpointing": share}})
+        return next(p.peak for p in predict(facts, cfg).phases if p.name == "train")
+
+    peaks = [train_peak(s) for s in (False, 0.25, 0.5, 0.75, True)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1] + GIB
+    budget = (peaks[2] + peaks[3]) / 2 / 0.9  # 0.75 fits in it with the planner's margin, 0.5 does not
+    cfg = RunConfig.model_validate({**base, "train": {**base["train"], "optimizer_in_backward": False}})
+    chosen = choose(cfg, int(budget), facts).config.train.gradient_checkpointing
+    assert chosen == 0.75
