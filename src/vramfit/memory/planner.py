@@ -33,6 +33,8 @@ gradient checkpointing the inputs of the checkpointed modules (SDXL family: each
 transformer block, the layers around them; SD3: each joint block's image + text tokens x width)
 x `saved`, plus the largest block's tokens x channels x `work` (its recompute); without it, every
 resnet's and block's input x `all_resnet` / `all_block`. Offloaded activations keep only `work`.
+A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): s x the saved
+inputs + (1 - s) x every input's activations, plus `work`.
 
 Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
 reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
@@ -321,13 +323,20 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
-    if cfg.train.gradient_checkpointing:
-        saved = 0.0 if cfg.memory.offload_activations else k.saved * shape.saved * scale
+    every = k.all_resnet * shape.resnet_inputs + k.all_block * shape.block_inputs
+    share = _checkpointed_share(cfg)
+    if share:  # a share s of the blocks recompute: s of the checkpointed inputs, 1 - s of every activation
+        saved = 0.0 if cfg.memory.offload_activations else (share * k.saved * shape.saved + (1 - share) * every) * scale
         return {"saved": int(saved), "work": int(work)}
     if cfg.memory.offload_activations:
         return {"saved": 0, "work": int(work)}
-    every = k.all_resnet * shape.resnet_inputs + k.all_block * shape.block_inputs
     return {"saved": int(every * scale), "work": 0}
+
+
+def _checkpointed_share(cfg: RunConfig) -> float:
+    """The share of the denoiser's blocks that recompute in backward (memory/checkpointing.py)."""
+    setting = cfg.train.gradient_checkpointing
+    return 1.0 if setting is True else 0.0 if setting is False else float(setting)
 
 
 def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
@@ -439,8 +448,9 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
 @dataclass(frozen=True)
 class Knob:
     """A memory setting the planner may choose: options fastest first, a rank each, the phase group
-    it acts on. Ranks are powers of two (but nf4, one above int8), so sorting combinations by their
-    sum follows the ladder: with CUDA graphs, checkpointing, then the step in backward (recorded
+    it acts on. Ranks are powers of two (but nf4, one above int8, and a share of the blocks
+    checkpointed, that share of checkpointing's 1: less recomputation, so tried first), so sorting
+    combinations by their sum follows the ladder: with CUDA graphs, checkpointing, then the step in backward (recorded
     with the backward: SSD-1B 0.180 s a step at 3.30 GiB, against 0.364 s at 5.61 GiB for
     checkpointing alone without graphs, docs/benchmarks.md), then both; then the same without
     graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same other
@@ -454,7 +464,8 @@ class Knob:
 
 
 KNOBS = (
-    Knob("train.gradient_checkpointing", (False, True), (0, 1), "train"),
+    # a share of the blocks recomputes (memory/checkpointing.py): less recomputation than all of them
+    Knob("train.gradient_checkpointing", (False, 0.25, 0.5, 0.75, True), (0, 0.25, 0.5, 0.75, 1), "train"),
     # the step in backward records with the backward (train/graphs.py): cheap beside graphs
     Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
     Knob("memory.offload_activations", (False, True), (0, 4), "train"),  # never beside graphs
@@ -556,8 +567,8 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
 def _never_tried(values: dict[str, object]) -> Optional[str]:
     """Why the search never tries these values, or None: they are slower than a neighbour that
     needs no more memory."""
-    if values.get("memory.offload_activations") and values.get("train.gradient_checkpointing") is False:
-        return "offloading every activation of a step is slower than recomputing them"
+    if values.get("memory.offload_activations") and values.get("train.gradient_checkpointing", True) is not True:
+        return "offloading every activation of a block is slower than recomputing it"
     return None
 
 
