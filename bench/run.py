@@ -71,6 +71,12 @@ def graphed(case: Case) -> Case:
                 case.requires + ["train.cuda_graphs"], case.role)
 
 
+def partly_checkpointed(case: Case, share: float) -> Case:
+    """The same configuration with only a share of the denoiser's blocks checkpointed."""
+    return Case(f"{case.name}_ckpt{round(share * 100)}", f"{case.label}, {share:g} of the blocks checkpointed",
+                case.sets + [f"train.gradient_checkpointing={share}"], case.requires, case.role)
+
+
 FULL_CASES = [
     Case("recipe", "recipe", []),
     Case("inbwd", "recipe + optimizer in backward", ["train.optimizer_in_backward=true"],
@@ -112,6 +118,9 @@ LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4")]
+# a quantized base frees room that activations kept uncheckpointed can take (memory/checkpointing.py)
+LORA_CASES += [partly_checkpointed(c, share) for c in LORA_CASES
+               if c.name in ("base_int8_graphs", "base_fp8_graphs", "base_nf4_graphs") for share in (0.25, 0.5)]
 # Work a run may do besides training that would only cost bench time, switched off where the key exists.
 OFF_DURING_BENCH = ["sample.every_steps=0", "memory.fit_probe=false"]
 DEFAULT_CASE_SECONDS = {"seed": 30.0, "vramfit": 60.0}  # guesses for --deadline until a case has run

@@ -28,6 +28,9 @@ CASES = {
     "ssd1b-full-checkpointed-samples": ("tiny:ssd1b", [
         "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.gradient_checkpointing=true",
         "sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]),
+    # half of the blocks checkpointed (memory/checkpointing.py), the graph-safe checkpoint inside
+    "ssd1b-full-half-checkpointed": ("tiny:ssd1b", [
+        "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.gradient_checkpointing=0.5"]),
     "sd3-lora-nf4": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"]),
     "sdxl-lora-int8": ("tiny:sdxl", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"]),
     # sample grids move the quantized base too: its inner tensors' new addresses force new recordings
