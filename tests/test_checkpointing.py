@@ -4,6 +4,7 @@ prediction and choice."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -54,9 +55,12 @@ def _run(images, tmp_path, cache_root, name, share):
     return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
 
 
-def test_a_partly_checkpointed_run_trains_as_with_every_block_or_none(images, tmp_path, cache_root, monkeypatch):
+def test_a_partly_checkpointed_run_trains_as_with_every_block_or_none(images, tmp_path, cache_root, monkeypatch,
+                                                                     caplog):
     """tiny SSD-1B through the CLI: half of its checkpointed blocks (resnets and transformer
-    blocks) recompute, and the losses and weights are those of checkpointing all or none."""
+    blocks) recompute, the run's log says how many, and the losses and weights are those of
+    checkpointing all or none."""
+    caplog.set_level(logging.INFO, logger="vramfit")
     recomputed: list[int] = []
     inner = checkpointing.checkpoint_block
     monkeypatch.setattr(checkpointing, "checkpoint_block",
@@ -69,6 +73,9 @@ def test_a_partly_checkpointed_run_trains_as_with_every_block_or_none(images, tm
     recomputes, blocks = partial.counts
     assert blocks >= 8 and recomputes == blocks // 2 and len(set(recomputed)) == recomputes
     assert len(recomputed) == 2 * recomputes  # one forward a step, two steps
+    told = [r.getMessage() for r in caplog.records if "checkpointable blocks" in r.getMessage()]
+    assert told == [f"train.gradient_checkpointing = 0.5: {recomputes} of the denoiser's {blocks} checkpointable "
+                    "blocks recompute in backward"]
     for share in (False, True):
         torch.testing.assert_close(runs[0.5][0], runs[share][0], rtol=1e-5, atol=0)
         for key, value in runs[share][1].items():

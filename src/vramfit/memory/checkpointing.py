@@ -19,10 +19,13 @@ inputs, and recomputes s of the forward in backward (true: all of it).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger("vramfit")
 
 
 def checkpoint_block(module: Callable, *args):
@@ -39,10 +42,16 @@ class PartialCheckpoint:
             raise ValueError(f"a share of the blocks between 0 and 1 (exclusive), not {share}")
         self.share, self.checkpoint = share, checkpoint
         self._decided: dict[int, tuple[torch.nn.Module, bool]] = {}  # id -> (module, recomputes)
+        self._told = False
 
     def recomputes(self, module) -> bool:
-        """Whether `module` is one of the checkpointed blocks (decided at its first call)."""
+        """Whether `module` is one of the checkpointed blocks (decided at its first call). The
+        first block called again (a forward has seen them all) logs how many recompute."""
         entry = self._decided.get(id(module))
+        if entry is not None and not self._told:
+            self._told = True
+            log.info("train.gradient_checkpointing = %g: %d of the denoiser's %d checkpointable blocks "
+                     "recompute in backward", self.share, *self.counts)
         if entry is None:
             i = len(self._decided)
             entry = self._decided[id(module)] = (module, math.floor((i + 1) * self.share) > math.floor(i * self.share))
