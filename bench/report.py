@@ -37,6 +37,7 @@ def load(paths: list[Path]) -> list[dict]:
         # the commits of every run merged, each once (a merged file's field already lists several)
         seen = list(dict.fromkeys(str(old.get("commit")).split(", ")))
         old["commit"] = ", ".join(seen + [c for c in dict.fromkeys(str(g.get("commit")).split(", ")) if c not in seen])
+        old["not_run"] = list(dict.fromkeys([*old.get("not_run", []), *g.get("not_run", [])]))
         refs = old.setdefault("references", [])
         for r in [*g.get("references", []), *g["rows"]]:  # every run's own references stay for its rows
             if r.get("role") in REF_ROLES and r.get("status") == "ok" and \
@@ -45,6 +46,8 @@ def load(paths: list[Path]) -> list[dict]:
         new = {(r["side"], r["case"]): r for r in g["rows"]}
         old["rows"] = [newer(new.pop((r["side"], r["case"]), r), r) for r in old["rows"]] + list(new.values())
     for g in merged.values():
+        ran = {r["case"] for r in g["rows"] if r.get("status") == "ok"}
+        g["not_run"] = [c for c in g.get("not_run", []) if c not in ran]  # a later command may have run it
         shown = {(r["role"], run_of(r)) for r in g["rows"]}
         g["references"] = [r for r in g["references"] if (r["role"], run_of(r)) not in shown]
         g["rows"].sort(key=lambda r: (r["side"] != "seed", r.get("role") == "fastest"))

@@ -74,8 +74,11 @@ def test_merged_workload_reports_list_each_commit_once(tmp_path):
     for name, commit in (("a", "c1, c2, c1"), ("b", "c2"), ("c", "c3, c2")):
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps({"workload": "sd3_full", "commit": commit, "rows": [dict(row, commit=commit)]}))
+    first = json.loads(files[0].read_text())
+    files[0].write_text(json.dumps(dict(first, not_run=["recipe", "inbwd"])))
     (merged,) = report.load(files)
     assert merged["commit"] == "c1, c2, c3" and len(merged["rows"]) == 1
+    assert merged["not_run"] == ["recipe"]  # a later file ran inbwd
 
 
 def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
