@@ -72,7 +72,8 @@ def graphed(case: Case) -> Case:
 
 
 def partly_checkpointed(case: Case, share: float) -> Case:
-    """The same configuration with only a share of the denoiser's blocks checkpointed."""
+    """The same configuration with only a share of the denoiser's blocks checkpointed (a tree from
+    before `a895fb2`, whose setting is a bool, fails such a case's config check)."""
     return Case(f"{case.name}_ckpt{round(share * 100)}", f"{case.label}, {share:g} of the blocks checkpointed",
                 case.sets + [f"train.gradient_checkpointing={share}"], case.requires, case.role)
 

@@ -140,7 +140,10 @@ def main(argv=None) -> None:
     if args.memory:
         # the window of the measured steps: vramfit's train phase; the seed's timed steps (its last reset)
         peak = memory_peak(torch.cuda.memory._snapshot(), "seeds.py" if seed else "vramfit", resets,
-                           "reset" if seed else "train")
+                           "reset" if seed else "train", kept=MEMORY_ENTRIES)
+        if peak["truncated"]:
+            log(f"the allocator history overflowed its {MEMORY_ENTRIES} entries: the sums miss what was "
+                "allocated before it (fewer --skip/--active steps keep all of it)")
         torch.cuda.memory._record_memory_history(enabled=None)
         peak.update(workload=args.workload, case=args.case, commit=_commit(), step_wall_s=walls,
                     gpu=torch.cuda.get_device_name())
@@ -203,7 +206,8 @@ def mark_peak_resets(labels: list[str]) -> None:
     torch.cuda.reset_peak_memory_stats = reset
 
 
-def memory_peak(snapshot: dict, own: str, labels: list[str], window: str, top: int = 40) -> dict:
+def memory_peak(snapshot: dict, own: str, labels: list[str], window: str, top: int = 40,
+                kept: int = 0) -> dict:
     """Where allocated bytes peaked in the recorded history of `snapshot` (torch.cuda.memory._snapshot).
     A block counts from its alloc until its free was requested, as torch's allocated-bytes
     statistic counts it. The history is cut at the marks `mark_peak_resets` left (labelled by
@@ -212,11 +216,19 @@ def memory_peak(snapshot: dict, own: str, labels: list[str], window: str, top: i
     blocks then summed by the innermost frame of code whose file contains `own` and by the
     innermost frame of any code, and the largest live blocks. The sums can come out below torch's
     own statistic (SD3-M full, step in backward + graphs, `c6fec83`: 4.597 against 4.645 GiB):
-    read them for where the memory is, and the bench's row for how much."""
+    read them for where the memory is, and the bench's row for how much.
+
+    torch keeps the newest `kept` events only (MEMORY_ENTRIES): a history that long, or with fewer
+    marks than `labels`, lost its start. Its pieces are then named from the last mark back, and
+    `truncated` says that blocks allocated before the kept history (the weights) are missing
+    from every sum."""
     events = next((t for t in snapshot["device_traces"] if t), [])
     cuts = [i for i, e in enumerate(events)
             if e["action"] == "alloc" and any(f["name"] == "_memory_mark" for f in e["frames"])]
-    names = (["start"] + list(labels))[:len(cuts) + 1]
+    truncated = bool(kept and len(events) >= kept) or len(cuts) < len(labels)
+    names = ["start"] + list(labels)[:len(cuts)]
+    if len(cuts) < len(labels):  # the oldest marks were dropped: the newest ones are the last labels
+        names = ["(before the kept history)"] + list(labels)[len(labels) - len(cuts):]
     bounds = list(zip([0] + cuts, cuts + [len(events)]))
     live: dict[int, dict] = {}
     total = 0
@@ -234,7 +246,7 @@ def memory_peak(snapshot: dict, own: str, labels: list[str], window: str, top: i
                 total -= live.pop(e["addr"])["size"]
         pieces.append(dict(window=name, peak_gib=round(best / 2**30, 4), peak_bytes=best, peak_event=best_at))
     chosen = next((p for p in reversed(pieces) if p["window"] == window), None)
-    report = dict(events=len(events), windows=pieces, window=window)
+    report = dict(events=len(events), windows=pieces, window=window, truncated=truncated)
     if chosen is None or chosen["peak_event"] is None:
         return dict(report, peak_bytes=None, reached_by=None, by_own_frame={}, by_frame={}, largest=[])
     at = chosen["peak_event"]

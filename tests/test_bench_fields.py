@@ -123,4 +123,11 @@ def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
     assert peak["peak_bytes"] == 157 * MIB and peak["peak_event"] == 8 and peak["reached_by"]["size"] == 7 * MIB
     assert peak["by_own_frame"] == {"vramfit/load.py:1 weights": 100.0, "vramfit/step.py:1 update": 57.0}
     assert list(peak["by_frame"]) == ["torch/nn.py:1 load", "torch/ops.py:1 mul"]
-    assert [b["mib"] for b in peak["largest"]] == [100.0, 50.0, 7.0]
+    assert [b["mib"] for b in peak["largest"]] == [100.0, 50.0, 7.0] and not peak["truncated"]
+    # a history whose oldest events torch dropped (the first mark among them): the pieces are named
+    # from the last mark back, no piece passes for the train phase, and it says it is truncated
+    cut = trace_steps.memory_peak({"device_traces": [events[4:]]}, "vramfit", ["train", "save"], "train")
+    assert [w["window"] for w in cut["windows"]] == ["(before the kept history)", "save"]
+    assert cut["truncated"] and cut["peak_bytes"] is None
+    full = trace_steps.memory_peak({"device_traces": [events]}, "vramfit", ["train", "save"], "train", kept=len(events))
+    assert full["truncated"] and full["peak_bytes"] == 157 * MIB  # as long as torch keeps: perhaps cut

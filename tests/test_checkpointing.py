@@ -99,3 +99,18 @@ def test_the_planner_predicts_and_chooses_a_share():
     cfg = RunConfig.model_validate({**base, "train": {**base["train"], "optimizer_in_backward": False}})
     chosen = choose(cfg, int(budget), facts).config.train.gradient_checkpointing
     assert chosen == 0.75
+
+
+def test_the_planner_never_offloads_beside_a_share_the_user_set():
+    """Offloading every activation of the blocks a share leaves uncheckpointed is slower than
+    recomputing them: with the user's share and a budget it does not fit, the planner finds
+    other room (a quantized base, here) instead of offloaded activations."""
+    facts = facts_for_layout("sd3m", t5=True)
+    sections = {"data": {"resolution": 1024, "max_aspect": 1.0}, "model": {"t5_precision": "int8"},
+                "train": {"mode": "lora", "optimizer": "adamw8bit", "optimizer_in_backward": False,
+                          "gradient_checkpointing": 0.5}}
+    cfg = RunConfig.model_validate(sections)
+    half = next(p.peak for p in predict(facts, cfg).phases if p.name == "train")
+    chosen = choose(cfg, int((half - 1.5 * GIB) / 0.9), facts).config
+    assert chosen.train.gradient_checkpointing == 0.5 and not chosen.memory.offload_activations
+    assert chosen.lora.base_quantization != "none" or chosen.memory.stream_weights

@@ -312,3 +312,29 @@ def test_with_the_step_in_backward_recording_waits_for_a_finished_step():
     hooks.finish()
     graphed(x)
     assert calls == [1]  # after a finished step the next call records
+
+
+def test_cublas_workspaces_are_kept_while_another_denoiser_holds_recordings(monkeypatch):
+    """The workspaces are the process's: a new pool's first recording frees them only when no
+    other denoiser still holds recordings that replay with them; one that is only garbage (the
+    fit probe's) is collected first and does not hold them back."""
+    cleared: list[int] = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def recorder():
+        denoiser = graphs.GraphedDenoiser(torch.nn.Linear(2, 2))
+        graphs._RECORDERS.add(denoiser)
+        return denoiser
+
+    older, newer = recorder(), recorder()
+    assert graphs.release_cublas_workspaces(newer) and cleared == [1]  # the older one has recorded nothing
+    older._recordings["signature"] = object()  # now it has
+    assert not graphs.release_cublas_workspaces(newer) and cleared == [1]
+    older._recordings.clear()  # dropped (its weights moved): nothing replays with the workspaces
+    assert graphs.release_cublas_workspaces(newer) and cleared == [1, 1]
+    older._recordings["signature"] = object()
+    cycle = [older]
+    cycle.append(cycle)  # garbage only a collection frees, as the probe's denoiser is
+    del older, cycle
+    assert graphs.release_cublas_workspaces(newer) and cleared == [1, 1, 1]

@@ -278,7 +278,8 @@ class MemoryConfig(_Section):
         "Sample grids and `vramfit generate` are not streamed.")
     offload_activations: bool = Field(
         False, description="Keep the tensors saved for backward (with gradient checkpointing: the "
-        "checkpointed blocks' inputs) in pinned CPU memory instead of on the GPU; costs one copy "
+        "checkpointed blocks' inputs; with a share checkpointed, every activation of the other "
+        "blocks too) in pinned CPU memory instead of on the GPU; costs one copy "
         "to the host in forward and one back in backward for each saved tensor.")
     vram_budget: Optional[str] = Field(
         None, description="GPU memory the run may use, e.g. \"8GiB\", \"7.5GB\", \"6144MiB\" or a "

@@ -28,9 +28,9 @@ import torch
 log = logging.getLogger("vramfit")
 
 
-def checkpoint_block(module: Callable, *args):
+def checkpoint_block(module: Callable, *args, **kwargs):
     """torch's non-reentrant checkpoint of one block call (diffusers' own default)."""
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
 class PartialCheckpoint:
@@ -62,8 +62,8 @@ class PartialCheckpoint:
         """(blocks that recompute, blocks seen so far)."""
         return sum(1 for _, r in self._decided.values() if r), len(self._decided)
 
-    def __call__(self, module, *args):
-        return self.checkpoint(module, *args) if self.recomputes(module) else module(*args)
+    def __call__(self, module, *args, **kwargs):  # (SDXL's and SD3's blocks get positional arguments only)
+        return self.checkpoint(module, *args, **kwargs) if self.recomputes(module) else module(*args, **kwargs)
 
 
 def checkpointing_function(setting: bool | float, graph_safe: bool) -> Optional[Callable]:

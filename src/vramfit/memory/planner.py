@@ -564,10 +564,13 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     return knob.group
 
 
-def _never_tried(values: dict[str, object]) -> Optional[str]:
-    """Why the search never tries these values, or None: they are slower than a neighbour that
-    needs no more memory."""
-    if values.get("memory.offload_activations") and values.get("train.gradient_checkpointing", True) is not True:
+def _never_tried(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
+    """Why the search never tries these values (chosen beside `cfg`'s settings), or None: they
+    are slower than a neighbour that needs no more memory. Only where the planner chose one of
+    the settings involved: a combination the user wrote is theirs."""
+    pair = {"memory.offload_activations", "train.gradient_checkpointing"}
+    trial = with_values(cfg, values)
+    if trial.memory.offload_activations and trial.train.gradient_checkpointing is not True and pair & values.keys():
         return "offloading every activation of a block is slower than recomputing it"
     return None
 
@@ -598,7 +601,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
         found = last = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
-            if _never_tried(combo):
+            if _never_tried(cfg, combo):
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue
@@ -658,7 +661,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
                            "the other settings")
             continue
-        why = _never_tried({**values, knob.key: knob.options[0]}) or _tried_last(
+        why = _never_tried(cfg, {**values, knob.key: knob.options[0]}) or _tried_last(
             cfg, {**values, knob.key: knob.options[0]})
         if why:
             reasons.append(f"{knob.key} = {json.dumps(value)}: {why}")

@@ -157,6 +157,12 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         from vramfit.train.data import free_device_memory
 
         free_device_memory(device)
+        if cfg.train.cuda_graphs and device.type == "cuda":
+            # the cuBLAS workspaces the probe's recordings made would pin their pool through caching
+            from vramfit.train.graphs import release_cublas_workspaces
+
+            if release_cublas_workspaces():
+                torch.cuda.empty_cache()
     if peak > limit:
         measured = "ran out of GPU memory" if failed else f"peaked at {peak / GIB:.2f} GiB"
         raise FitProbeError(

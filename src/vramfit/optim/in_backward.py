@@ -73,8 +73,10 @@ class BackwardSteps:
         self._chunked = {id(p) for p in params if in_backward and optimizer.chunks(p)
                          and (device is None or _same_device(p.device, device))}
         self._device = device
-        # the pack limit leaves out every tensor the optimizer could chunk, wherever it steps now: a
-        # streamed weight stepped on the device (memory/offload.py) steps in chunks there
+        # the pack limit leaves out every tensor the optimizer chunks where it lies now: a streamed
+        # weight stepped on the device (memory/offload.py) steps in chunks there. One the optimizer
+        # chunks only on the GPU (Adafactor's fused kernels: 1 to 4 Mi values) counts as waiting,
+        # which leaves the limit as it is: it is under the 4 Mi floor
         waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False

@@ -57,7 +57,9 @@ recording (`release_cublas_workspaces`).
 """
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -73,9 +75,10 @@ def check_device(device: torch.device) -> None:
                          f"is {device}. Set train.cuda_graphs = false (or train.device to a GPU)")
 
 
-def graph_safe_checkpoint(module: Callable, *args):
+def graph_safe_checkpoint(module: Callable, *args, **kwargs):
     """Gradient checkpointing without saving the RNG state, which a graph recording cannot do."""
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False)
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False,
+                                             **kwargs)
 
 
 class _Flat(torch.nn.Module):
@@ -283,7 +286,8 @@ class GraphedDenoiser(torch.nn.Module):
             else:
                 with torch.cuda.device(self.device):
                     if self._pool is None:
-                        release_cublas_workspaces()
+                        release_cublas_workspaces(self)
+                        _RECORDERS.add(self)
                         self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
                     recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
         except torch.OutOfMemoryError:
@@ -298,20 +302,37 @@ class GraphedDenoiser(torch.nn.Module):
         return recording
 
 
-def release_cublas_workspaces() -> None:
-    """Free the workspaces cuBLAS holds for the streams matrix products ran on so far.
+_RECORDERS: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # those that made a recording pool
+
+
+def release_cublas_workspaces(owner: Optional[GraphedDenoiser] = None) -> bool:
+    """Free the workspaces cuBLAS holds for the streams matrix products ran on so far; returns
+    whether it did.
 
     torch gives cuBLAS a workspace per (handle, stream), 32 MiB each on the H200, and keeps it
     for the life of the process. The eager warm-up's forward (this thread) and backward
     (autograd's device thread) leave two on the default stream; a recording runs on a stream of
-    its own and gets two more in its pool. With no recording made yet (a new pool, whose first
-    recording follows) nothing recorded reads the old ones, and an eager product later (a sample
-    grid, a signature whose recording failed) makes its workspace again: so they go, and a
-    recorded run holds the two workspaces an eager run holds, not four."""
+    its own and gets two more in its pool. Before the first recording of a new pool (`owner`'s)
+    nothing recorded reads the old ones, and an eager product later (a sample grid, a signature
+    whose recording failed) makes its workspace again: so they go, and a recorded run holds the
+    two workspaces an eager run holds, not four. After the fit probe (memory/probe.py) the same
+    frees the workspaces its recordings made, which would otherwise pin its pool.
+
+    The workspaces are the process's, not one denoiser's: while another denoiser still holds
+    recordings, whose replays use the workspaces they were recorded with, nothing is freed."""
+    def busy() -> bool:  # (no list of them: it would keep garbage alive through the collection)
+        return any(d is not owner and d.captures for d in _RECORDERS)
+
+    held = busy()
+    if held:  # perhaps only garbage (the fit probe's): collect it and look again
+        gc.collect()
+        held = busy()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        torch.cuda.synchronize()
-        clear()
+    if held or clear is None:
+        return False
+    torch.cuda.synchronize()
+    clear()
+    return True
 
 
 def weight_addresses(modules: Iterable[torch.nn.Module]) -> list[int]:
