@@ -29,12 +29,18 @@ def optimizer_class(name: str) -> type[ParamOptimizer]:
     return AdamW8bit if name == "adamw8bit" else AdamW
 
 
+def steps_streamed_on_device(streamed: bool, mode: str, in_backward: bool, optimizer: type) -> bool:
+    """The rule of where streamed weights step (memory/offload.py): on the device inside backward
+    for a streamed full fine-tune with the step in backward and an optimizer class with compact
+    state; otherwise in CPU memory. The planner asks it of a config (`streamed_step_on_device`),
+    the training loop of the run's live streamer and optimizer."""
+    return streamed and mode == "full" and in_backward and getattr(optimizer, "compact_state", False)
+
+
 def streamed_step_on_device(cfg) -> bool:
-    """Whether a run of RunConfig `cfg` steps its streamed weights on the device inside backward
-    (memory/offload.py): a streamed full fine-tune, the step in backward, an optimizer with compact
-    state. Otherwise their step runs in CPU memory."""
-    return (cfg.memory.stream_weights and cfg.train.mode == "full" and cfg.train.optimizer_in_backward
-            and optimizer_class(cfg.train.optimizer).compact_state)
+    """Whether a run of RunConfig `cfg` steps its streamed weights on the device inside backward."""
+    return steps_streamed_on_device(cfg.memory.stream_weights, cfg.train.mode, cfg.train.optimizer_in_backward,
+                                    optimizer_class(cfg.train.optimizer))
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> ParamOptimizer:

@@ -19,6 +19,7 @@ import torch
 from vramfit.config.schema import TrainConfig
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.memory.offload import streamer_of
+from vramfit.optim.build import steps_streamed_on_device
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train.data import Record, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
@@ -118,8 +119,8 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser, steps=stepping))
     # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
     streamer = streamer_of(unet)
-    if streamer is not None and grad_hooks is not None and grad_hooks.in_backward and getattr(
-            optimizer, "compact_state", False):
+    if grad_hooks is not None and steps_streamed_on_device(streamer is not None, cfg.mode, grad_hooks.in_backward,
+                                                           type(optimizer)):
         streamer.step_on_device(grad_hooks)
     result = LoopResult()
     unet.train()
