@@ -108,3 +108,21 @@ def test_recording_frees_the_eager_cublas_workspaces():
     torch.cuda.synchronize()
     assert graphed.captures == 1
     assert torch.cuda.memory_allocated() - before < 4 * 2**20
+
+
+def test_the_fit_probe_frees_its_recordings_workspaces_and_the_run_its_eager_ones(images, tmp_path, cache_root,
+                                                                                  monkeypatch):
+    """With the fit probe on, the workspaces are freed three times: at the probe's first
+    recording, after the probe (whose denoiser, garbage by then, must not hold them), and at the
+    run's first recording; none is held back by a denoiser that no longer records."""
+    from vramfit.train import graphs
+
+    calls: list[tuple[bool, bool]] = []  # (called by a denoiser, freed)
+    release = graphs.release_cublas_workspaces
+    monkeypatch.setattr(graphs, "release_cublas_workspaces",
+                        lambda owner=None: calls.append((owner is not None, release(owner))) or calls[-1][1])
+    out = tmp_path / "probed"
+    assert main(train_args(images, out, cache_root / "graphs-cuda", "train.device=cuda", "memory.fit_probe=true",
+                           "train.cuda_graphs=true", "train.steps=3", "train.precision=mixed_bf16",
+                           "train.optimizer=adamw", model="tiny:ssd1b")) == 0
+    assert calls == [(True, True), (False, True), (True, True)]
