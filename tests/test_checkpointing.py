@@ -61,14 +61,15 @@ def test_a_partly_checkpointed_run_trains_as_with_every_block_or_none(images, tm
     blocks) recompute, the run's log says how many, and the losses and weights are those of
     checkpointing all or none."""
     caplog.set_level(logging.INFO, logger="vramfit")
-    recomputed: list[int] = []
+    runs = {share: _run(images, tmp_path, cache_root, str(share), share) for share in (False, True)}
+    recomputed: list[int] = []  # the blocks the half-checkpointed run recomputes
     inner = checkpointing.checkpoint_block
     monkeypatch.setattr(checkpointing, "checkpoint_block",
                         lambda module, *args: recomputed.append(id(module)) or inner(module, *args))
     seen: list[PartialCheckpoint] = []
     init = PartialCheckpoint.__init__
     monkeypatch.setattr(PartialCheckpoint, "__init__", lambda self, *a: seen.append(self) or init(self, *a))
-    runs = {share: _run(images, tmp_path, cache_root, str(share), share) for share in (False, 0.5, True)}
+    runs[0.5] = _run(images, tmp_path, cache_root, "0.5", 0.5)
     (partial,) = seen
     recomputes, blocks = partial.counts
     assert blocks >= 8 and recomputes == blocks // 2 and len(set(recomputed)) == recomputes

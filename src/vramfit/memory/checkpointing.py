@@ -2,8 +2,8 @@
 
 diffusers' models call a checkpointing function for each block they run (SD3's joint blocks;
 the UNet's resnets and transformer blocks) once `enable_gradient_checkpointing(function)` is
-set. `checkpointing_function` gives that function: torch's non-reentrant checkpoint for every
-block (true), or `PartialCheckpoint`, which checkpoints only a share of the blocks and runs the
+set. `checkpointing_function` gives that function: torch's non-reentrant checkpoint of every
+block (true; diffusers' own default does the same), or `PartialCheckpoint`, which checkpoints only a share of the blocks and runs the
 others as usual, so that they keep their activations for backward.
 
 Which blocks: in the order the forward first calls them, block i recomputes when
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -66,11 +66,10 @@ class PartialCheckpoint:
         return self.checkpoint(module, *args, **kwargs) if self.recomputes(module) else module(*args, **kwargs)
 
 
-def checkpointing_function(setting: bool | float, graph_safe: bool) -> Optional[Callable]:
+def checkpointing_function(setting: bool | float, graph_safe: bool) -> Callable:
     """The function to give `enable_gradient_checkpointing` for train.gradient_checkpointing =
     `setting` (true or a share; false never checkpoints). `graph_safe`: under train.cuda_graphs,
-    a checkpoint that saves no RNG state (train/graphs.py `graph_safe_checkpoint`); otherwise
-    None for every block (diffusers' default) or torch's non-reentrant checkpoint for a share."""
+    a checkpoint that saves no RNG state (train/graphs.py `graph_safe_checkpoint`)."""
     if setting is False:
         raise ValueError("gradient checkpointing is off: there is no checkpointing function to give")
     if graph_safe:
@@ -78,5 +77,5 @@ def checkpointing_function(setting: bool | float, graph_safe: bool) -> Optional[
 
         inner = graph_safe_checkpoint
     else:
-        inner = None if setting is True else checkpoint_block
+        inner = checkpoint_block
     return inner if setting is True else PartialCheckpoint(float(setting), inner)

@@ -66,6 +66,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from vramfit.memory.checkpointing import checkpoint_block
+
 log = logging.getLogger("vramfit")
 
 
@@ -77,8 +79,7 @@ def check_device(device: torch.device) -> None:
 
 def graph_safe_checkpoint(module: Callable, *args, **kwargs):
     """Gradient checkpointing without saving the RNG state, which a graph recording cannot do."""
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False,
-                                             **kwargs)
+    return checkpoint_block(module, *args, preserve_rng_state=False, **kwargs)
 
 
 class _Flat(torch.nn.Module):
