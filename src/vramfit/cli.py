@@ -93,9 +93,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from vramfit.memory.accounting import MemoryTracker
+    from vramfit.memory.accounting import MemoryTracker, pick_device
     from vramfit.memory.planner import fit_to_budget
-    from vramfit.memory.accounting import pick_device
     from vramfit.train.setup import cache_root, prepare
 
     cfg = load_config(args.config, args.overrides)
