@@ -60,38 +60,40 @@ if triton is not None:
     from vramfit.memory.stochastic_rounding import round_bf16
 
     @triton.jit
-    def _apply_kernel(p_ptr, g_ptr, g2_ptr, r_ptr, c_ptr, decay_ptr, keep_ptr, seed_ptr, n, cols,
-                      TWO: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr):
-        """Pass 3 of a chunked step of a bf16 weight, fused: for each value of the chunk,
-        new = old (+ decay * old) - r[row] * c[col] * g (g: one part, or the sum of two in fp32),
-        rounded stochastically into the weight; nothing is written when the finite flag is False.
-        The torch ops compute the same products in the same order (r c, then times g)."""
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n * tl.load(keep_ptr).to(tl.int64)  # a False finite flag: no value is inside
+    def _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO: tl.constexpr):
+        """The update (r[row] c[col]) g at `offsets` of a chunk (g: one part, or the sum of two in
+        fp32), as passes 2 and 3 both form it; the torch ops compute the same products in the same
+        order (r c, then times g)."""
         g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         if TWO:
             g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0)
         c = tl.load(c_ptr + offsets % cols, mask=inside, other=0.0)
+        return (r * c) * g
+
+    @triton.jit
+    def _apply_kernel(p_ptr, g_ptr, g2_ptr, r_ptr, c_ptr, decay_ptr, keep_ptr, seed_ptr, n, cols,
+                      TWO: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 3 of a chunked step of a bf16 weight, fused: for each value of the chunk,
+        new = old (+ decay * old) - the update, rounded stochastically into the weight; nothing is
+        written when the finite flag is False."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n * tl.load(keep_ptr).to(tl.int64)  # a False finite flag: no value is inside
+        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO)
         old = tl.load(p_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         if DECAY:
             old = old + old * tl.load(decay_ptr)
-        new = old - (r * c) * g
+        new = old - update
         tl.store(p_ptr + offsets, round_bf16(new, tl.load(seed_ptr), offsets), mask=inside)
 
     @triton.jit
     def _squares_kernel(g_ptr, g2_ptr, r_ptr, c_ptr, out_ptr, n, cols, TWO: tl.constexpr, BLOCK: tl.constexpr):
-        """Pass 2 of a chunked step, fused: each program's sum of ((r[row] c[col]) g)^2 over its
+        """Pass 2 of a chunked step, fused: each program's sum of the update's squares over its
         block, one partial sum a program (summed by torch: the same order at every run)."""
         program = tl.program_id(0)
         offsets = program.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
-        g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        if TWO:
-            g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0)
-        c = tl.load(c_ptr + offsets % cols, mask=inside, other=0.0)
-        update = (r * c) * g
+        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO)
         tl.store(out_ptr + program, tl.sum(update * update, axis=0))
 
     @triton.jit
