@@ -67,7 +67,9 @@ def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, 
     return {"finite": [bool(f) for f in finite], "launches": len(launched),
             "chunks": len(ChunkedGrad(grads).spans(limit)),
             "within_a_spacing": bool(((got - want).abs() <= ulp * 1.001).all()),
-            "bias_in_spacings": ((got - want) / ulp).mean().item(), "moved": (got != start.float()).double().mean().item(),
+            "bias_in_spacings": ((got - want) / ulp).mean().item(),
+            # along each value's step: a step too long or too short (an update off by a factor) shows here
+            "bias_along_step": ((got - want) / ulp * torch.sign(want - start.float())).mean().item(), "moved": (got != start.float()).double().mean().item(),
             "state_error": max(states.values()), "held_back": not bool(held), "untouched": torch.equal(weight, before)}
 
 

@@ -56,5 +56,6 @@ def test_fused_rounding_and_chunked_adafactor_steps(device):
             assert step["launches"] == step["chunks"] >= 10  # a kernel a chunk
         assert step["finite"] == [True, True]
         assert step["within_a_spacing"] and abs(step["bias_in_spacings"]) < 0.02  # a neighbour, unbiased
+        assert abs(step["bias_along_step"]) < 0.02  # and the step itself as long as the exact one
         assert step["moved"] > 0.5 and step["state_error"] < 1e-6
         assert step["held_back"] and step["untouched"]  # a NaN gradient: the weight keeps its values
