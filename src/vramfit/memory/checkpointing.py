@@ -1,10 +1,11 @@
 """Gradient checkpointing of the denoiser's blocks, all of them or a share (train.gradient_checkpointing).
 
-diffusers' models call a checkpointing function for each block they run (SD3's joint blocks;
-the UNet's resnets and transformer blocks) once `enable_gradient_checkpointing(function)` is
-set. `checkpointing_function` gives that function: torch's non-reentrant checkpoint of every
-block (true; diffusers' own default does the same), or `PartialCheckpoint`, which checkpoints only a share of the blocks and runs the
-others as usual, so that they keep their activations for backward.
+diffusers' models call a checkpointing function for each block they run (SD3's joint blocks; the
+UNet's resnets and transformer blocks) once `enable_gradient_checkpointing(function)` is set.
+`checkpointing_function` gives that function: torch's non-reentrant checkpoint of every block
+(true; diffusers' own default does the same), or `PartialCheckpoint`, which checkpoints only a
+share of the blocks and runs the others as usual, so that they keep their activations for
+backward.
 
 Which blocks: in the order the forward first calls them, block i recomputes when
 floor((i + 1) x share) > floor(i x share): one in four for 0.25, spread evenly through the

@@ -450,12 +450,13 @@ class Knob:
     """A memory setting the planner may choose: options fastest first, a rank each, the phase group
     it acts on. Ranks are powers of two (but nf4, one above int8, and a share of the blocks
     checkpointed, that share of checkpointing's 1: less recomputation, so tried first), so sorting
-    combinations by their sum follows the ladder: with CUDA graphs, checkpointing, then the step in backward (recorded
-    with the backward: SSD-1B 0.180 s a step at 3.30 GiB, against 0.364 s at 5.61 GiB for
-    checkpointing alone without graphs, docs/benchmarks.md), then both; then the same without
-    graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same other
-    settings); + streamed weights: a rung is taken only when no mix of the earlier ones fits. A
-    combination the config's own checks refuse (graphs beside streamed weights, say) is skipped."""
+    combinations by their sum follows the ladder: with CUDA graphs, checkpointing, then the step in
+    backward (recorded with the backward: SSD-1B 0.180 s a step at 3.30 GiB, against 0.364 s at
+    5.61 GiB for checkpointing alone without graphs, docs/benchmarks.md), then both; then the same
+    without graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same
+    other settings); + streamed weights: a rung is taken only when no mix of the earlier ones fits.
+    A combination the config's own checks refuse (graphs beside streamed weights, say) is
+    skipped."""
 
     key: str  # section.name
     options: tuple

@@ -21,10 +21,10 @@ with `optimizer.step_params`, packed as optim/base.py packs the normal step, and
 So at most one pack limit of gradients waits at a time instead of all of them (for a full
 fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the optimizer runs once per pack
 rather than once per tensor. A tensor on the compute device that the optimizer can step in chunks
-(`chunks`: Adafactor, for tensors of more than MIN_PACK_NUMEL values, 1 Mi with its fused
-kernels; the pack limit then leaves them out) does not wait: its hook steps it at once from its bf16 gradient (and accumulation
-buffer) read in row chunks (`step_chunked`), so neither an fp32 copy of it nor a pack of its size
-is made. What this changes:
+(`chunks`: Adafactor, for tensors of more than MIN_PACK_NUMEL values, 1 Mi with its fused kernels;
+the pack limit then leaves them out) does not wait: its hook steps it at once from its bf16
+gradient (and accumulation buffer) read in row chunks (`step_chunked`), so neither an fp32 copy of
+it nor a pack of its size is made. What this changes:
 - clipping is per tensor, since the global norm is not known before every gradient exists:
   a tensor of n values out of N trainable values is clipped to max_norm * sqrt(n / N), its
   share of the global budget. If every tensor is at its limit the global norm is exactly
