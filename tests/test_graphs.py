@@ -1,7 +1,9 @@
 """train.cuda_graphs on CPU: the CUDA recording is stood in for by one that keeps its contract
 where gradients go (the replayed backward adds into the buffers that were `p.grad` when it was
 recorded, whatever `p.grad` is at replay time), so the loop's handling of those buffers, the
-first eager call and the per-signature recordings are what is tested."""
+first eager call and the per-signature recordings are what is tested. Weights whose bf16
+gradients the hooks sum with stochastic rounding (accumulation) are stood in for likewise: the
+replayed backward adds into the accumulation buffers kept when it was recorded."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 from conftest import train_args
 from vramfit.cli import main
 from vramfit.config.load import load_config
+from vramfit.optim.in_backward import RecordedSums
 from vramfit.train import graphs
 
 
@@ -22,12 +25,17 @@ class BakedRecording:
         self.static_in = [t.detach().clone() for t in tensors]
         with torch.enable_grad():
             outs = flat(*self.static_in)
-        prepare(outs)
-        self.params = graphs.used_parameters(outs)
+        step = prepare(outs)
+        sums = step if isinstance(step, RecordedSums) else None
+        summed = {id(p) for p in sums.params} if sums else set()
+        self.params = [p for p in graphs.used_parameters(outs) if id(p) not in summed]
         for p in self.params:  # as a recorded backward does where no buffer is in place: makes its own
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.targets = [p.grad for p in self.params]  # the addresses a recorded backward writes to
+        # the recorded hooks add each summed weight's fresh gradient into the buffer kept now
+        self.summed = sums.params if sums else []
+        self.kept = [(sums.steps, id(p), sums.steps._buffers[id(p)]) for p in self.summed]
 
     def forward(self, tensors):
         with torch.enable_grad():
@@ -35,11 +43,16 @@ class BakedRecording:
         return list(self.outs)
 
     def backward(self, grads):
-        found = torch.autograd.grad(self.outs, self.params, grads, allow_unused=True)
+        found = (torch.autograd.grad(self.outs, self.params, grads, allow_unused=True, retain_graph=True)
+                 if self.params else [])
         with torch.no_grad():
             for target, grad in zip(self.targets, found):
                 if grad is not None:
                     target.add_(grad)
+        if self.summed:  # the hooks run (in autograd's order, as recorded); where they add is checked
+            torch.autograd.backward(self.outs, grads, inputs=self.summed)
+            moved = [key for steps, key, buffer in self.kept if steps._buffers.get(key) is not buffer]
+            assert not moved, "a replay adds into the accumulation buffers kept when it was recorded"
         self.outs = None
 
 
@@ -47,10 +60,10 @@ class BakedRecording:
 def recorded(monkeypatch):
     calls: list = []
 
-    def init(self, denoiser, recorder=None, steps=None):
+    def init(self, denoiser, recorder=None, steps=None, sums=None):
         original_init(self, denoiser, recorder=lambda flat, tensors, prepare: (
             calls.append(tuple(tuple(t.shape) for t in tensors)) or BakedRecording(flat, tensors, prepare)),
-            steps=steps)
+            steps=steps, sums=sums)
 
     original_init = graphs.GraphedDenoiser.__init__
     monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", init)
@@ -106,10 +119,10 @@ def test_the_stand_in_recording_catches_gradients_that_miss_the_recorded_buffers
 
 def test_a_failed_recording_warns_and_runs_those_inputs_without_graphs(images, tmp_path, cache_root, monkeypatch,
                                                                        caplog):
-    def refuse(self, denoiser, recorder=None, steps=None):
+    def refuse(self, denoiser, recorder=None, steps=None, sums=None):
         def fail(flat, tensors, prepare):
             raise RuntimeError("operation not permitted when stream is capturing")
-        original_init(self, denoiser, recorder=fail, steps=steps)
+        original_init(self, denoiser, recorder=fail, steps=steps, sums=sums)
 
     original_init = graphs.GraphedDenoiser.__init__
     monkeypatch.setattr(graphs.GraphedDenoiser, "__init__", refuse)
@@ -155,13 +168,39 @@ def test_the_step_inside_backward_records_with_one_micro_batch_only():
         load_config(None, [*graphed, "train.grad_accum=2"], need_data=False)
 
 
-def test_rounded_bf16_gradient_sums_are_refused_and_their_alternatives_pass():
-    bf16 = ["train.cuda_graphs=true", "train.precision=full_bf16", "train.grad_accum=4"]
-    with pytest.raises(ValueError, match="grad_accum > 1 on bf16 weights with train.stochastic_rounding"):
-        load_config(None, bf16, need_data=False)
-    for fix in ("train.grad_accum=1", "train.stochastic_rounding=false", "train.precision=mixed_bf16",
-                "train.mode=lora"):
-        load_config(None, [*bf16, fix], need_data=False)
+BF16_SUMS = ["train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=3",
+             "train.steps=3", "train.gradient_checkpointing=false"]
+
+
+def test_graphed_rounded_bf16_sums_equal_training_without(images, tmp_path, cache_root, recorded):
+    """bf16 weights, three micro-batches a step summed with stochastic rounding: the recorded
+    backward adds into the kept buffers with the eager run's draws, step after step."""
+    load_config(None, ["train.cuda_graphs=true", *BF16_SUMS], need_data=False)  # no longer refused
+    cache = cache_root / "graphs"
+    plain = _train(images, tmp_path / "plain", cache, *BF16_SUMS)
+    graphed = _train(images, tmp_path / "graphed", cache, *BF16_SUMS, "train.cuda_graphs=true")
+    assert recorded
+    _assert_same(graphed, plain)
+
+
+def test_the_stand_in_catches_sums_whose_buffers_are_made_again(images, tmp_path, cache_root, recorded,
+                                                                monkeypatch):
+    """Without keep_sums the buffers are handed to the step and made again at the next one,
+    where a replay's sums would not land: the stand-in stops there."""
+    from vramfit.optim.in_backward import BackwardSteps
+
+    cache = cache_root / "graphs"
+    keep = BackwardSteps.keep_sums
+
+    def made_again(self, params):
+        summed = keep(self, params)
+        self._kept = False
+        return summed
+
+    monkeypatch.setattr(BackwardSteps, "keep_sums", made_again)
+    with pytest.raises(AssertionError, match="accumulation buffers kept"):
+        _train(images, tmp_path / "broken", cache, *BF16_SUMS, "train.cuda_graphs=true")
+    assert recorded
 
 
 def test_lora_dropout_is_refused_and_a_plain_or_quantized_base_passes():

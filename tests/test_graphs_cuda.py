@@ -1,7 +1,8 @@
 """train.cuda_graphs with real CUDA recordings (skipped without a GPU): graphed runs through the CLI
-against the same runs without graphs, with several buckets, accumulation, sample grids between
-steps (which move the weights and force new recordings), a quantized LoRA base, and the optimizer
-step inside backward recorded with the backward."""
+against the same runs without graphs, with several buckets, accumulation (bf16 sums with
+stochastic rounding too), sample grids between steps (which move the weights and force new
+recordings), a quantized LoRA base, and the optimizer step inside backward recorded with the
+backward."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,9 @@ CASES = {
     # half of the blocks checkpointed (memory/checkpointing.py), the graph-safe checkpoint inside
     "ssd1b-full-half-checkpointed": ("tiny:ssd1b", [
         "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.gradient_checkpointing=0.5"]),
+    # bf16 weights, two micro-batches a step summed with stochastic rounding in the recorded backward
+    "ssd1b-full-bf16-sums": ("tiny:ssd1b", [
+        "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.gradient_checkpointing=true"]),
     "sd3-lora-nf4": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"]),
     "sdxl-lora-int8": ("tiny:sdxl", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"]),
     # sample grids move the quantized base too: its inner tensors' new addresses force new recordings

@@ -184,8 +184,9 @@ class TrainConfig(_Section):
         False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
         "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
-        "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 on full_bf16 weights "
-        "with stochastic_rounding or with optimizer_in_backward. A quantized LoRA base records too. "
+        "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 with "
+        "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
+        "sums with stochastic_rounding included). "
         "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
         "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
         "their activations in a memory pool of their own: the memory report shows the peak.")
@@ -403,10 +404,7 @@ class RunConfig(_Section):
                 ("train.optimizer_in_backward with train.grad_accum > 1",
                  self.train.optimizer_in_backward and self.train.grad_accum > 1),
                 ("train.compile", self.train.compile),
-                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0),
-                ("train.grad_accum > 1 on bf16 weights with train.stochastic_rounding",
-                 self.train.mode == "full" and self.train.precision == "full_bf16"
-                 and self.train.stochastic_rounding and self.train.grad_accum > 1)) if on]
+                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
             if clash:
                 raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
                                  "backward replay the same weights at the same places, and the same "

@@ -9,7 +9,11 @@ gradient's dtype, which for bf16 weights rounds every sum to nearest and loses s
 contributions. With `round_sums` the hook instead moves the fresh gradient into a per-parameter
 buffer of the same dtype, adding it in fp32 and writing the sum back with stochastic rounding
 (exact on average). The buffer replaces `p.grad`, so this holds no more memory than autograd's
-accumulation. fp32 gradients accumulate in autograd as usual (nothing to round).
+accumulation. Every micro-batch does the same work, the first included (it adds into a buffer of
+zeros: exact, since a bf16 gradient is a bf16 value), so that a recorded backward
+(train/graphs.py) replays what an eager one runs, random draws included: `keep_sums` makes the
+buffers stay put from then on, zeroed before the first backward of each step instead of handed
+over and made again. fp32 gradients accumulate in autograd as usual (nothing to round).
 
 Step inside backward (`in_backward`). On the last micro-batch the hook forms the parameter's
 full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, takes it out of
@@ -80,6 +84,8 @@ class BackwardSteps:
         waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
+        self._kept = False  # `keep_sums`: the buffers stay put
+        self._handed = False  # kept buffers hold sums `finish` handed to a step: zero before adding
         self.completed = 0  # steps finished in backward (`finish`)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
@@ -89,7 +95,25 @@ class BackwardSteps:
 
     def begin(self, last: bool) -> None:
         """Called before each micro-batch's backward."""
+        if self._handed:
+            torch._foreach_zero_(list(self._buffers.values()))
+            self._handed = False
         self._last = last
+
+    def keep_sums(self, params: list[torch.Tensor]) -> set[int]:
+        """For a recorded backward (train/graphs.py): the ids of those of `params` whose gradients
+        these hooks sum (bf16, with round_sums, not stepped in backward), each given its buffer
+        now if it has none. From now on every buffer stays put: `finish` lends it to the step as
+        `p.grad` and the next step's first `begin` zeroes it, so the recorded additions find it
+        at the same place at every replay."""
+        if self.in_backward or not self.round_sums:
+            return set()
+        summed = {id(p): p for p in params if p.requires_grad and p.dtype == torch.bfloat16}
+        for key, p in summed.items():
+            if key not in self._buffers:
+                self._buffers[key] = torch.zeros_like(p)
+        self._kept = True
+        return set(summed)
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -99,16 +123,19 @@ class BackwardSteps:
             self._take(p)
         elif self.round_sums and p.grad.dtype == torch.bfloat16:
             buffer = self._buffers.get(id(p))
-            if buffer is None:
-                self._buffers[id(p)] = p.grad
-            else:
-                rounding = self.optimizer.rounding
-                total = buffer.float().add_(p.grad)
-                if rounding is None:
-                    buffer.copy_(total)
-                else:
-                    copy_stochastic_(buffer, total, rounding(buffer.device))
+            if buffer is None:  # the first micro-batch adds into zeros, like every later one
+                buffer = self._buffers[id(p)] = torch.zeros_like(p.grad)
+            self.add_to_sum(buffer, p.grad)
             p.grad = None
+
+    def add_to_sum(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
+        """buffer += grad, added in fp32 and written back with stochastic rounding."""
+        rounding = self.optimizer.rounding
+        total = buffer.float().add_(grad)
+        if rounding is None:
+            buffer.copy_(total)
+        else:
+            copy_stochastic_(buffer, total, rounding(buffer.device))
 
     @property
     def stepping(self) -> bool:
@@ -198,9 +225,10 @@ class BackwardSteps:
         returns the number of gradient tensors held back as non-finite (one host sync)."""
         if not self.in_backward:
             for p in self.params:
-                buffer = self._buffers.pop(id(p), None)
+                buffer = self._buffers.get(id(p)) if self._kept else self._buffers.pop(id(p), None)
                 if buffer is not None:
                     p.grad = buffer if p.grad is None else p.grad.add_(buffer)
+            self._handed = self._kept
             return 0
         self._flush()
         for p in self.params:
@@ -219,7 +247,10 @@ class BackwardSteps:
 
     def discard(self) -> None:
         """Drop what was accumulated (a skipped step)."""
-        self._buffers.clear()
+        if self._kept:
+            self._handed = bool(self._buffers)  # zeroed, not dropped: recordings add into them
+        else:
+            self._buffers.clear()
         self._zero_held()
         self._pending, self._pending_numel = [], 0
 
@@ -227,14 +258,16 @@ class BackwardSteps:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._kept = False  # the recordings that added into the buffers are done with them
         self.discard()
 
     def grad_bytes(self) -> int:
         """Bytes of gradients held now, in p.grad, the accumulation buffers and the pending list."""
         from vramfit.memory.accounting import tensor_bytes
 
+        lent = {id(p.grad) for p in self.params if p.grad is not None}  # kept buffers lent as p.grad
         return (sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
-                + sum(tensor_bytes(b) for b in self._buffers.values())
+                + sum(tensor_bytes(b) for b in self._buffers.values() if id(b) not in lent)
                 + sum(tensor_bytes(grad) for _, grad, _ in self._pending))
 
 
@@ -291,6 +324,40 @@ class RecordedStep:
 
     def before_replay(self) -> None:
         self.scalars.load()
+
+
+class RecordedSums:
+    """Accumulation's rounded gradient sums (BackwardSteps with round_sums), recorded with a CUDA
+    graph's backward (train/graphs.py): each replay adds the micro-batch's bf16 gradients into
+    the kept buffers (`keep_sums`, called before the recording) with stochastic rounding, as an
+    eager backward does. The rounding's generator is registered with the graph, which advances
+    its offset by the recording's draws at each replay; the step after backward draws from it
+    eagerly between replays. `params`: the weights whose sums the hooks keep; the recording
+    needs their `p.grad` empty, so that the recorded backward's gradient is a fresh tensor the
+    hook adds and lets go of."""
+
+    def __init__(self, steps: BackwardSteps, params: list[torch.Tensor], device: torch.device):
+        self.steps, self.params, self.device = steps, params, device
+
+    def begin(self, graph) -> None:
+        """Before the backward's recording starts."""
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("a summed weight holds a gradient outside its accumulation buffer")
+        rounding = self.steps.optimizer.rounding
+        if rounding is not None:
+            graph.register_generator_state(rounding(self.device))
+
+    def end(self) -> None:
+        pass
+
+    def close(self, failed: bool) -> None:
+        """After the recording: a failed one leaves no gradient of the recording's memory."""
+        if failed:
+            for p in self.params:
+                p.grad = None
+
+    def before_replay(self) -> None:
+        pass
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -25,7 +25,11 @@ accumulation, recorded, so micro-batches accumulate as they do eagerly. When the
 The gradients are therefore held through the whole step (eager training frees them after the
 optimizer step), and a weight the forward does not use keeps no gradient, as eagerly. A
 signature whose recording fails (a warning says why) runs eagerly, adding into whatever `p.grad`
-holds.
+holds. Accumulation into bf16 gradients with stochastic rounding (`sums`: the hooks of
+optim/in_backward.py with round_sums) is recorded too: those weights get no owned buffer, their
+hooks' accumulation buffers stay put instead (`keep_sums`), and the recorded backward adds each
+micro-batch's gradient into them with the same rounding and the same random draws as an eager
+backward (`RecordedSums`).
 
 The optimizer step inside backward (`steps`: train.optimizer_in_backward, one micro-batch a
 step) is recorded with the backward instead: the gradient hooks run while the backward is
@@ -38,10 +42,9 @@ the device and loaded before each replay; the rounding generator; the last pack)
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations), train.compile, and bf16 gradient sums with stochastic rounding or
-  the optimizer step inside backward over several micro-batches (gradient hooks whose host work
-  differs between micro-batches, which a recorded backward would bake in) are refused beside
-  cuda_graphs (config/schema.py). A quantized LoRA base records as it
+  memory.offload_activations), train.compile, and the optimizer step inside backward over
+  several micro-batches (gradient hooks whose host work differs between micro-batches, which a
+  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A quantized LoRA base records as it
   is: widening its weights is GPU work like any other, and replaying it removes the host cost of
   torchao's tensor subclasses, which otherwise dominates such a step.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
@@ -138,7 +141,7 @@ class CudaRecording:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
             outs = flat(*self.static_in)
-        self.step = prepare(outs)  # the step inside backward (optim/in_backward.py RecordedStep), or None
+        self.step = prepare(outs)  # optim/in_backward.py RecordedStep or RecordedSums: hook work recorded; or None
         self.static_grad_out = [torch.zeros_like(o) for o in outs]
         if self.step is not None:
             self.step.begin(self.bwd)
@@ -186,14 +189,16 @@ class _Replay(torch.autograd.Function):
 class GraphedDenoiser(torch.nn.Module):
     """The denoiser, with each training call signature recorded and replayed (see the module doc)."""
 
-    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None):
+    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None, sums=None):
         super().__init__()
         self.denoiser = denoiser
         self._recorder = recorder
         self._steps = steps  # optim/in_backward.py BackwardSteps when the step runs inside backward
+        self._sums = sums  # the same when its hooks sum bf16 gradients of several micro-batches
         self._recordings: dict[Any, Optional[object]] = {}
         self._owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, its gradient buffer)
         self._used: dict[Any, list[torch.Tensor]] = {}
+        self._adopted: dict[Any, list[torch.Tensor]] = {}  # of those, the ones given owned buffers
         self._pool = self._stream = None
         self._warm = False  # the first training call ran (eagerly)
         self._weights_at: Optional[list[int]] = None  # the weights' addresses the recordings use
@@ -223,7 +228,7 @@ class GraphedDenoiser(torch.nn.Module):
         if recording is None:  # recording failed for this signature: it runs as it would without graphs
             return self.denoiser(*args, **kwargs)
         if self._steps is None:  # the step inside backward takes each gradient as it comes
-            self._adopt(self._used[key])
+            self._adopt(self._adopted[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
         return pytree.tree_unflatten(list(outs), recording.out_spec)
 
@@ -263,6 +268,7 @@ class GraphedDenoiser(torch.nn.Module):
             log.info("train.cuda_graphs: the denoiser's weights moved (sample grids offload it); recording again")
             self._recordings.clear()
             self._used.clear()
+            self._adopted.clear()
             self._pool = self._stream = None
         self._weights_at = now
 
@@ -273,13 +279,15 @@ class GraphedDenoiser(torch.nn.Module):
         shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
 
         def prepare(outs):
-            self._used[key] = used_parameters(outs)
-            if self._steps is None:
-                self._adopt(self._used[key])
-                return None
-            from vramfit.optim.in_backward import RecordedStep
+            from vramfit.optim.in_backward import RecordedStep, RecordedSums
 
-            return RecordedStep(self._steps, self._used[key], self.device)
+            used = self._used[key] = used_parameters(outs)
+            if self._steps is not None:
+                return RecordedStep(self._steps, used, self.device)
+            summed = self._sums.keep_sums(used) if self._sums is not None else set()
+            self._adopted[key] = [p for p in used if id(p) not in summed]
+            self._adopt(self._adopted[key])
+            return RecordedSums(self._sums, [p for p in used if id(p) in summed], self.device) if summed else None
 
         try:
             if self._recorder is not None:

@@ -114,9 +114,12 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         from vramfit.train.graphs import GraphedDenoiser, check_device
 
         check_device(device)
-        # with the step inside backward, the recorded backward steps the weights too
+        # with the step inside backward, the recorded backward steps the weights too; else it may
+        # sum bf16 gradients of several micro-batches with stochastic rounding
         stepping = grad_hooks if cfg.optimizer_in_backward else None
-        loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser, steps=stepping))
+        summing = None if cfg.optimizer_in_backward else grad_hooks
+        loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser, steps=stepping,
+                                                                                sums=summing))
     # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
     streamer = streamer_of(unet)
     if grad_hooks is not None and steps_streamed_on_device(streamer is not None, cfg.mode, grad_hooks.in_backward,
