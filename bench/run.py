@@ -377,7 +377,7 @@ def run_workload(workload: str, args) -> Path:
     for case in first + [c for c in listed + discovered_cases(listed) if c not in first]:
         if group.selected(case.name):
             config, base = (None, bare) if case.bare else recipe_cfg
-            sets = base + fill(case.sets, group, args.tiny)
+            sets = base + eager_unless_graphed(case) + fill(case.sets, group, args.tiny)
             group.run_case(case.name, "vramfit",
                            lambda timeout, c=case, cf=config, s=sets: run_vramfit_case(workload, c, cf, s, args, timeout))
     group.write()
@@ -385,6 +385,15 @@ def run_workload(workload: str, args) -> Path:
         log(f"{workload}: not run for lack of time: {', '.join(group.data['not_run'])}; run them with\n"
             f"  python bench/run.py {workload} --out DIR --cases {','.join(group.data['not_run'])}")
     return group.path
+
+
+def eager_unless_graphed(case: Case) -> list[str]:
+    """train.cuda_graphs=false for a case that does not ask for graphs: on a GPU vramfit records
+    them by default (train.cuda_graphs = "auto"), and the rows without "+ CUDA graphs" in their
+    label measure the configuration without them. The planner's case chooses for itself."""
+    if case.bare or any(s.startswith("train.cuda_graphs=") for s in case.sets):
+        return []
+    return ["train.cuda_graphs=false"]
 
 
 def fill(sets: list[str], group: GroupRun, tiny: bool) -> list[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from build import ROOT, ensure_model, log, make_images
-from run import FULL_CASES, LORA_CASES, TINY_MODELS, recipe
+from run import FULL_CASES, LORA_CASES, TINY_MODELS, eager_unless_graphed, recipe
 from seeds import TINY_RES, WORKLOADS
 
 
@@ -42,7 +42,7 @@ def case_sets(workload: str, case: str) -> list[str]:
     found = next((c for c in listed if c.name == case), None)
     if found is None:
         raise SystemExit(f"unknown case {case!r} for {workload}: one of {', '.join(c.name for c in listed)}")
-    return found.sets
+    return eager_unless_graphed(found) + found.sets
 
 
 class Ranges:

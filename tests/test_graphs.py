@@ -203,6 +203,37 @@ def test_the_stand_in_catches_sums_whose_buffers_are_made_again(images, tmp_path
     assert recorded
 
 
+def test_by_default_graphs_record_on_a_gpu_where_nothing_refuses_them(monkeypatch):
+    """train.cuda_graphs = "auto": decided when the config loads, left unset for the planner."""
+    def loaded(*sets, gpu=True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        return load_config(None, list(sets), need_data=False).train
+
+    on = loaded()
+    assert on.cuda_graphs is True and "cuda_graphs" not in on.model_fields_set
+    assert loaded("train.cuda_graphs=auto").cuda_graphs is True
+    assert loaded(gpu=False).cuda_graphs is False
+    assert loaded().cuda_graphs is True  # a section left out is not the class's shared default, changed
+    assert loaded("train.device=cpu").cuda_graphs is False
+    for refusing in ("memory.stream_weights=true", "train.compile=true", "memory.offload_activations=true"):
+        assert loaded(refusing).cuda_graphs is False  # off beside them, where `true` is an error
+    assert loaded("train.mode=lora", "lora.dropout=0.1").cuda_graphs is False
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a process of a multi-GPU run (DDP)
+    assert loaded().cuda_graphs is False
+
+
+def test_a_default_that_resolved_on_does_not_stop_a_multi_gpu_launch(monkeypatch):
+    """`vramfit train --gpus N` checks the config in the launching process, where the default
+    resolves as for one process; its N processes resolve it off."""
+    from vramfit.train.distributed import composition_problems
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    default = load_config(None, [], need_data=False)
+    assert default.train.cuda_graphs is True and composition_problems(default, 2) == []
+    written = load_config(None, ["train.cuda_graphs=true"], need_data=False)
+    assert [p.split(":")[0] for p in composition_problems(written, 2)] == ["train.cuda_graphs"]
+
+
 def test_lora_dropout_is_refused_and_a_plain_or_quantized_base_passes():
     with pytest.raises(ValueError, match="train.cuda_graphs with lora.dropout"):
         load_config(None, ["train.cuda_graphs=true", "train.mode=lora", "lora.dropout=0.1"], need_data=False)

@@ -180,10 +180,12 @@ class TrainConfig(_Section):
         "shape, before the first step. Fewer kernel launches and fused elementwise work: faster "
         "steps on a GPU after a start-up of a minute or two. Not with memory.stream_weights or "
         "memory.offload_activations, whose hooks move tensors around the blocks.")
-    cuda_graphs: bool = Field(
-        False, description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
-        "for steps the host no longer slows down. CUDA only; not with memory.stream_weights, "
+        "for steps the host no longer slows down. auto (the default): on where the run trains on a "
+        "GPU in one process and nothing below refuses them, off otherwise (the run's config.toml "
+        "records which). CUDA only; not with memory.stream_weights, "
         "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 with "
         "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
         "sums with stochastic_rounding included). "
@@ -397,14 +399,15 @@ class RunConfig(_Section):
             raise ValueError(f"train.compile with memory.{' and memory.'.join(moving)}: their hooks move "
                              "weights and saved tensors between devices around each block, which a "
                              "compiled block cannot contain; turn one of them off")
+        if self.train.cuda_graphs == "auto":
+            # decided here, on the machine that loads the config; still unset for the planner
+            # (memory.vram_budget), which is free to choose a setting the user did not write. On a
+            # copy: a section left out is the class's one default instance
+            train = self.train.model_copy()
+            object.__setattr__(train, "cuda_graphs", self._graphs_by_default())
+            object.__setattr__(self, "train", train)
         if self.train.cuda_graphs:
-            clash = [name for name, on in (
-                ("memory.stream_weights", self.memory.stream_weights),
-                ("memory.offload_activations", self.memory.offload_activations),
-                ("train.optimizer_in_backward with train.grad_accum > 1",
-                 self.train.optimizer_in_backward and self.train.grad_accum > 1),
-                ("train.compile", self.train.compile),
-                ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
+            clash = self.graph_clashes()
             if clash:
                 raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
                                  "backward replay the same weights at the same places, and the same "
@@ -417,6 +420,28 @@ class RunConfig(_Section):
                              "whole denoiser on the GPU while they render; render them after training "
                              "with vramfit generate, or turn streaming off")
         return self
+
+    def graph_clashes(self) -> list[str]:
+        """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
+        return [name for name, on in (
+            ("memory.stream_weights", self.memory.stream_weights),
+            ("memory.offload_activations", self.memory.offload_activations),
+            ("train.optimizer_in_backward with train.grad_accum > 1",
+             self.train.optimizer_in_backward and self.train.grad_accum > 1),
+            ("train.compile", self.train.compile),
+            ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
+
+    def _graphs_by_default(self) -> bool:
+        """train.cuda_graphs = "auto": on for a run that trains on a GPU of this machine, in one
+        process (several: DDP averages gradients from hooks a replay skips), beside nothing that
+        refuses them."""
+        import os
+
+        import torch
+
+        if self.train.device == "cpu" or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            return False
+        return torch.cuda.is_available() and not self.graph_clashes()
 
     @property
     def save_formats(self) -> list[str]:

@@ -535,8 +535,11 @@ def _valid(cfg: RunConfig, combo: dict[str, object]) -> bool:
     from vramfit.train.distributed import composition_problems, launched_world
 
     trial = with_values(cfg, combo)
+    data = trial.model_dump()
+    if "cuda_graphs" not in cfg.train.model_fields_set and "train.cuda_graphs" not in combo:
+        data["train"]["cuda_graphs"] = "auto"  # the default's choice follows the trial's settings
     try:
-        type(cfg).model_validate(trial.model_dump())
+        type(cfg).model_validate(data)
     except ValueError:
         return False
     world = launched_world()

@@ -70,7 +70,7 @@ def composition_problems(cfg: RunConfig, world: int) -> list[str]:
                         "as DDP reads each gradient in that hook's place; use train.grad_accum = 1 (the "
                         "processes multiply the batch already), train.stochastic_rounding = false or "
                         "train.precision = 'mixed_bf16'")
-    if t.cuda_graphs:
+    if t.cuda_graphs and "cuda_graphs" in t.model_fields_set:  # by default it is off for several processes
         problems.append(f"train.cuda_graphs: not {where} yet: DDP averages gradients from hooks inside "
                         "backward, which a recorded backward replays without; set it to false")
     if cfg.memory.stream_weights:

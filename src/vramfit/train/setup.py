@@ -294,6 +294,10 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
 
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
+    if "cuda_graphs" not in cfg.train.model_fields_set:
+        clash = cfg.graph_clashes()
+        log.info("train.cuda_graphs (auto): %s", "on" if cfg.train.cuda_graphs else
+                 f"off beside {' and '.join(clash)}" if clash else "off (no GPU, or several processes)")
     ranks = distributed.start(cfg)  # one process unless launched on several: checks the planned config
     device = ranks.device or pick_device(cfg.train.device)
     if cfg.train.cuda_graphs:  # before any weight loads
