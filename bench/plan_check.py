@@ -80,6 +80,19 @@ def runs(report_path: Path) -> list[tuple[str, dict]]:
             if row.get("side") == "vramfit" and row.get("status") == "ok" and row.get("command")]
 
 
+def chosen_settings(note: str) -> dict:
+    """{key: value} of a planner row's note ("chose train.cuda_graphs=true, cache.vae_dtype="fp32", ...")."""
+    if not note.startswith("chose "):
+        return {}
+    pairs = [item.split("=", 1) for item in note[len("chose "):].split(", ")]
+    return {key: json.loads(value) for key, value in pairs}
+
+
+def recorded_graphs(report: dict) -> bool:
+    """Whether a single run's log says it recorded CUDA graphs."""
+    return any("train.cuda_graphs: recorded" in line for line in report.get("log_lines") or [])
+
+
 def check(report_path: Path, layout: str | None, captions: int | None) -> list[tuple[str, float, float]]:
     """(phase, predicted bytes, measured bytes) of every phase a single run's report and the
     prediction both have."""
@@ -99,7 +112,15 @@ def check_run(report: dict, layout: str | None, captions: int | None) -> list[tu
     if captions is None:
         captions = 1 if any(s.startswith("data.instance_prompt=") for s in sets) or cfg.data.instance_prompt else 4
     facts = facts_for(model, layout, cfg)
-    # fit_to_budget applies only to runs with a budget; the measured run used these settings as given
+    # a bench row of the planner's case: the settings it chose on the GPU machine, as the run used
+    # them (choosing again here, on a machine without a GPU, would leave CUDA graphs out)
+    chosen = chosen_settings(report.get("note") or "")
+    if "cuda_graphs" not in cfg.train.model_fields_set and recorded_graphs(report):
+        chosen.setdefault("train.cuda_graphs", True)  # the default turned them on where the run ran
+    if chosen:
+        from vramfit.memory.planner import with_values
+
+        cfg = with_values(cfg, chosen)
     predicted = {p.name: p.peak for p in predict(facts, cfg, captions).phases}
     rows = []
     for phase in report["phases"]:
