@@ -34,7 +34,7 @@ transformer block, the layers around them; SD3: each joint block's image + text 
 x `saved`, plus the largest block's tokens x channels x `work` (its recompute); without it, every
 resnet's and block's input x `all_resnet` / `all_block`. Offloaded activations keep only `work`.
 A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): s x the saved
-inputs + (1 - s) x every input's activations, plus `work`.
+inputs + (1 - s)^kept_power x every input's activations, plus `work`.
 
 Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
 reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
@@ -47,6 +47,13 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
 - SDXL family saved 0.8, work 58: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
   all_resnet 8, all_block 44: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
   checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
+- SDXL family kept_power 1.4: the planner's choices at the seed's peak, step in backward and graphs
+  (`e085ab6`, machine W): SSD-1B with 0.75 of the blocks checkpointed (4.00 GiB) and SDXL with 0.5
+  (8.51 GiB) keep 0.13 and 0.39 of the no-checkpointing activations, where 1 - s would be 0.25 and
+  0.5 (+15.6% and +9.5%); the power puts them at +1.8% and -1.1%. A fit to those two runs, not a
+  model of which blocks keep what: the UNet's blocks differ in size and the spread share keeps
+  fewer of the large activations than its count says. SD3's blocks are alike: 1 (its shares of
+  0.25 and 0.5 over a quantized base, `1bc226b`, within 6%).
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
   1024 batch 1 (4.604 GiB); all_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
@@ -100,10 +107,11 @@ class ActivationConstants:
     work: float  # bytes per element of the largest block's tokens x channels, recompute
     all_resnet: float  # without checkpointing, bytes per element of a resnet's input
     all_block: float  # ... of a transformer block's input
+    kept_power: float = 1.0  # a share s checkpointed keeps (1 - s) ** kept_power of every activation
 
 
 _CONSTANTS = {
-    "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0),
+    "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0, kept_power=1.4),
     "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=24.5),
 }
 
@@ -325,8 +333,9 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     work = k.work * shape.work * scale
     every = k.all_resnet * shape.resnet_inputs + k.all_block * shape.block_inputs
     share = _checkpointed_share(cfg)
-    if share:  # a share s of the blocks recompute: s of the checkpointed inputs, 1 - s of every activation
-        saved = 0.0 if cfg.memory.offload_activations else (share * k.saved * shape.saved + (1 - share) * every) * scale
+    if share:  # a share s of the blocks recompute: s of the checkpointed inputs, (1 - s)^p of every activation
+        kept = (1 - share) ** k.kept_power * every
+        saved = 0.0 if cfg.memory.offload_activations else (share * k.saved * shape.saved + kept) * scale
         return {"saved": int(saved), "work": int(work)}
     if cfg.memory.offload_activations:
         return {"saved": 0, "work": int(work)}
