@@ -115,8 +115,8 @@ def check_run(report: dict, layout: str | None, captions: int | None) -> list[tu
     # a bench row of the planner's case: the settings it chose on the GPU machine, as the run used
     # them (choosing again here, on a machine without a GPU, would leave CUDA graphs out)
     chosen = chosen_settings(report.get("note") or "")
-    if "cuda_graphs" not in cfg.train.model_fields_set and recorded_graphs(report):
-        chosen.setdefault("train.cuda_graphs", True)  # the default turned them on where the run ran
+    if "cuda_graphs" not in cfg.train.model_fields_set:  # the default decided where the run ran, not here
+        chosen.setdefault("train.cuda_graphs", recorded_graphs(report))
     if chosen:
         from vramfit.memory.planner import with_values
 

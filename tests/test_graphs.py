@@ -72,8 +72,9 @@ def recorded(monkeypatch):
 
 
 def _train(images, out, cache, *extra):
+    # without graphs unless `extra` asks for them (on a machine with a GPU they are on by default)
     assert main(train_args(images, out, cache, "save.dtype=fp32", "save.name=m", "train.precision=mixed_bf16",
-                           "train.optimizer=adamw", "train.lr=1e-4", *extra)) == 0
+                           "train.optimizer=adamw", "train.lr=1e-4", "train.cuda_graphs=false", *extra)) == 0
     return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
 
 
@@ -172,7 +173,16 @@ BF16_SUMS = ["train.precision=full_bf16", "train.optimizer=adafactor", "train.lr
              "train.steps=3", "train.gradient_checkpointing=false"]
 
 
-def test_graphed_rounded_bf16_sums_equal_training_without(images, tmp_path, cache_root, recorded):
+@pytest.fixture
+def sums_as_on_a_gpu(monkeypatch):
+    """The CPU's first micro-batch adds into zeros as a GPU's does (optim/in_backward.py UNIFORM_ON)."""
+    from vramfit.optim.in_backward import BackwardSteps
+
+    monkeypatch.setattr(BackwardSteps, "UNIFORM_ON", ("cuda", "cpu"))
+
+
+def test_graphed_rounded_bf16_sums_equal_training_without(images, tmp_path, cache_root, recorded,
+                                                          sums_as_on_a_gpu):
     """bf16 weights, three micro-batches a step summed with stochastic rounding: the recorded
     backward adds into the kept buffers with the eager run's draws, step after step."""
     load_config(None, ["train.cuda_graphs=true", *BF16_SUMS], need_data=False)  # no longer refused
@@ -184,7 +194,7 @@ def test_graphed_rounded_bf16_sums_equal_training_without(images, tmp_path, cach
 
 
 def test_the_stand_in_catches_sums_whose_buffers_are_made_again(images, tmp_path, cache_root, recorded,
-                                                                monkeypatch):
+                                                                monkeypatch, sums_as_on_a_gpu):
     """Without keep_sums the buffers are handed to the step and made again at the next one,
     where a replay's sums would not land: the stand-in stops there."""
     from vramfit.optim.in_backward import BackwardSteps
@@ -211,7 +221,8 @@ def test_by_default_graphs_record_on_a_gpu_where_nothing_refuses_them(monkeypatc
 
     on = loaded()
     assert on.cuda_graphs is True and "cuda_graphs" not in on.model_fields_set
-    assert loaded("train.cuda_graphs=auto").cuda_graphs is True
+    written = loaded("train.cuda_graphs=auto")  # written out, it is still the default's to decide
+    assert written.cuda_graphs is True and "cuda_graphs" not in written.model_fields_set
     assert loaded(gpu=False).cuda_graphs is False
     assert loaded().cuda_graphs is True  # a section left out is not the class's shared default, changed
     assert loaded("train.device=cpu").cuda_graphs is False
@@ -228,10 +239,52 @@ def test_a_default_that_resolved_on_does_not_stop_a_multi_gpu_launch(monkeypatch
     from vramfit.train.distributed import composition_problems
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    default = load_config(None, [], need_data=False)
-    assert default.train.cuda_graphs is True and composition_problems(default, 2) == []
+    for sets in ([], ["train.cuda_graphs=auto"]):
+        default = load_config(None, sets, need_data=False)
+        assert default.train.cuda_graphs is True and composition_problems(default, 2) == []
     written = load_config(None, ["train.cuda_graphs=true"], need_data=False)
     assert [p.split(":")[0] for p in composition_problems(written, 2)] == ["train.cuda_graphs"]
+
+
+@pytest.fixture
+def graphs_by_default_on_the_cpu(monkeypatch):
+    """The default resolves on and the fit probe measures the recorded step over the GPU (stand-ins:
+    the run trains on the CPU, graphed through the stand-in recording); returns the probes' settings."""
+    from vramfit.config.schema import RunConfig
+    from vramfit.memory import probe
+
+    probed: list = []
+
+    def fake_probe(family, bundle, cfg, device, buckets, **kwargs):
+        probed.append(cfg.train.cuda_graphs)
+        if cfg.train.cuda_graphs:
+            raise probe.FitProbeError("fit probe: two training steps at the largest bucket peaked at 9.00 GiB, "
+                                      "more than the 8.00 GiB of the GPU; nothing was cached. ...")
+
+    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: not self.graph_clashes())
+    monkeypatch.setattr(probe, "fit_probe", fake_probe)
+    monkeypatch.setattr(graphs, "check_device", lambda device: None)
+    return probed
+
+
+def test_graphs_on_by_default_that_do_not_fit_are_turned_off(images, tmp_path, cache_root, caplog,
+                                                             graphs_by_default_on_the_cpu):
+    with caplog.at_level("WARNING", logger="vramfit"):
+        assert main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
+                               "train.optimizer=adamw")) == 0
+    assert graphs_by_default_on_the_cpu == [True, False]  # the recorded step, then the one without
+    assert "does not fit" in caplog.text and "without graphs" in caplog.text
+    saved = load_config(tmp_path / "run" / "config.toml", [], need_data=False)
+    assert saved.train.cuda_graphs is False  # what the run did
+
+
+def test_graphs_the_user_asked_for_that_do_not_fit_stop_the_run(images, tmp_path, cache_root, capsys,
+                                                                graphs_by_default_on_the_cpu):
+    code = main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
+                           "train.optimizer=adamw", "train.cuda_graphs=true"))
+    assert code != 0 and "fit probe" in capsys.readouterr().err
+    assert graphs_by_default_on_the_cpu == [True]
+    assert not (tmp_path / "run" / "run.json").exists()
 
 
 def test_lora_dropout_is_refused_and_a_plain_or_quantized_base_passes():

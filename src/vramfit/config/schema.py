@@ -184,8 +184,9 @@ class TrainConfig(_Section):
         "auto", description="Record the denoiser's forward and backward as CUDA graphs (once per bucket "
         "shape, at its first step) and replay them: one launch instead of thousands of small ones, "
         "for steps the host no longer slows down. auto (the default): on where the run trains on a "
-        "GPU in one process and nothing below refuses them, off otherwise (the run's config.toml "
-        "records which). CUDA only; not with memory.stream_weights, "
+        "GPU in one process and nothing below refuses them, off otherwise, and off again when the "
+        "fit probe finds the recorded step too large for the GPU (the run's config.toml records "
+        "which). CUDA only; not with memory.stream_weights, "
         "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 with "
         "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
         "sums with stochastic_rounding included). "
@@ -405,6 +406,8 @@ class RunConfig(_Section):
             # copy: a section left out is the class's one default instance
             train = self.train.model_copy()
             object.__setattr__(train, "cuda_graphs", self._graphs_by_default())
+            # written as "auto" or left out alike: the planner's to choose, off for several processes
+            object.__setattr__(train, "__pydantic_fields_set__", train.model_fields_set - {"cuda_graphs"})
             object.__setattr__(self, "train", train)
         if self.train.cuda_graphs:
             clash = self.graph_clashes()

@@ -9,11 +9,12 @@ gradient's dtype, which for bf16 weights rounds every sum to nearest and loses s
 contributions. With `round_sums` the hook instead moves the fresh gradient into a per-parameter
 buffer of the same dtype, adding it in fp32 and writing the sum back with stochastic rounding
 (exact on average). The buffer replaces `p.grad`, so this holds no more memory than autograd's
-accumulation. Every micro-batch does the same work, the first included (it adds into a buffer of
-zeros: exact, since a bf16 gradient is a bf16 value), so that a recorded backward
-(train/graphs.py) replays what an eager one runs, random draws included: `keep_sums` makes the
-buffers stay put from then on, zeroed before the first backward of each step instead of handed
-over and made again. fp32 gradients accumulate in autograd as usual (nothing to round).
+accumulation. On a GPU every micro-batch does the same work, the first included (it adds into a
+buffer of zeros: exact, since a bf16 gradient is a bf16 value; one more rounding pass a step), so
+that a recorded backward (train/graphs.py) replays what an eager one runs, random draws included:
+`keep_sums` makes the buffers stay put from then on, zeroed before the first backward of each step
+instead of handed over and made again. On the CPU (streamed weights' homes, CPU runs) the first
+gradient becomes the buffer as it is. fp32 gradients accumulate in autograd as usual.
 
 Step inside backward (`in_backward`). On the last micro-batch the hook forms the parameter's
 full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, takes it out of
@@ -60,6 +61,10 @@ from vramfit.optim.base import ChunkedGrad, ParamOptimizer, norm_checks
 
 
 class BackwardSteps:
+    # devices whose first micro-batch adds into zeros like the later ones (where CUDA graphs record):
+    # on the CPU that would cost a rounding pass over every gradient a step for nothing
+    UNIFORM_ON = ("cuda",)
+
     def __init__(self, params: list[torch.nn.Parameter], optimizer: ParamOptimizer, *, in_backward: bool,
                  round_sums: bool, max_grad_norm: float = 0.0, device: Optional[torch.device] = None):
         self.params, self.optimizer = params, optimizer
@@ -123,9 +128,12 @@ class BackwardSteps:
             self._take(p)
         elif self.round_sums and p.grad.dtype == torch.bfloat16:
             buffer = self._buffers.get(id(p))
-            if buffer is None:  # the first micro-batch adds into zeros, like every later one
-                buffer = self._buffers[id(p)] = torch.zeros_like(p.grad)
-            self.add_to_sum(buffer, p.grad)
+            if buffer is None and p.grad.device.type not in self.UNIFORM_ON:
+                self._buffers[id(p)] = p.grad  # the first micro-batch's gradient is the sum so far
+            else:
+                if buffer is None:  # on a GPU it adds into zeros, as a recorded backward does
+                    buffer = self._buffers[id(p)] = torch.zeros_like(p.grad)
+                self.add_to_sum(buffer, p.grad)
             p.grad = None
 
     def add_to_sum(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
@@ -288,8 +296,9 @@ class RecordedStep:
     - the rounding's generator is registered with the graph, which then advances its offset by
       the recording's draws at each replay, as the same draws made eagerly would;
     - the held-back count is a tensor that stays put (`_held_count`).
-    One micro-batch per step only: with accumulation the earlier micro-batches' hooks add into
-    buffers that they first adopt, host work a replay would skip (config/schema.py refuses it).
+    One micro-batch per step only: with accumulation the last micro-batch's hooks step while the
+    earlier ones' only sum, host work that differs between the calls one recording serves
+    (config/schema.py refuses it).
     """
 
     def __init__(self, steps: BackwardSteps, params: list[torch.Tensor], device: torch.device):

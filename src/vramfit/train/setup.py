@@ -27,6 +27,7 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker, pick_device
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
 from vramfit.memory.planner import budget_of, fit_to_budget
+from vramfit.memory.probe import FitProbeError
 from vramfit.memory.spill import SpillWatch
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
@@ -284,6 +285,17 @@ def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, s
     return progress
 
 
+def _eager_if_graphs_by_default(cfg: RunConfig) -> Optional[RunConfig]:
+    """`cfg` without CUDA graphs when they are on only by default (train.cuda_graphs = "auto"):
+    the fit probe measured the recorded step, whose pool keeps its room reserved, over the GPU's
+    memory, and the step without graphs holds less. None when the user or the planner chose them."""
+    if not cfg.train.cuda_graphs or "cuda_graphs" in cfg.train.model_fields_set:
+        return None
+    from vramfit.memory.planner import with_values
+
+    return with_values(cfg, {"train.cuda_graphs": False})
+
+
 def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> None:
     """Fail before any weight loads when --resume cannot work."""
     if resume:
@@ -312,7 +324,21 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         write_text_atomic(out / "config.toml", dump_config(cfg))
     progress = progress and ranks.main
     tracker = MemoryTracker(device)
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
+    try:
+        family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
+    except FitProbeError as exc:
+        eager = _eager_if_graphs_by_default(cfg)
+        if eager is None:
+            raise
+        log.warning("train.cuda_graphs (auto): the recorded step does not fit (%s); loading again to train "
+                    "without graphs", str(exc).split("; nothing was cached")[0])
+        cfg = eager  # (out of the except block first: its frames hold the loaded model)
+    else:
+        eager = None
+    if eager is not None:
+        if ranks.main:
+            write_text_atomic(out / "config.toml", dump_config(cfg))
+        family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
