@@ -133,6 +133,27 @@ def test_bf16_accumulation_keeps_small_gradients_on_average():
     assert sums[True].mean().item() == pytest.approx(1.015, abs=1e-3)
 
 
+def test_kept_sums_stay_put_and_lend_only_what_a_step_added_into():
+    """keep_sums (CUDA graphs): the buffers are the same tensors step after step, zeroed between
+    steps; a weight the step did not reach gets no gradient, as without kept buffers."""
+    a = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    opt = AdamW([a, b], rounding=RoundingGenerators(0))
+    hooks = BackwardSteps([a, b], opt, in_backward=False, round_sums=True)
+    assert hooks.keep_sums([a, b]) == {id(a), id(b)}
+    kept = dict(hooks._buffers)
+    for step, used in enumerate([(a, b), (a,)]):
+        for i in range(2):
+            hooks.begin(last=i == 1)
+            sum(p.float().sum() * (step + 1) for p in used).backward()
+        hooks.finish()
+        assert torch.equal(a.grad.float(), torch.full((64,), 2.0 * (step + 1)))  # zeroed, then two adds
+        assert a.grad is kept[id(a)]
+        assert (b.grad is None) == (step == 1)
+        opt.zero_grad(set_to_none=True)
+    hooks.remove()
+
+
 def test_per_tensor_clipping_gives_each_tensor_its_share_of_the_budget():
     accum = 2
     model, _ = _train(AdamW, torch.float32, accum, in_backward=False, steps=1)  # warm weights, any

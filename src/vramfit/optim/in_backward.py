@@ -90,6 +90,7 @@ class BackwardSteps:
         self._limit = optimizer.pack_limit(waiting) if in_backward else 0
         self._last = False
         self._kept = False  # `keep_sums`: the buffers stay put
+        self._summed: set[int] = set()  # kept buffers added into since the last `finish`
         self._handed = False  # kept buffers hold sums `finish` handed to a step: zero before adding
         self.completed = 0  # steps finished in backward (`finish`)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
@@ -113,12 +114,17 @@ class BackwardSteps:
         at the same place at every replay."""
         if self.in_backward or not self.round_sums:
             return set()
-        summed = {id(p): p for p in params if p.requires_grad and p.dtype == torch.bfloat16}
+        hooked = {id(p) for p in self.params}
+        summed = {id(p): p for p in params if id(p) in hooked and p.dtype == torch.bfloat16}
         for key, p in summed.items():
             if key not in self._buffers:
                 self._buffers[key] = torch.zeros_like(p)
         self._kept = True
         return set(summed)
+
+    def mark_summed(self, params: list[torch.Tensor]) -> None:
+        """A replayed backward adds into these parameters' kept buffers (its hooks run no Python)."""
+        self._summed.update(id(p) for p in params)
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -134,6 +140,7 @@ class BackwardSteps:
                 if buffer is None:  # on a GPU it adds into zeros, as a recorded backward does
                     buffer = self._buffers[id(p)] = torch.zeros_like(p.grad)
                 self.add_to_sum(buffer, p.grad)
+            self._summed.add(id(p))
             p.grad = None
 
     def add_to_sum(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
@@ -233,10 +240,12 @@ class BackwardSteps:
         returns the number of gradient tensors held back as non-finite (one host sync)."""
         if not self.in_backward:
             for p in self.params:
-                buffer = self._buffers.get(id(p)) if self._kept else self._buffers.pop(id(p), None)
+                # a kept buffer nothing added into this step stays out, as an eager run has no sum there
+                buffer = (self._buffers.get(id(p)) if id(p) in self._summed else None) if self._kept else \
+                    self._buffers.pop(id(p), None)
                 if buffer is not None:
                     p.grad = buffer if p.grad is None else p.grad.add_(buffer)
-            self._handed = self._kept
+            self._handed, self._summed = self._kept, set()
             return 0
         self._flush()
         for p in self.params:
@@ -259,6 +268,7 @@ class BackwardSteps:
             self._handed = bool(self._buffers)  # zeroed, not dropped: recordings add into them
         else:
             self._buffers.clear()
+        self._summed = set()
         self._zero_held()
         self._pending, self._pending_numel = [], 0
 

@@ -199,6 +199,7 @@ class GraphedDenoiser(torch.nn.Module):
         self._owned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, its gradient buffer)
         self._used: dict[Any, list[torch.Tensor]] = {}
         self._adopted: dict[Any, list[torch.Tensor]] = {}  # of those, the ones given owned buffers
+        self._summed: dict[Any, list[torch.Tensor]] = {}  # ... and the ones whose sums `sums` keeps
         self._pool = self._stream = None
         self._warm = False  # the first training call ran (eagerly)
         self._weights_at: Optional[list[int]] = None  # the weights' addresses the recordings use
@@ -229,6 +230,8 @@ class GraphedDenoiser(torch.nn.Module):
             return self.denoiser(*args, **kwargs)
         if self._steps is None:  # the step inside backward takes each gradient as it comes
             self._adopt(self._adopted[key])
+            if self._summed.get(key):
+                self._sums.mark_summed(self._summed[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
         return pytree.tree_unflatten(list(outs), recording.out_spec)
 
@@ -269,6 +272,7 @@ class GraphedDenoiser(torch.nn.Module):
             self._recordings.clear()
             self._used.clear()
             self._adopted.clear()
+            self._summed.clear()
             self._pool = self._stream = None
         self._weights_at = now
 
@@ -286,8 +290,9 @@ class GraphedDenoiser(torch.nn.Module):
                 return RecordedStep(self._steps, used, self.device)
             summed = self._sums.keep_sums(used) if self._sums is not None else set()
             self._adopted[key] = [p for p in used if id(p) not in summed]
+            self._summed[key] = [p for p in used if id(p) in summed]
             self._adopt(self._adopted[key])
-            return RecordedSums(self._sums, [p for p in used if id(p) in summed], self.device) if summed else None
+            return RecordedSums(self._sums, self._summed[key], self.device) if summed else None
 
         try:
             if self._recorder is not None:
