@@ -62,7 +62,7 @@ def micro_step_loss(family: Family, bundle: ModelBundle, batch: dict, cfg: Train
                     generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Loss of one micro-batch (not yet divided by the accumulation count)."""
     # CUDA graphs record the casts themselves; autocast's cache of cast weights cannot be recorded
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not cfg.cuda_graphs)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cfg.cuda_graphs is not True)
                 if cfg.precision == "mixed_bf16" else nullcontext())
     with autocast:
         return family.training_loss(bundle, batch, cfg, generator, device, dtype)
@@ -110,7 +110,9 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
                                 max_grad_norm=cfg.max_grad_norm, device=device)
-    if cfg.cuda_graphs:  # train/graphs.py: record the denoiser per input signature, replay after
+    # train/graphs.py: record the denoiser per input signature, replay after. RunConfig decides "auto"
+    # when it loads; a TrainConfig built alone that still says so trains without graphs
+    if cfg.cuda_graphs is True:
         from vramfit.train.graphs import GraphedDenoiser, check_device
 
         check_device(device)
