@@ -44,9 +44,10 @@ What a replay needs, and how a run provides it:
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
   memory.offload_activations), train.compile, and the optimizer step inside backward over
   several micro-batches (gradient hooks whose host work differs between micro-batches, which a
-  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A quantized LoRA base records as it
-  is: widening its weights is GPU work like any other, and replaying it removes the host cost of
-  torchao's tensor subclasses, which otherwise dominates such a step.
+  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A
+  quantized LoRA base records as it is: widening its weights is GPU work like any other, and
+  replaying it removes the host cost of torchao's tensor subclasses, which otherwise dominates
+  such a step.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
   the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw no random
   numbers in their forward (LoRA dropout would: refused).
