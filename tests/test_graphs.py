@@ -274,6 +274,8 @@ def test_graphs_on_by_default_that_do_not_fit_are_turned_off(images, tmp_path, c
                                "train.optimizer=adamw")) == 0
     assert graphs_by_default_on_the_cpu == [True, False]  # the recorded step, then the one without
     assert "does not fit" in caplog.text and "without graphs" in caplog.text
+    report = json.loads(next((tmp_path / "run").glob("*.memory.json")).read_text())
+    assert [p["name"] for p in report["phases"]].count("load") == 1  # probed again, not loaded again
     saved = load_config(tmp_path / "run" / "config.toml", [], need_data=False)
     assert saved.train.cuda_graphs is False  # what the run did
 

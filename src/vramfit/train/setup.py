@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,8 +27,8 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker, pick_device
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
 from vramfit.memory.planner import budget_of, fit_to_budget
-from vramfit.memory.probe import FitProbeError
 from vramfit.memory.spill import SpillWatch
+from vramfit.models.adapter import Family, ModelBundle
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import default_cache_root, resolve_source
 from vramfit.optim.build import build_optimizer, build_schedule
@@ -74,10 +74,12 @@ def scan(cfg: RunConfig) -> ScanResult:
 
 
 def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
-            ranks: Optional[distributed.DataParallel] = None, fit_probe: bool = False):
+            ranks: Optional[distributed.DataParallel] = None,
+            probe: Optional[Callable[[Family, ModelBundle, list], None]] = None):
     """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
-    Over several ranks each encodes its share of the missing cache entries. With `fit_probe`,
-    memory/probe.py measures training at the largest bucket before anything is cached."""
+    Over several ranks each encodes its share of the missing cache entries. `probe(family,
+    bundle, buckets)` runs before anything is cached (train_run's: memory/probe.py measures
+    training at the largest bucket)."""
     ranks = ranks or distributed.DataParallel()
     result = scan(cfg)
     with tracker.phase("load"):
@@ -112,10 +114,8 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
-    if fit_probe:
-        from vramfit.memory.probe import fit_probe as probe
-
-        probe(family, bundle, cfg, device, [r.bucket for r in records])
+    if probe is not None:
+        probe(family, bundle, [r.bucket for r in records])
     with tracker.phase("cache_latents"):
         if cfg.cache.latents:
             data.cache_latents(progress)
@@ -285,6 +285,27 @@ def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, s
     return progress
 
 
+def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: torch.device,
+                  buckets: list) -> RunConfig:
+    """Run the fit probe (memory/probe.py; it raises FitProbeError when the step does not fit).
+    Returns `cfg`; or, where CUDA graphs are on only by default and the recorded step does not
+    fit, `cfg` without them once a second probe finds that the step without them does."""
+    from vramfit.memory import probe
+
+    try:
+        probe.fit_probe(family, bundle, cfg, device, buckets)
+        return cfg
+    except probe.FitProbeError as exc:
+        eager = _eager_if_graphs_by_default(cfg)
+        if eager is None:
+            raise
+        log.warning("train.cuda_graphs (auto): the recorded step does not fit (%s); probing it without "
+                    "graphs", str(exc).split("; nothing was cached")[0])
+    probe.fit_probe(family, bundle, eager, device, buckets)
+    log.info("train.cuda_graphs (auto): off, the step fits without graphs")
+    return eager
+
+
 def _eager_if_graphs_by_default(cfg: RunConfig) -> Optional[RunConfig]:
     """`cfg` without CUDA graphs when they are on only by default (train.cuda_graphs = "auto"):
     the fit probe measured the recorded step, whose pool keeps its room reserved, over the GPU's
@@ -324,21 +345,16 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         write_text_atomic(out / "config.toml", dump_config(cfg))
     progress = progress and ranks.main
     tracker = MemoryTracker(device)
-    try:
-        family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
-    except FitProbeError as exc:
-        eager = _eager_if_graphs_by_default(cfg)
-        if eager is None:
-            raise
-        log.warning("train.cuda_graphs (auto): the recorded step does not fit (%s); loading again to train "
-                    "without graphs", str(exc).split("; nothing was cached")[0])
-        cfg = eager  # (out of the except block first: its frames hold the loaded model)
-    else:
-        eager = None
-    if eager is not None:
-        if ranks.main:
-            write_text_atomic(out / "config.toml", dump_config(cfg))
-        family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks, fit_probe=not ranks.sharded)
+    planned = cfg
+
+    def probe(family: Family, bundle: ModelBundle, buckets: list) -> None:
+        nonlocal cfg
+        cfg = probed_config(family, bundle, cfg, device, buckets)
+
+    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks,
+                                            probe=None if ranks.sharded else probe)
+    if cfg is not planned and ranks.main:  # the probe turned the default's graphs off
+        write_text_atomic(out / "config.toml", dump_config(cfg))
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
