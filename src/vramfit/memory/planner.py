@@ -50,7 +50,7 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
 - SDXL family kept_power 1.4: the planner's choices at the seed's peak, step in backward and graphs
   (`e085ab6`, machine W): SSD-1B with 0.75 of the blocks checkpointed (4.00 GiB) and SDXL with 0.5
   (8.51 GiB) keep 0.13 and 0.39 of the no-checkpointing activations, where 1 - s would be 0.25 and
-  0.5 (+15.6% and +9.5%); the power puts them at +1.8% and -1.1%. A fit to those two runs, not a
+  0.5 (+15.6% and +9.5%); the power puts them at +1.7% and -1.0%. A fit to those two runs, not a
   model of which blocks keep what: the UNet's blocks differ in size and the spread share keeps
   fewer of the large activations than its count says. SD3's blocks are alike: 1 (its shares of
   0.25 and 0.5 over a quantized base, `1bc226b`, within 6%).
