@@ -21,8 +21,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   AdamW step a tensor of more than 4 Mi values in chunks there: T of at most 4 Mi values). The fp32
   gradients waiting for a pack in backward (up to 4 bytes x the pack) are not a term of their
   own: on the runs measured (SSD-1B, SD3-M) the share of T covers them (+5.1%, -0.3%).
-- samples (with sample.every_steps; under train.cuda_graphs also G and the recordings' pool, which
-  stay while grids render between steps): S + the largest of the two largest encoders together (model
+- samples (with sample.every_steps; train.cuda_graphs drops its recordings, their pool and its
+  gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
   prompt: SD3-M example, T5 int8 + CLIP-G, measured 5.94 GiB), W + the denoiser's work at the
   sample size for both halves of guidance, and the bf16 VAE decoding.
@@ -440,11 +440,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     phases.append(PhaseEstimate("train", sum(parts.values()), parts))
     if cfg.sample.every_steps and cfg.sample.prompts:
         terms = device_terms(facts, cfg)
-        samples = _samples_phase(facts, cfg, terms)
-        if cfg.train.cuda_graphs:  # grids between steps: the owned gradients and the pool stay
-            if not cfg.train.optimizer_in_backward:
-                samples["gradients"] = terms["gradients"]
-            samples["graph pool"] = sum(_activations(facts, cfg, side).values())
+        samples = _samples_phase(facts, cfg, terms)  # (CUDA graphs drop their pool and buffers before a grid)
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
     parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}
     parts["workspace"] = SAVE_WORKSPACE_STREAMED if cfg.memory.stream_weights else SAVE_WORKSPACE

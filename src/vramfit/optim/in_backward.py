@@ -122,6 +122,15 @@ class BackwardSteps:
         self._kept = True
         return set(summed)
 
+    def release_sums(self) -> None:
+        """Between steps (after `finish` and the optimizer's zero_grad): the kept buffers go, and
+        sums are made as without `keep_sums` until a recording keeps them again."""
+        lent = {id(p.grad) for p in self.params if p.grad is not None}
+        if self._kept and not lent & {id(b) for b in self._buffers.values()}:
+            self._buffers.clear()
+            self._kept = self._handed = False
+            self._summed = set()
+
     def mark_summed(self, params: list[torch.Tensor]) -> None:
         """A replayed backward adds into these parameters' kept buffers (its hooks run no Python)."""
         self._summed.update(id(p) for p in params)

@@ -14,9 +14,11 @@ workspaces, kernel selection); from then on the first call of each signature rec
 and the backward, and that call and every later one of the signature replay them. Each
 aspect-ratio bucket (and a smaller last batch) records once; all of them share one memory pool,
 so no eager activations ever sit beside it. Calls in eval mode or without grad (sample grids)
-run the denoiser as usual. When the weights have moved since the recordings (sample grids put
-the denoiser through CPU offload, which gives each weight new GPU memory), the recordings are
-dropped and made again.
+run the denoiser as usual. Before a sample grid renders (train/samples.py) every recording is
+dropped with its pool and the gradient buffers this module or the hooks keep
+(`release_recordings`): the grid gets that memory, as it would after an eager step, and the
+next training call records again. When the weights have moved since the recordings otherwise,
+the recordings are dropped and made again too.
 
 Gradients. The recorded backward adds each weight's gradient into a buffer that this module
 owns and that stays put (`p.grad` is that buffer whenever a replay runs): autograd's own
@@ -207,6 +209,7 @@ class GraphedDenoiser(torch.nn.Module):
         self._parts = list(denoiser.modules())  # where those weights are read from (weight_addresses)
         self.device = next(denoiser.parameters()).device
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # makes replayed outputs need grad
+        _LIVE.add(self)
 
     @property
     def captures(self) -> int:
@@ -235,6 +238,22 @@ class GraphedDenoiser(torch.nn.Module):
                 self._sums.mark_summed(self._summed[key])
         outs = _Replay.apply(recording, self._anchor, *tensors)
         return pytree.tree_unflatten(list(outs), recording.out_spec)
+
+    def release(self) -> None:
+        """Between steps: drop every recording, its pool and the gradient buffers kept for them
+        (owned ones; the hooks' kept sums), so that their memory is free; the next training call
+        records again."""
+        self._recordings.clear()
+        self._used.clear()
+        self._adopted.clear()
+        self._summed.clear()
+        self._pool = self._stream = None
+        for p, buffer in self._owned.values():
+            if p.grad is buffer:
+                p.grad = None
+        self._owned.clear()
+        if self._sums is not None:
+            self._sums.release_sums()
 
     def _warmed_up(self) -> bool:
         """Whether a training call has run eagerly. With the step inside backward, one whose step
@@ -318,6 +337,18 @@ class GraphedDenoiser(torch.nn.Module):
 
 
 _RECORDERS: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # those that made a recording pool
+
+
+_LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # every GraphedDenoiser alive
+
+
+def release_recordings() -> int:
+    """Drop the recordings of every GraphedDenoiser that holds some (`GraphedDenoiser.release`);
+    returns how many did. Call between steps; then free the allocator's cache."""
+    holding = [d for d in list(_LIVE) if d.captures]
+    for d in holding:
+        d.release()
+    return len(holding)
 
 
 def release_cublas_workspaces(owner: Optional[GraphedDenoiser] = None) -> bool:

@@ -39,7 +39,11 @@ class SampleGrids:
     def render(self, step: int) -> Path:
         from vramfit.generate import build_pipeline, sample_grid, save_png
         from vramfit.train.data import free_device_memory
+        from vramfit.train.graphs import release_recordings
 
+        if release_recordings():  # CUDA graphs' pools and gradient buffers: the grid's memory now
+            log.info("train.cuda_graphs: recordings dropped for the sample grid; the next step records again")
+            free_device_memory(self.device)
         s = self.cfg.sample
         params = list(self.bundle.denoiser.parameters())  # the encoders follow the frozen base
         dtype = next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
