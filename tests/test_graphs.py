@@ -463,12 +463,7 @@ def test_cublas_workspaces_are_kept_while_another_denoiser_holds_recordings(monk
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
-    def recorder():
-        denoiser = graphs.GraphedDenoiser(torch.nn.Linear(2, 2))
-        graphs._RECORDERS.add(denoiser)
-        return denoiser
-
-    older, newer = recorder(), recorder()
+    older, newer = graphs.GraphedDenoiser(torch.nn.Linear(2, 2)), graphs.GraphedDenoiser(torch.nn.Linear(2, 2))
     assert graphs.release_cublas_workspaces(newer) and cleared == [1]  # the older one has recorded nothing
     older._recordings["signature"] = object()  # now it has
     assert not graphs.release_cublas_workspaces(newer) and cleared == [1]

@@ -243,11 +243,7 @@ class GraphedDenoiser(torch.nn.Module):
         """Between steps: drop every recording, its pool and the gradient buffers kept for them
         (owned ones; the hooks' kept sums), so that their memory is free; the next training call
         records again."""
-        self._recordings.clear()
-        self._used.clear()
-        self._adopted.clear()
-        self._summed.clear()
-        self._pool = self._stream = None
+        self._drop_recordings()
         for p, buffer in self._owned.values():
             if p.grad is buffer:
                 p.grad = None
@@ -288,13 +284,17 @@ class GraphedDenoiser(torch.nn.Module):
         """Drop every recording when a weight no longer lives where they read it."""
         now = weight_addresses(self._parts)
         if self._weights_at is not None and now != self._weights_at and self.captures:
-            log.info("train.cuda_graphs: the denoiser's weights moved (sample grids offload it); recording again")
-            self._recordings.clear()
-            self._used.clear()
-            self._adopted.clear()
-            self._summed.clear()
-            self._pool = self._stream = None
+            log.info("train.cuda_graphs: the denoiser's weights moved; recording again")
+            self._drop_recordings()
         self._weights_at = now
+
+    def _drop_recordings(self) -> None:
+        """Forget every recording and what was noted of it; the pool goes with the last of them."""
+        self._recordings.clear()
+        self._used.clear()
+        self._adopted.clear()
+        self._summed.clear()
+        self._pool = self._stream = None
 
     def _record(self, key, leaves: list, positions: list[int], spec, tensors: tuple):
         chosen = set(positions)
@@ -321,7 +321,6 @@ class GraphedDenoiser(torch.nn.Module):
                 with torch.cuda.device(self.device):
                     if self._pool is None:
                         release_cublas_workspaces(self)
-                        _RECORDERS.add(self)
                         self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
                     recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
         except torch.OutOfMemoryError:
@@ -336,10 +335,7 @@ class GraphedDenoiser(torch.nn.Module):
         return recording
 
 
-_RECORDERS: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # those that made a recording pool
-
-
-_LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # every GraphedDenoiser alive
+_LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # every GraphedDenoiser alive (a weak set)
 
 
 def release_recordings() -> int:
@@ -367,7 +363,7 @@ def release_cublas_workspaces(owner: Optional[GraphedDenoiser] = None) -> bool:
     The workspaces are the process's, not one denoiser's: while another denoiser still holds
     recordings, whose replays use the workspaces they were recorded with, nothing is freed."""
     def busy() -> bool:  # (no list of them: it would keep garbage alive through the collection)
-        return any(d is not owner and d.captures for d in _RECORDERS)
+        return any(d is not owner and d.captures for d in _LIVE)
 
     held = busy()
     if held:  # perhaps only garbage (the fit probe's): collect it and look again
