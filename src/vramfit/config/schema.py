@@ -439,11 +439,11 @@ class RunConfig(_Section):
         """train.cuda_graphs = "auto": on for a run that trains on a GPU of this machine, in one
         process (several: DDP averages gradients from hooks a replay skips), beside nothing that
         refuses them."""
-        import os
-
         import torch
 
-        if self.train.device == "cpu" or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from vramfit.train.distributed import launched_world
+
+        if self.train.device == "cpu" or launched_world() > 1:
             return False
         return torch.cuda.is_available() and not self.graph_clashes()
 
