@@ -134,3 +134,43 @@ def test_the_fit_probe_frees_its_recordings_workspaces_and_the_run_its_eager_one
                            "train.cuda_graphs=true", "train.steps=3", "train.precision=mixed_bf16",
                            "train.optimizer=adamw", model="tiny:ssd1b")) == 0
     assert calls == [(True, True), (False, True), (True, True)]
+
+
+def test_graphs_on_by_default_fall_back_when_only_the_step_without_them_fits(images, tmp_path, cache_root,
+                                                                             caplog, monkeypatch):
+    """train.cuda_graphs left to its default: where the fit probe finds the recorded step over
+    the GPU's memory and the step without graphs under it, the run trains without graphs and
+    config.toml says so. The GPU's size is made to fall between the two measured peaks."""
+    from vramfit.memory import probe
+
+    peaks: list[int] = []
+    measure = probe.fit_probe
+    monkeypatch.setattr(probe, "fit_probe", lambda *a, **k: peaks.append(measure(*a, **k)) or peaks[-1])
+    sets = ("train.device=cuda", "memory.fit_probe=true", "train.steps=2", "train.precision=mixed_bf16",
+            "train.optimizer=adamw", "save.every_steps=0")
+    cache = cache_root / "graphs-cuda"
+    for side, graphs in (("graphed", "true"), ("eager", "false")):
+        assert main(train_args(images, tmp_path / side, cache, *sets, f"train.cuda_graphs={graphs}",
+                               model="tiny:ssd1b")) == 0
+    graphed, eager = peaks
+    assert graphed > eager, (graphed, eager)  # the recordings' pool keeps its room reserved
+
+    real = torch.cuda.get_device_properties
+
+    class Smaller:  # the GPU as the run sees it: its memory between the two peaks
+        def __init__(self, props):
+            self._props = props
+            self.total_memory = (graphed + eager) // 2
+
+        def __getattr__(self, name):
+            return getattr(self._props, name)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Smaller(real(*a, **k)))
+    peaks.clear()
+    out = tmp_path / "default"
+    with caplog.at_level("INFO", logger="vramfit"):
+        assert main(train_args(images, out, cache, *sets, model="tiny:ssd1b")) == 0
+    assert "the recorded step does not fit" in caplog.text
+    assert "off, the step fits without graphs" in caplog.text
+    assert "recorded the denoiser's forward and backward" not in caplog.text.split("fits without graphs")[1]
+    assert len(peaks) == 1 and "cuda_graphs = false" in (out / "config.toml").read_text()
