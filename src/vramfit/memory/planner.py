@@ -55,9 +55,12 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   fewer of the large activations than its count says. SD3's blocks are alike: 1 (its shares of
   0.25 and 0.5 over a quantized base, `1bc226b`, within 6%).
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
-  1024 batch 1 (4.604 GiB); all_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
+  1024 batch 1 (4.604 GiB); lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
-  layer's input, which memory/lora_compute.py no longer makes).
+  layer's input, which memory/lora_compute.py no longer makes). all_block 43 (a full fine-tune,
+  where every linear also saves its input): the streamed SD3-M full fine-tune stepping in
+  backward without checkpointing (6.74 GiB, `dfd312a`, machine Y); with the LoRA figure it was
+  predicted at 4.03 GiB, and the planner had chosen it under a 4.69 GiB budget.
 - WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
   With streamed weights SAVE_WORKSPACE_STREAMED 83 MiB: the save phase of the streamed SSD-1B and
   SDXL runs (97.2 MiB each, of which 14 MiB weights kept on the GPU); 100 MiB put them at +17%.
@@ -106,13 +109,14 @@ class ActivationConstants:
     saved: float  # bytes per saved element (2 = one bf16 copy)
     work: float  # bytes per element of the largest block's tokens x channels, recompute
     all_resnet: float  # without checkpointing, bytes per element of a resnet's input
-    all_block: float  # ... of a transformer block's input
+    all_block: float  # ... of a transformer block's input (a full fine-tune: every linear saves its input)
     kept_power: float = 1.0  # a share s checkpointed keeps (1 - s) ** kept_power of every activation
+    lora_block: Optional[float] = None  # all_block under LoRA, whose frozen linears save no input; None: the same
 
 
 _CONSTANTS = {
     "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0, kept_power=1.4),
-    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=24.5),
+    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
 }
 
 
@@ -331,7 +335,8 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
-    every = k.all_resnet * shape.resnet_inputs + k.all_block * shape.block_inputs
+    block = k.lora_block if cfg.train.mode == "lora" and k.lora_block is not None else k.all_block
+    every = k.all_resnet * shape.resnet_inputs + block * shape.block_inputs
     share = _checkpointed_share(cfg)
     if share:  # a share s of the blocks recompute: s of the checkpointed inputs, (1 - s)^p of every activation
         kept = (1 - share) ** k.kept_power * every
