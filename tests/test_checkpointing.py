@@ -115,3 +115,45 @@ def test_the_planner_never_offloads_beside_a_share_the_user_set():
     chosen = choose(cfg, int((half - 1.5 * GIB) / 0.9), facts).config
     assert chosen.train.gradient_checkpointing == 0.5 and not chosen.memory.offload_activations
     assert chosen.lora.base_quantization != "none" or chosen.memory.stream_weights
+
+
+@pytest.mark.parametrize("layout", ["tiny_ssd1b_unet", "tiny_sdxl_unet", "tiny_sd3_transformer"])
+def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout):
+    """memory/planner.py predicts a share from its own list of the checkpointable blocks; it must
+    be the list diffusers calls the checkpointing function with: the same blocks, in the same
+    order, with the inputs it counts (SD3: the image tokens of each joint block; the planner's
+    count adds the text tokens, the block's other input)."""
+    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+
+    from vramfit.memory.planner import sd3_activations, sdxl_activations
+    from vramfit.models.tiny import shipped_config
+
+    config = {k: v for k, v in shipped_config(layout).items() if not k.startswith("_")}
+    calls: list[tuple[str, int]] = []
+
+    def record(module, *args):
+        kind = "resnet" if "Resnet" in type(module).__name__ else "block"
+        calls.append((kind, args[0][0].numel()))
+        return module(*args)
+
+    lat, batch = 16, 2
+    torch.manual_seed(0)
+    if "sd3" in layout:
+        model = SD3Transformer2DModel(**config)
+        model.enable_gradient_checkpointing(record)
+        model(hidden_states=torch.randn(batch, config["in_channels"], lat, lat), timestep=torch.tensor([1.0, 2.0]),
+              encoder_hidden_states=torch.randn(batch, 154, config["joint_attention_dim"]),
+              pooled_projections=torch.randn(batch, config["pooled_projection_dim"]))
+        shape = sd3_activations(config, lat, lat, 77)
+        image = (lat // config["patch_size"]) ** 2 * config["caption_projection_dim"]
+        expected = [(kind, image) for kind, n in shape.blocks]
+        assert all(n == image * (lat * lat // 4 + 154) // (lat * lat // 4) for _, n in shape.blocks)
+    else:
+        model = UNet2DConditionModel(**config)
+        model.enable_gradient_checkpointing(record)
+        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        model(torch.randn(batch, 4, lat, lat), torch.tensor([1, 2]), torch.randn(batch, 77, config["cross_attention_dim"]),
+              added_cond_kwargs={"text_embeds": torch.randn(batch, pooled), "time_ids": torch.randn(batch, 6)})
+        shape = sdxl_activations(config, lat, lat, 0)
+        expected = shape.blocks
+    assert calls == expected

@@ -11,9 +11,9 @@ Which blocks: in the order the forward first calls them, block i recomputes when
 floor((i + 1) x share) > floor(i x share): one in four for 0.25, spread evenly through the
 forward, the same blocks at every call (decided once per module). For SD3, whose blocks are
 alike, that is exactly the share of the activations kept by false and the recomputation of true;
-for a UNet, whose blocks differ in size, the spread share keeps fewer of the large activations
-than its count says: memory/planner.py predicts s x the checkpointed inputs + (1 - s) x the
-no-checkpointing activations for SD3, and (1 - s)^1.4 x them for a UNet (fitted: `kept_power`).
+a UNet's blocks differ in size, so what a share keeps depends on which blocks recompute:
+memory/planner.py lists the blocks in the same order and applies the same rule
+(`recomputed_blocks`).
 
 Cost: a share keeps about (1 - s) of the no-checkpointing activations beside s of the
 checkpointed inputs, and recomputes s of the forward in backward (true: all of it).
@@ -54,8 +54,7 @@ class PartialCheckpoint:
             log.info("train.gradient_checkpointing = %g: %d of the denoiser's %d checkpointable blocks "
                      "recompute in backward", self.share, *self.counts)
         if entry is None:
-            i = len(self._decided)
-            entry = self._decided[id(module)] = (module, math.floor((i + 1) * self.share) > math.floor(i * self.share))
+            entry = self._decided[id(module)] = (module, _recomputes(len(self._decided), self.share))
         return entry[1]
 
     @property
@@ -65,6 +64,17 @@ class PartialCheckpoint:
 
     def __call__(self, module, *args, **kwargs):  # (SDXL's and SD3's blocks get positional arguments only)
         return self.checkpoint(module, *args, **kwargs) if self.recomputes(module) else module(*args, **kwargs)
+
+
+def _recomputes(i: int, share: float) -> bool:
+    """Whether the i-th block the forward calls (from 0) recomputes under a share."""
+    return math.floor((i + 1) * share) > math.floor(i * share)
+
+
+def recomputed_blocks(share: float, count: int) -> list[bool]:
+    """Which of `count` blocks, in the order the forward calls them, recompute under `share` (what
+    PartialCheckpoint decides; memory/planner.py predicts from it)."""
+    return [_recomputes(i, share) for i in range(count)]
 
 
 def checkpointing_function(setting: bool | float, graph_safe: bool) -> Callable:

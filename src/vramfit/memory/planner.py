@@ -24,8 +24,9 @@ Each phase (bytes allocated; n = a tensor's element count):
 - samples (with sample.every_steps; train.cuda_graphs drops its recordings, their pool and its
   gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
-  prompt: SD3-M example, T5 int8 + CLIP-G, measured 5.94 GiB), W + the denoiser's work at the
-  sample size for both halves of guidance, and the bf16 VAE decoding.
+  prompt: SD3-M example, T5 int8 + CLIP-G, measured 5.94 GiB), W + SAMPLE_WORK x the largest
+  block's elements at the sample size for both halves of guidance, and the VAE decoding one image
+  (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where the grid runs in fp32.
 - save: W + S + SAVE_WORKSPACE (the optimizer still lives while the state is written).
 
 Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
@@ -33,8 +34,10 @@ gradient checkpointing the inputs of the checkpointed modules (SDXL family: each
 transformer block, the layers around them; SD3: each joint block's image + text tokens x width)
 x `saved`, plus the largest block's tokens x channels x `work` (its recompute); without it, every
 resnet's and block's input x `all_resnet` / `all_block`. Offloaded activations keep only `work`.
-A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): s x the saved
-inputs + (1 - s)^kept_power x every input's activations, plus `work`.
+A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): the model lists the
+checkpointable blocks in the order the forward calls them and picks the ones that recompute as
+PartialCheckpoint does; those keep their input x `saved`, the others their input x `all_resnet` /
+`all_block`, the layers between blocks their inputs x `saved`; plus `work`.
 
 Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
 reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
@@ -44,16 +47,23 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   (SD3-M with T5 bf16, 8.92 GiB, and int8, 4.69 GiB, then follow from the byte counts).
 - STEP_TEMP_BYTES 20 (Adafactor) / 24 (AdamW): counted in optim/adafactor.py and adamw.py (five or
   six fp32 copies); checked by SSD-1B train, accumulation 1: 5.583 GiB = 2.48 W + 2.48 G + 0.55 T...
-- SDXL family saved 0.8, work 58: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
-  all_resnet 8, all_block 44: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
+- SDXL family saved 0.77, work 38.7: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
+  all_resnet 7.0, all_block 44.2: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
   checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
-- SDXL family kept_power 1.4: the planner's choices at the seed's peak, step in backward and graphs
-  (`e085ab6`, machine W): SSD-1B with 0.75 of the blocks checkpointed (4.00 GiB) and SDXL with 0.5
-  (8.51 GiB) keep 0.13 and 0.39 of the no-checkpointing activations, where 1 - s would be 0.25 and
-  0.5 (+15.6% and +9.5%); the power puts them at +1.7% and -1.0%. A fit to those two runs, not a
-  model of which blocks keep what: the UNet's blocks differ in size and the spread share keeps
-  fewer of the large activations than its count says. SD3's blocks are alike: 1 (its shares of
-  0.25 and 0.5 over a quantized base, `1bc226b`, within 6%).
+  (Fitted as 0.8, 58, 8 and 44 while the up blocks' resnets were counted at twice the level's
+  channels; with their real inputs, the same products at those runs.)
+- SAMPLE_WORK (sdxl 10.5, sd3 34) and VAE_DECODE_BYTES_PER_PIXEL 1536: counted by
+  `python bench/count_sample_memory.py` (the shipped architectures on the meta device, fused
+  attention; 1024 and 512; SD3's larger figure is 512's, where its text tokens weigh more). The
+  SSD-1B example's grid at 1024 (`dfd312a`, machine Y) measured 2.95 GiB: predicted -3.1%. The
+  earlier guesses (the training recompute's 58, twice the encoding's bytes per pixel) put it
+  at +24.9%.
+- A share of the blocks checkpointed, no constant of its own: the planner's choices at the seed's
+  peak, step in backward and graphs, SSD-1B with 0.75 of the blocks (4.00 GiB, `e085ab6`, machine
+  W) and 0.5 (4.67 GiB, `dfd312a`, Y), SDXL with 0.5 (8.51 GiB, W) are predicted at +0.8%, +1.7%
+  and -5.0%; SD3-M LoRA 1024 with 0.25 and 0.5 over a quantized base (`1bc226b`) at +5.1%. The
+  earlier model, (1 - s) of every activation kept, put the UNet rows at +9.5% to +15.6%: the
+  UNet's blocks differ in size, and which ones recompute decides.
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
   1024 batch 1 (4.604 GiB); lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
@@ -76,12 +86,13 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from vramfit.config.schema import RunConfig, parse_size
+from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.memory.encoder_stream import encoder_device_bytes
 from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
 from vramfit.optim.base import ParamOptimizer
@@ -92,6 +103,8 @@ MIB = 2**20
 MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error and fragmentation
 
 VAE_BYTES_PER_PIXEL = {"fp32": 3125, "bf16": 1550}
+VAE_DECODE_BYTES_PER_PIXEL = 1536  # bf16, one image (sample grids); fp32 twice that
+SAMPLE_WORK = {"sdxl": 10.5, "sd3": 34.0}  # bf16 bytes per element of `work` per image, a forward without gradients
 TEXT_WORKSPACE = 48 * MIB
 TEXT_CHUNK = 64  # captions per encode call (train/data.py)
 # fp32 temporaries per value of a pack (CPU-measured with a dispatch-mode tracker, bf16 weights:
@@ -110,12 +123,11 @@ class ActivationConstants:
     work: float  # bytes per element of the largest block's tokens x channels, recompute
     all_resnet: float  # without checkpointing, bytes per element of a resnet's input
     all_block: float  # ... of a transformer block's input (a full fine-tune: every linear saves its input)
-    kept_power: float = 1.0  # a share s checkpointed keeps (1 - s) ** kept_power of every activation
     lora_block: Optional[float] = None  # all_block under LoRA, whose frozen linears save no input; None: the same
 
 
 _CONSTANTS = {
-    "sdxl": ActivationConstants(saved=0.8, work=58.0, all_resnet=8.0, all_block=44.0, kept_power=1.4),
+    "sdxl": ActivationConstants(saved=0.77, work=38.7, all_resnet=7.0, all_block=44.2),
     "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
 }
 
@@ -123,11 +135,17 @@ _CONSTANTS = {
 @dataclass
 class ActivationShape:
     """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
-    inputs of every resnet / transformer block (for the no-checkpointing case)."""
+    inputs of every resnet / transformer block (for the no-checkpointing case). `blocks`: each
+    checkpointable block's input, in the order the forward calls them ("resnet" or "block",
+    elements), and `fixed` the saved inputs of the layers between them, which never recompute;
+    together they are `saved`."""
     saved: int = 0
     work: int = 0
     resnet_inputs: int = 0
     block_inputs: int = 0
+    blocks: list[tuple[str, int]] = field(default_factory=list)
+    fixed: int = 0
+    unchecked: int = 0  # inputs of resnets never checkpointed: every activation kept under a share
 
 
 def _per_layer(value, level: int, layers: int) -> list[int]:
@@ -147,18 +165,25 @@ def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int)
     px = latent_h * latent_w
     out = ActivationShape()
 
-    def add(kind: str, channels: int, level: int, depth: int = 0) -> None:
+    def add(kind: str, channels: int, level: int, depth: int = 0, checked: bool = True) -> None:
         elems = channels * px // 4**level
         if kind == "resnet":
             out.saved += elems
             out.resnet_inputs += elems
             out.work = max(out.work, elems)
+            if checked:
+                out.blocks.append(("resnet", elems))
+            else:  # a resnet the model calls without its checkpointing function
+                out.unchecked += elems
         elif depth:
             out.saved += (depth + 3) * elems  # the text states are one shared tensor
             out.block_inputs += depth * elems + 3 * elems
             out.work = max(out.work, elems)
+            out.blocks += [("block", elems)] * depth
+            out.fixed += 3 * elems
         else:  # a down/upsampler's conv input
             out.saved += elems
+            out.fixed += elems
     for level, ch in enumerate(chans):
         attn = down_types[level].startswith("CrossAttn")
         for i, d in enumerate(_per_layer(depths, level, lpb)):
@@ -168,19 +193,25 @@ def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int)
         if level < len(chans) - 1:
             add("sampler", ch, level)
     top = len(chans) - 1
-    if config.get("mid_block_type") == "UNetMidBlock2DCrossAttn":
-        add("resnet", chans[top], top)
+    # the mid block's first resnet runs without checkpointing; in a cross-attention mid block the
+    # pairs after it (transformer, resnet) are checkpointed, in SSD-1B's plain one nothing is
+    crossed = config.get("mid_block_type") == "UNetMidBlock2DCrossAttn"
+    add("resnet", chans[top], top, checked=False)
+    if crossed:
         add("block", chans[top], top, _per_layer(depths, top, 1)[-1])
-    add("resnet", chans[top], top)
+    add("resnet", chans[top], top, checked=crossed)
+    prev = chans[top]
     for j, level in enumerate(reversed(range(len(chans)))):
-        ch = chans[level]
+        ch, below = chans[level], chans[max(level - 1, 0)]
         attn = config["up_block_types"][j].startswith("CrossAttn")
         layer_depths = (_per_layer(reverse, j, lpb + 1) if reverse else
                         list(reversed(_per_layer(depths, level, lpb))) + [_per_layer(depths, level, lpb)[0]])
-        for d in layer_depths[:lpb + 1]:
-            add("resnet", 2 * ch, level)  # the skip connection is concatenated on
+        for k, d in enumerate(layer_depths[:lpb + 1]):
+            # the skip connection is concatenated on: the level's own outputs, the last one the level below's
+            add("resnet", (prev if k == 0 else ch) + (below if k == lpb else ch), level)
             if attn:
                 add("block", ch, level, d)
+        prev = ch
         if level > 0:
             add("sampler", 4 * ch, level)  # the conv after the 2x upsample sees 4x the pixels
     return out
@@ -195,7 +226,8 @@ def sd3_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) 
     layers = int(config["num_layers"])
     per_block = tokens * width
     return ActivationShape(saved=layers * (per_block + width), work=per_block, resnet_inputs=0,
-                           block_inputs=layers * per_block)
+                           block_inputs=layers * per_block, blocks=[("block", per_block)] * layers,
+                           fixed=layers * width)
 
 
 _ACTIVATIONS: dict[str, Callable[..., ActivationShape]] = {"sdxl": sdxl_activations, "sd3": sd3_activations}
@@ -338,9 +370,14 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     block = k.lora_block if cfg.train.mode == "lora" and k.lora_block is not None else k.all_block
     every = k.all_resnet * shape.resnet_inputs + block * shape.block_inputs
     share = _checkpointed_share(cfg)
-    if share:  # a share s of the blocks recompute: s of the checkpointed inputs, (1 - s)^p of every activation
-        kept = (1 - share) ** k.kept_power * every
-        saved = 0.0 if cfg.memory.offload_activations else (share * k.saved * shape.saved + kept) * scale
+    if share == 1.0:
+        return {"saved": 0 if cfg.memory.offload_activations else int(k.saved * shape.saved * scale), "work": int(work)}
+    if share:  # the blocks that recompute keep their inputs, the others every activation
+        recomputes = recomputed_blocks(share, len(shape.blocks))
+        inputs = shape.fixed + sum(n for (_, n), r in zip(shape.blocks, recomputes) if r)
+        kept = k.all_resnet * shape.unchecked + sum(n * (k.all_resnet if kind == "resnet" else block)
+                                                    for (kind, n), r in zip(shape.blocks, recomputes) if not r)
+        saved = 0.0 if cfg.memory.offload_activations else (k.saved * inputs + kept) * scale
         return {"saved": int(saved), "work": int(work)}
     if cfg.memory.offload_activations:
         return {"saved": 0, "work": int(work)}
@@ -419,16 +456,31 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
     """Sample grids (train/samples.py): diffusers' model CPU offload brings one model at a time to
     the GPU, except that the last text encoder is still there when the first ones run again for
-    the negative prompt (the two largest encoders at once); the optimizer state stays."""
-    encoders = sorted(encoder_bytes(e, cfg.model.t5_precision)[0] for e in facts.encoders
+    the negative prompt (the two largest encoders at once); the optimizer state stays. The grid
+    runs every model in the dtype of the denoiser's frozen weights (all its weights when none is
+    frozen): fp32 for a full fine-tune of fp32 weights, which doubles every term but its weights."""
+    wide = cfg.train.mode == "full" and cfg.train.precision != "full_bf16"
+    item = 4 if wide else 2
+    encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, wide) for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
     shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
-    stages = [{"text encoders": sum(encoders[-2:])},  # the denoiser: both halves of guidance at once
-              {"weights": terms["weights"], "work": int(2 * _CONSTANTS[facts.family].work * shape.work)},
-              {"vae": 2 * facts.vae_params, "activations": 2 * VAE_BYTES_PER_PIXEL["bf16"] * w * h}]
+    halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
+    stages = [{"text encoders": sum(encoders[-2:])},
+              {"weights": terms["weights"] + terms["stream unit"],
+               "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
+              {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]
     return {"optimizer state": terms["optimizer state"], **max(stages, key=lambda st: sum(st.values())),
             "workspace": WORKSPACE}
+
+
+def _sampled_encoder_bytes(enc, t5_precision: str, wide: bool) -> int:
+    """An encoder's bytes on the GPU while a grid encodes: cast to fp32 first when `wide`, then T5
+    stored as model.t5_precision asks (bf16 casts it back; a quantized T5 keeps the rest fp32)."""
+    stored = encoder_bytes(enc, t5_precision)[0]
+    if not wide or (enc.kind == "t5" and t5_precision == "bf16"):
+        return stored
+    return stored + (2 * (enc.params - enc.linear_numel) if enc.kind == "t5" else stored)
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:

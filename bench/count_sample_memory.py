@@ -1,0 +1,114 @@
+"""Count the activation memory of sampling (no gradients) on the meta device: no GPU, no compute.
+
+A sample grid (train/samples.py) runs the denoiser on both halves of guidance at once, then the
+VAE decodes one image. Their weights are counted exactly by the planner; what it needs from here
+is the peak of the tensors made while they run, per element, for its `SAMPLE_WORK` and
+`VAE_DECODE_BYTES_PER_PIXEL`. This builds the shipped architectures on the meta device, calls them
+under a dispatch mode that adds each new storage's bytes while a tensor holds it, and prints the
+peak over the call, besides the weights. Attention is counted as a fused kernel (its output only),
+as flash attention runs it on a GPU; the math fallback would add the score matrices.
+
+usage: python bench/count_sample_memory.py [--size 1024] [--dtype bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GIB = 2**30
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of the storages that the dispatched ops' outputs hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.refs:
+                    self.refs[key], self.sizes[key] = 0, storage.nbytes()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+
+def _fused_attention(q, k, v, *args, **kwargs):
+    return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+
+
+def _peak(call) -> int:
+    counter = LiveBytes()
+    with torch.no_grad(), counter:
+        call()
+    return counter.peak
+
+
+def main() -> None:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+
+    from vramfit.memory.planner import _ACTIVATIONS
+    from vramfit.models.tiny import shipped_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    lat = args.size // 8
+    F.scaled_dot_product_attention = _fused_attention
+    results = {}
+
+    def config(name: str) -> dict:
+        return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
+
+    with torch.device("meta"):
+        for name, unet_cfg in (("ssd1b", "ssd1b_unet"), ("sdxl", "sdxl_unet")):
+            cfg = config(unet_cfg)
+            unet = UNet2DConditionModel(**cfg).to(dtype)
+            x = torch.empty(2, 4, lat, lat, dtype=dtype)
+            ctx = torch.empty(2, 77, cfg["cross_attention_dim"], dtype=dtype)
+            added = dict(text_embeds=torch.empty(2, 1280, dtype=dtype), time_ids=torch.empty(2, 6, dtype=dtype))
+            peak = _peak(lambda: unet(x, torch.tensor([500, 500]), ctx, added_cond_kwargs=added))
+            work = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0).work
+            results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
+        cfg = config("sd3_medium_transformer")
+        sd3 = SD3Transformer2DModel(**cfg).to(dtype)
+        x = torch.empty(2, cfg["in_channels"], lat, lat, dtype=dtype)
+        text = torch.empty(2, 154, cfg["joint_attention_dim"], dtype=dtype)
+        pooled = torch.empty(2, cfg["pooled_projection_dim"], dtype=dtype)
+        peak = _peak(lambda: sd3(hidden_states=x, timestep=torch.tensor([500.0, 500.0]), encoder_hidden_states=text,
+                                 pooled_projections=pooled))
+        work = _ACTIVATIONS["sd3"](cfg, lat, lat, 77).work
+        results["sd3m"] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
+        for name in ("sdxl_vae", "sd3_vae"):
+            vae = AutoencoderKL(**config(name)).to(dtype)
+            z = torch.empty(1, vae.config.latent_channels, lat, lat, dtype=dtype)
+            peak = _peak(lambda: vae.decode(z))
+            results[name] = dict(decode_gib=peak / GIB, bytes_per_pixel=peak / args.size**2)
+    print(json.dumps(dict(size=args.size, dtype=args.dtype, **results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
