@@ -474,3 +474,22 @@ def test_cublas_workspaces_are_kept_while_another_denoiser_holds_recordings(monk
     cycle.append(cycle)  # garbage only a collection frees, as the probe's denoiser is
     del older, cycle
     assert graphs.release_cublas_workspaces(newer) and cleared == [1, 1, 1]
+
+
+def test_graphs_the_planner_chose_that_do_not_fit_are_turned_off(images, tmp_path, cache_root, caplog,
+                                                                 graphs_by_default_on_the_cpu, monkeypatch):
+    """Under memory.vram_budget the planner sets train.cuda_graphs; the user did not ask for them,
+    so a recorded step the probe finds too large falls back as the default's does. (The planner
+    offers graphs where a GPU is there: it is made to see one; the run still trains on the CPU.)"""
+    from vramfit.train import setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(setup, "pick_device", lambda name: torch.device("cpu"))
+    with caplog.at_level("INFO", logger="vramfit"):
+        assert main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
+                               "train.optimizer=adamw", "memory.vram_budget=64GiB")) == 0
+    assert "train.cuda_graphs = true" in caplog.text  # the planner's choice
+    assert graphs_by_default_on_the_cpu == [True, False]
+    assert "train.cuda_graphs (memory.vram_budget): off, the step fits without graphs" in caplog.text
+    saved = load_config(tmp_path / "run" / "config.toml", [], need_data=False)
+    assert saved.train.cuda_graphs is False

@@ -78,6 +78,15 @@ def test_a_peak_over_the_budget_stops_with_the_measurement_and_a_suggestion():
     assert "peaked at 3.00 GiB" in message and "1.00 GiB budget" in message
     assert f"{SIZE}x{SIZE}" in message and "nothing was cached" in message
     assert "planner" in message
+    assert "cuda_graphs" not in message  # the note is for recorded steps only
+
+
+def test_a_recorded_step_over_the_limit_names_the_step_without_graphs():
+    cfg, family, bundle = _loaded(model={"path": "tiny:ssd1b"}, memory={"vram_budget": "1GiB"})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"cuda_graphs": True})})
+    with pytest.raises(FitProbeError) as err:
+        fit_probe(family, bundle, cfg, CPU, BUCKETS, measure=lambda run: 3 * GIB)
+    assert "memory pool" in str(err.value) and "--set train.cuda_graphs=false" in str(err.value)
 
 
 def test_the_probe_is_skipped_on_the_cpu_and_when_turned_off():

@@ -168,9 +168,16 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         raise FitProbeError(
             f"fit probe: two training steps at the largest bucket ({what}) {measured}, more than the "
             f"{limit / GIB:.2f} GiB {'budget' if cfg.memory.vram_budget else 'of the GPU'}; nothing was "
-            f"cached. {_suggestion(cfg, limit)}")
+            f"cached. {_graphs_note(cfg)}{_suggestion(cfg, limit)}")
     log.info("fit probe: two training steps at %s peaked at %.2f GiB of %.2f GiB", what, peak / GIB, limit / GIB)
     return peak
+
+
+def _graphs_note(cfg: RunConfig) -> str:
+    if not cfg.train.cuda_graphs:
+        return ""
+    return ("With train.cuda_graphs this counts the recordings' memory pool, which stays reserved between "
+            "steps; the same step without them (--set train.cuda_graphs=false) holds less. ")
 
 
 def _suggestion(cfg: RunConfig, limit: int) -> str:

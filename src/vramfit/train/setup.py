@@ -286,35 +286,37 @@ def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, s
 
 
 def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: torch.device,
-                  buckets: list) -> RunConfig:
+                  buckets: list, graphs_by: Optional[str] = None) -> RunConfig:
     """Run the fit probe (memory/probe.py; it raises FitProbeError when the step does not fit).
-    Returns `cfg`; or, where CUDA graphs are on only by default and the recorded step does not
-    fit, `cfg` without them once a second probe finds that the step without them does."""
+    Returns `cfg`; or, where CUDA graphs are on but the user did not ask for them (`graphs_by`
+    names who turned them on: "auto", the default, or "memory.vram_budget", the planner) and the
+    recorded step does not fit, `cfg` without them once a second probe finds that the step
+    without them does."""
     from vramfit.memory import probe
 
     try:
         probe.fit_probe(family, bundle, cfg, device, buckets)
         return cfg
     except probe.FitProbeError as exc:
-        eager = _eager_if_graphs_by_default(cfg)
-        if eager is None:
+        if not (cfg.train.cuda_graphs and graphs_by):
             raise
-        log.warning("train.cuda_graphs (auto): the recorded step does not fit (%s); probing it without "
-                    "graphs", str(exc).split("; nothing was cached")[0])
+        log.warning("train.cuda_graphs (%s): the recorded step does not fit (%s); probing it without "
+                    "graphs", graphs_by, str(exc).split("; nothing was cached")[0])
+    from vramfit.memory.planner import with_values
+
+    # the recordings' pool keeps its room reserved, which the probe counts; the step without graphs holds less
+    eager = with_values(cfg, {"train.cuda_graphs": False})
     probe.fit_probe(family, bundle, eager, device, buckets)
-    log.info("train.cuda_graphs (auto): off, the step fits without graphs")
+    log.info("train.cuda_graphs (%s): off, the step fits without graphs", graphs_by)
     return eager
 
 
-def _eager_if_graphs_by_default(cfg: RunConfig) -> Optional[RunConfig]:
-    """`cfg` without CUDA graphs when they are on only by default (train.cuda_graphs = "auto"):
-    the fit probe measured the recorded step, whose pool keeps its room reserved, over the GPU's
-    memory, and the step without graphs holds less. None when the user or the planner chose them."""
-    if not cfg.train.cuda_graphs or "cuda_graphs" in cfg.train.model_fields_set:
+def graphs_chosen_by(user: RunConfig, run: RunConfig) -> Optional[str]:
+    """Who turned CUDA graphs on in `run` when the user's config `user` did not ask for them:
+    "auto" (the default) or "memory.vram_budget" (the planner); None when the user set the key."""
+    if "cuda_graphs" in user.train.model_fields_set:
         return None
-    from vramfit.memory.planner import with_values
-
-    return with_values(cfg, {"train.cuda_graphs": False})
+    return "memory.vram_budget" if "cuda_graphs" in run.train.model_fields_set else "auto"
 
 
 def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> None:
@@ -326,7 +328,9 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
 
 
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
+    user = cfg
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
+    graphs_by = graphs_chosen_by(user, cfg)
     if "cuda_graphs" not in cfg.train.model_fields_set:
         clash = cfg.graph_clashes()
         log.info("train.cuda_graphs (auto): %s", "on" if cfg.train.cuda_graphs else
@@ -349,7 +353,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
 
     def probe(family: Family, bundle: ModelBundle, buckets: list) -> None:
         nonlocal cfg
-        cfg = probed_config(family, bundle, cfg, device, buckets)
+        cfg = probed_config(family, bundle, cfg, device, buckets, graphs_by)
 
     family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks,
                                             probe=None if ranks.sharded else probe)
