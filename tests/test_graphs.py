@@ -493,3 +493,24 @@ def test_graphs_the_planner_chose_that_do_not_fit_are_turned_off(images, tmp_pat
     assert "train.cuda_graphs (memory.vram_budget): off, the step fits without graphs" in caplog.text
     saved = load_config(tmp_path / "run" / "config.toml", [], need_data=False)
     assert saved.train.cuda_graphs is False
+
+
+def test_config_toml_keeps_the_default_undecided_and_says_what_it_resolved_to(tmp_path, monkeypatch):
+    """A run's config.toml, given again on another machine or with --gpus N, must decide the
+    default afresh: it says "auto", with this run's resolution beside it as a comment."""
+    from vramfit.config.load import dump_config
+    from vramfit.config.schema import RunConfig
+    from vramfit.train.distributed import composition_problems
+
+    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: True)
+    ran = load_config(None, [], need_data=False)
+    assert ran.train.cuda_graphs is True
+    text = dump_config(ran)
+    assert 'cuda_graphs = "auto"  # resolved for this run: on' in text
+    (tmp_path / "config.toml").write_text(text)
+    again = load_config(tmp_path / "config.toml", [], need_data=False)
+    assert "cuda_graphs" not in again.train.model_fields_set and composition_problems(again, 2) == []
+    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: False)  # a machine without a GPU
+    assert load_config(tmp_path / "config.toml", [], need_data=False).train.cuda_graphs is False
+    chosen = load_config(None, ["train.cuda_graphs=false"], need_data=False)
+    assert "cuda_graphs = false\n" in dump_config(chosen)  # a value the user (or a fallback) set stays

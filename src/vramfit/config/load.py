@@ -10,7 +10,7 @@ import difflib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
@@ -172,11 +172,18 @@ def load_config(
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as TOML, written into every output folder."""
-    return _to_toml(cfg.model_dump(mode="json"))
+    """The resolved config as TOML, written into every output folder. train.cuda_graphs left to
+    its default is written as "auto" with what it resolved to beside it, so the file, given
+    again (another machine, --gpus N), decides afresh."""
+    data = cfg.model_dump(mode="json")
+    notes = {}
+    if "cuda_graphs" not in cfg.train.model_fields_set:
+        notes[("train", "cuda_graphs")] = f"resolved for this run: {'on' if cfg.train.cuda_graphs else 'off'}"
+        data["train"]["cuda_graphs"] = "auto"
+    return _to_toml(data, notes)
 
 
-def _to_toml(data: dict) -> str:
+def _to_toml(data: dict, notes: Optional[dict] = None) -> str:
     import json
 
     lines = []
@@ -184,6 +191,7 @@ def _to_toml(data: dict) -> str:
         lines.append(f"[{section}]")
         for key, value in values.items():
             if value is not None:
-                lines.append(f"{key} = {json.dumps(value)}")
+                note = (notes or {}).get((section, key))
+                lines.append(f"{key} = {json.dumps(value)}" + (f"  # {note}" if note else ""))
         lines.append("")
     return "\n".join(lines)
