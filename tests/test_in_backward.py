@@ -276,10 +276,10 @@ def test_in_backward_holds_at_most_one_pack_limit_of_gradients(monkeypatch):
     pending = []
     flush = BackwardSteps._flush
 
-    def recording_flush(self):
+    def recording_flush(self, key=None):
         if self._pending:  # finish() flushes also when nothing waits
             pending.append(self._pending_numel)
-        flush(self)
+        flush(self, key)
 
     monkeypatch.setattr(BackwardSteps, "_flush", recording_flush)
     peaks = {}
@@ -583,3 +583,14 @@ def test_a_recorded_step_is_set_up_before_the_recording_and_counted_back_after(f
         assert all(opt.state[p]["step"] == 1 for p in params)
         assert step.scalars.values.view(-1, step.scalars.SLOT)[0, 0] == opt.param_groups[0]["lr"]
         assert hooks.finish() == 0
+
+
+def test_tensors_that_pack_together_wait_together_inside_backward():
+    """Gradients arrive in backward's order, shapes interleaved (each layer's bias, then its
+    weight). The pending ones wait by the pack they would join and the largest steps when the
+    limit is reached, so the six biases step as one pack, not one pack per flush."""
+    updates: list = []
+    _train(Adafactor, torch.float32, 1, in_backward=True, steps=1, deep=True, min_pack=2 * 4096 + 128,
+           updates=updates)
+    assert torch.Size([6, 64]) in updates and len(updates) <= 6
+    assert all(u[-1] == 64 for u in updates)  # every pack steps one shape (Adafactor stacks them)

@@ -17,12 +17,15 @@ instead of handed over and made again. On the CPU (streamed weights' homes, CPU 
 gradient becomes the buffer as it is. fp32 gradients accumulate in autograd as usual.
 
 Step inside backward (`in_backward`). On the last micro-batch the hook forms the parameter's
-full gradient (fp32: the buffer plus the fresh gradient, unrounded), clips it, takes it out of
-`p.grad` and puts it on a pending list with its finite flag. Before a gradient would take the
-pending values past the optimizer's pack limit (`pack_limit` of the trainable parameters:
-the largest of them or 4 Mi values, whichever is more), the pending ones are stepped together
-with `optimizer.step_params`, packed as optim/base.py packs the normal step, and freed;
-`finish()` steps the rest (and any tensor whose gradient came only from earlier micro-batches).
+full gradient (fp32: the buffer plus the fresh gradient, unrounded), takes it out of `p.grad` and
+puts it on a pending list, grouped by the pack it would join (optim/base.py packs by device,
+dtype and, for Adafactor, shape). Before a gradient would take the pending values past the
+optimizer's pack limit (`pack_limit` of the trainable parameters: the largest of them or 4 Mi
+values, whichever is more), the largest pending group is stepped with `optimizer.step_params`
+and freed, so that tensors that pack together keep waiting together (gradients arrive in
+backward's order, shapes interleaved); `finish()` steps the rest (and any tensor whose gradient
+came only from earlier micro-batches). A group's norms (one multi-tensor kernel a device), finite
+flags and clipping are made when it steps.
 So at most one pack limit of gradients waits at a time instead of all of them (for a full
 fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the optimizer runs once per pack
 rather than once per tensor. A tensor on the compute device that the optimizer can step in chunks
@@ -44,7 +47,7 @@ Cost: pending fp32 gradients of at most one pack limit of values, 4 bytes each (
 4 bytes per value of the largest trainable tensor where that is more and the optimizer does not
 chunk: AdamW on a full SDXL/SSD-1B UNet, its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB),
 besides the gradient whose hook runs; the optimizer's pack (or chunk) temporaries while a pack
-steps; one norm per tensor; the optimizer's Python work runs during backward instead of after
+steps; one norm per tensor (a multi-tensor kernel per group); the optimizer's Python work runs during backward instead of after
 it, once per pack or per chunk of a chunked tensor (whose gradient is read three times: the
 passes of optim/adafactor.py, the first of which also gives its norm).
 """
@@ -73,8 +76,10 @@ class BackwardSteps:
         self._clip_to = {id(p): max_grad_norm * math.sqrt(p.numel() / total) for p in params}
         self._buffers: dict[int, torch.Tensor] = {}
         self._held_back: dict[torch.device, torch.Tensor] = {}
-        # (parameter, clipped fp32 gradient, finite flag) waiting to step; at most _limit values
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (parameter, fp32 gradient) waiting to step, by the pack they would join (`_pack_key`); at
+        # most _limit values in all. Their norms, finite flags and clipping are made when they step
+        self._pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._clip_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # _clip_to as 0-dim tensors
         self._pending_numel = 0
         # tensors the optimizer steps in chunks (`chunks`) never wait: they step from the hook. Only
         # those on the compute `device` (when given): a streamed weight's home is in CPU memory, where
@@ -204,27 +209,64 @@ class BackwardSteps:
         return self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
 
     def _step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        finite, scale = norm_checks(torch.linalg.vector_norm(grad), self._max_norm(p))
-        if scale is not None:  # clip_grad_norm_'s rule, for this tensor's share
-            grad.mul_(scale)
-        if self._pending and self._pending_numel + grad.numel() > self._limit:
-            self._flush()
-        self._pending.append((p, grad, finite))
+        while self._pending and self._pending_numel + grad.numel() > self._limit:
+            # the largest waiting pack steps: tensors that would pack together keep waiting together
+            self._flush(max(self._pending, key=lambda k: sum(g.numel() for _, g in self._pending[k])))
+        self._pending.setdefault(self._pack_key(p), []).append((p, grad))
         self._pending_numel += grad.numel()
+
+    def _pack_key(self, p: torch.Tensor) -> tuple:
+        """What the optimizer's packs share (optim/base.py step_params): the device and dtype, and
+        the shape unless its update is elementwise (Adafactor's factored one is not)."""
+        return p.device, p.dtype, None if self.optimizer.elementwise else tuple(p.shape)
 
     def _step_chunked(self, p: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """Clip and step one large tensor now, its gradient read in chunks (optim/base.py
         ChunkedGrad): no fp32 copy of the whole gradient is made."""
         self._count_held([self.optimizer.step_chunked(p, ChunkedGrad(parts), self._max_norm(p))])
 
-    def _flush(self) -> None:
-        """Step the pending parameters, packed, and count the held-back tensors."""
-        if not self._pending:
+    def _flush(self, key: Optional[tuple] = None) -> None:
+        """Step the pending parameters (of one pack key, or all), packed, and count the held-back
+        tensors."""
+        if key is None:
+            pending = [item for group in self._pending.values() for item in group]
+            self._pending = {}
+        else:
+            pending = self._pending.pop(key)
+        if not pending:
             return
-        pending, self._pending, self._pending_numel = self._pending, [], 0
-        flags = [finite for _, _, finite in pending]
-        self.optimizer.step_params([(p, grad) for p, grad, _ in pending], finite=flags)
+        self._pending_numel -= sum(grad.numel() for _, grad in pending)
+        flags = self._checked(pending)
+        self.optimizer.step_params(pending, finite=flags)
         self._count_held(flags)
+
+    def _checked(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each gradient's finite flag, and each clipped to its share of max_grad_norm (clip_grad_norm_'s
+        rule); the norms of a device's gradients in one multi-tensor kernel."""
+        flags: list = [None] * len(pending)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, grad) in enumerate(pending):
+            by_device.setdefault(grad.device, []).append(i)
+        for device, indices in by_device.items():
+            grads = [pending[i][1] for i in indices]
+            norms = torch.stack(torch._foreach_norm(grads))
+            limits = torch.stack([self._clip_tensor(pending[i][0], device) for i in indices]) \
+                if self.max_grad_norm > 0 else 0.0
+            finite, scales = norm_checks(norms, limits)
+            if scales is not None:
+                for grad, scale in zip(grads, scales.unbind()):
+                    grad.mul_(scale)
+            for i, flag in zip(indices, finite.unbind()):
+                flags[i] = flag
+        return flags
+
+    def _clip_tensor(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`p`'s share of max_grad_norm as a 0-dim tensor on `device`, made once (a recorded step
+        reads the same one)."""
+        key = (id(p), device)
+        if key not in self._clip_tensors:
+            self._clip_tensors[key] = torch.tensor(self._clip_to[id(p)], device=device)
+        return self._clip_tensors[key]
 
     def _count_held(self, flags: list[torch.Tensor]) -> None:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -279,7 +321,7 @@ class BackwardSteps:
             self._buffers.clear()
         self._summed = set()
         self._zero_held()
-        self._pending, self._pending_numel = [], 0
+        self._pending, self._pending_numel = {}, 0
 
     def remove(self) -> None:
         for h in self._handles:
@@ -295,7 +337,7 @@ class BackwardSteps:
         lent = {id(p.grad) for p in self.params if p.grad is not None}  # kept buffers lent as p.grad
         return (sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
                 + sum(tensor_bytes(b) for b in self._buffers.values() if id(b) not in lent)
-                + sum(tensor_bytes(grad) for _, grad, _ in self._pending))
+                + sum(tensor_bytes(grad) for group in self._pending.values() for _, grad in group))
 
 
 class RecordedStep:
