@@ -5,7 +5,7 @@ VAE decodes one image. Their weights are counted exactly by the planner; what it
 is the peak of the tensors made while they run, per element, for its `SAMPLE_WORK` and
 `VAE_DECODE_BYTES_PER_PIXEL`. This builds the shipped architectures on the meta device, calls them
 under a dispatch mode that adds each new storage's bytes while a tensor holds it, and prints the
-peak over the call, besides the weights. Attention is counted as a fused kernel (its output only),
+peak over the call; the weights, buffers and inputs (and views of them) are left out. Attention is counted as a fused kernel (its output only),
 as flash attention runs it on a GPU; the math fallback would add the score matrices.
 
 usage: python bench/count_sample_memory.py [--size 1024] [--dtype bf16]
@@ -25,10 +25,12 @@ GIB = 2**30
 
 
 class LiveBytes(TorchDispatchMode):
-    """The peak of the bytes of the storages that the dispatched ops' outputs hold."""
+    """The peak of the bytes of the storages that the dispatched ops' outputs hold, but for
+    `external` storages (weights, buffers, inputs: a transposed weight is a view of one)."""
 
-    def __init__(self):
+    def __init__(self, external: set[int]):
         super().__init__()
+        self.external = external
         self.live = self.peak = 0
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
@@ -39,6 +41,8 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage._cdata
+                if key in self.external:
+                    continue
                 if key not in self.refs:
                     self.refs[key], self.sizes[key] = 0, storage.nbytes()
                     self.live += storage.nbytes()
@@ -58,8 +62,9 @@ def _fused_attention(q, k, v, *args, **kwargs):
     return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
 
 
-def _peak(call) -> int:
-    counter = LiveBytes()
+def _peak(call, module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    external = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers(), *inputs]}
+    counter = LiveBytes(external)
     with torch.no_grad(), counter:
         call()
     return counter.peak
@@ -90,7 +95,8 @@ def main() -> None:
             x = torch.empty(2, 4, lat, lat, dtype=dtype)
             ctx = torch.empty(2, 77, cfg["cross_attention_dim"], dtype=dtype)
             added = dict(text_embeds=torch.empty(2, 1280, dtype=dtype), time_ids=torch.empty(2, 6, dtype=dtype))
-            peak = _peak(lambda: unet(x, torch.tensor([500, 500]), ctx, added_cond_kwargs=added))
+            t = torch.tensor([500, 500])
+            peak = _peak(lambda: unet(x, t, ctx, added_cond_kwargs=added), unet, x, t, ctx, *added.values())
             work = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0).work
             results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
         cfg = config("sd3_medium_transformer")
@@ -98,14 +104,15 @@ def main() -> None:
         x = torch.empty(2, cfg["in_channels"], lat, lat, dtype=dtype)
         text = torch.empty(2, 154, cfg["joint_attention_dim"], dtype=dtype)
         pooled = torch.empty(2, cfg["pooled_projection_dim"], dtype=dtype)
-        peak = _peak(lambda: sd3(hidden_states=x, timestep=torch.tensor([500.0, 500.0]), encoder_hidden_states=text,
-                                 pooled_projections=pooled))
+        t = torch.tensor([500.0, 500.0])
+        peak = _peak(lambda: sd3(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled),
+                     sd3, x, t, text, pooled)
         work = _ACTIVATIONS["sd3"](cfg, lat, lat, 77).work
         results["sd3m"] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
         for name in ("sdxl_vae", "sd3_vae"):
             vae = AutoencoderKL(**config(name)).to(dtype)
             z = torch.empty(1, vae.config.latent_channels, lat, lat, dtype=dtype)
-            peak = _peak(lambda: vae.decode(z))
+            peak = _peak(lambda: vae.decode(z), vae, z)
             results[name] = dict(decode_gib=peak / GIB, bytes_per_pixel=peak / args.size**2)
     print(json.dumps(dict(size=args.size, dtype=args.dtype, **results), indent=1))
 

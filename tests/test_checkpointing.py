@@ -102,6 +102,19 @@ def test_the_planner_predicts_and_chooses_a_share():
     assert chosen == 0.75
 
 
+def test_the_planner_leaves_a_quarter_of_a_unet_s_blocks_to_the_user():
+    """The UNet share model is measured at 0.5 and 0.75: at the SSD-1B seed's peak, where it
+    predicts that 0.25 fits, the planner takes 0.5; a user's 0.25 is kept."""
+    facts = facts_for_layout("ssd1b")
+    base = {"data": {"resolution": 1024}, "train": {"optimizer": "adafactor", "precision": "full_bf16"}}
+    quarter = RunConfig.model_validate({**base, "train": {**base["train"], "gradient_checkpointing": 0.25,
+                                                          "optimizer_in_backward": True}})
+    peak = predict(facts, quarter).peak
+    chosen = choose(RunConfig.model_validate(base), int(peak / 0.9) + 2**20, facts).config
+    assert chosen.train.gradient_checkpointing == 0.5
+    assert choose(quarter, int(peak / 0.9) + 2**20, facts).config.train.gradient_checkpointing == 0.25
+
+
 def test_the_planner_never_offloads_beside_a_share_the_user_set():
     """Offloading every activation of the blocks a share leaves uncheckpointed is slower than
     recomputing them: with the user's share and a budget it does not fit, the planner finds
@@ -151,9 +164,15 @@ def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout)
     else:
         model = UNet2DConditionModel(**config)
         model.enable_gradient_checkpointing(record)
+        resnets: list[int] = []  # every resnet's input, checkpointed or not
+        for module in model.modules():
+            if "Resnet" in type(module).__name__:
+                module.register_forward_pre_hook(lambda m, args: resnets.append(args[0][0].numel()))
         pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
         model(torch.randn(batch, 4, lat, lat), torch.tensor([1, 2]), torch.randn(batch, 77, config["cross_attention_dim"]),
               added_cond_kwargs={"text_embeds": torch.randn(batch, pooled), "time_ids": torch.randn(batch, 6)})
         shape = sdxl_activations(config, lat, lat, 0)
         expected = shape.blocks
+        checked = sum(n for kind, n in calls if kind == "resnet")
+        assert (sum(resnets), sum(resnets) - checked) == (shape.resnet_inputs, shape.unchecked)
     assert calls == expected

@@ -401,3 +401,18 @@ def test_streamed_weights_set_by_hand_step_in_backward_and_after_it_only_where_n
     knob = [k for k in free_knobs(cfg, ssd1b) if k.key == "train.optimizer_in_backward"]
     assert _search(cfg, ssd1b, knob, inside, 4)[0] == {"train.optimizer_in_backward": True}
     assert _search(cfg, ssd1b, knob, (after + inside) // 2, 4)[0] == {"train.optimizer_in_backward": False}
+
+
+@pytest.mark.parametrize("mode,precision,base", [("full", "mixed_bf16", "none"), ("full", "full_bf16", "none"),
+                                                 ("lora", "mixed_bf16", "int8"), ("lora", "full_bf16", "int8"),
+                                                 ("lora", "fp32", "none")])
+def test_the_samples_phase_counts_the_grid_in_the_dtype_the_grid_runs_in(mode, precision, base):
+    """train/samples.py runs a grid's encoders and VAE in `grid_dtype` of the placed denoiser (a
+    LoRA's base: fp32 unless full_bf16); the planner's samples phase counts that width."""
+    from vramfit.memory.planner import grid_item_bytes
+    from vramfit.train.samples import grid_dtype
+
+    cfg = _cfg(model={"path": "tiny:ssd1b"}, train={"mode": mode, "precision": precision},
+               lora={"base_quantization": base})
+    _, bundle, _ = _placed(cfg)
+    assert grid_item_bytes(cfg) == torch.empty((), dtype=grid_dtype(bundle.denoiser)).element_size()

@@ -15,8 +15,9 @@ a UNet's blocks differ in size, so what a share keeps depends on which blocks re
 memory/planner.py lists the blocks in the same order and applies the same rule
 (`recomputed_blocks`).
 
-Cost: a share keeps about (1 - s) of the no-checkpointing activations beside s of the
-checkpointed inputs, and recomputes s of the forward in backward (true: all of it).
+Cost: a share keeps the activations of the blocks that do not recompute beside the inputs of
+those that do (for SD3 about (1 - s) of the no-checkpointing activations and s of the
+checkpointed inputs), and recomputes s of the forward in backward (true: all of it).
 """
 from __future__ import annotations
 

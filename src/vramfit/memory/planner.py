@@ -52,24 +52,27 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
   (Fitted as 0.8, 58, 8 and 44 while the up blocks' resnets were counted at twice the level's
   channels; with their real inputs, the same products at those runs.)
-- SAMPLE_WORK (sdxl 10.5, sd3 34) and VAE_DECODE_BYTES_PER_PIXEL 1536: counted by
+- SAMPLE_WORK (sdxl 10.5, sd3 25.3) and VAE_DECODE_BYTES_PER_PIXEL 1536: counted by
   `python bench/count_sample_memory.py` (the shipped architectures on the meta device, fused
-  attention; 1024 and 512; SD3's larger figure is 512's, where its text tokens weigh more). The
-  SSD-1B example's grid at 1024 (`dfd312a`, machine Y) measured 2.95 GiB: predicted -3.1%. The
-  earlier guesses (the training recompute's 58, twice the encoding's bytes per pixel) put it
-  at +24.9%.
+  attention; at 1024; at 512 SD3's figure is 23.4). The SSD-1B example's grid at 1024 (`dfd312a`,
+  machine Y) measured 2.95 GiB: predicted -3.1%. The earlier guesses (the training recompute's 58,
+  twice the encoding's bytes per pixel) put it at +24.9%.
 - A share of the blocks checkpointed, no constant of its own: the planner's choices at the seed's
   peak, step in backward and graphs, SSD-1B with 0.75 of the blocks (4.00 GiB, `e085ab6`, machine
-  W) and 0.5 (4.67 GiB, `dfd312a`, Y), SDXL with 0.5 (8.51 GiB, W) are predicted at +0.8%, +1.7%
-  and -5.0%; SD3-M LoRA 1024 with 0.25 and 0.5 over a quantized base (`1bc226b`) at +5.1%. The
-  earlier model, (1 - s) of every activation kept, put the UNet rows at +9.5% to +15.6%: the
-  UNet's blocks differ in size, and which ones recompute decides.
+  W, docs/bench/ssd1b_budget_w.json) and 0.5 (4.67 GiB, `dfd312a`, Y), SDXL with 0.5 (8.51 GiB,
+  W) are predicted at +0.6%, -0.6% and -5.7%; SD3-M LoRA 1024 with 0.25 and 0.5 over a quantized
+  base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put the UNet
+  rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
+  Measured only there: for a UNet, 0.25 is predicted far below the straight line from 0.5 to no
+  checkpointing (whose constants come from mixed-precision runs), so the planner does not choose
+  it (UNMEASURED_SHARES).
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
   1024 batch 1 (4.604 GiB); lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
   layer's input, which memory/lora_compute.py no longer makes). all_block 43 (a full fine-tune,
   where every linear also saves its input): the streamed SD3-M full fine-tune stepping in
-  backward without checkpointing (6.74 GiB, `dfd312a`, machine Y); with the LoRA figure it was
+  backward without checkpointing (6.74 GiB, `dfd312a`, machine Y, docs/bench/sd3_full_budget_y.json),
+  predicted now at -0.2%, and the fastest rows of `31c453a` (Z) at -5.0% to +0.5%; with the LoRA figure it was
   predicted at 4.03 GiB, and the planner had chosen it under a 4.69 GiB budget.
 - WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
   With streamed weights SAVE_WORKSPACE_STREAMED 83 MiB: the save phase of the streamed SSD-1B and
@@ -104,7 +107,7 @@ MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error an
 
 VAE_BYTES_PER_PIXEL = {"fp32": 3125, "bf16": 1550}
 VAE_DECODE_BYTES_PER_PIXEL = 1536  # bf16, one image (sample grids); fp32 twice that
-SAMPLE_WORK = {"sdxl": 10.5, "sd3": 34.0}  # bf16 bytes per element of `work` per image, a forward without gradients
+SAMPLE_WORK = {"sdxl": 10.5, "sd3": 25.3}  # bf16 bytes per element of `work` per image, a forward without gradients
 TEXT_WORKSPACE = 48 * MIB
 TEXT_CHUNK = 64  # captions per encode call (train/data.py)
 # fp32 temporaries per value of a pack (CPU-measured with a dispatch-mode tracker, bf16 weights:
@@ -137,8 +140,8 @@ class ActivationShape:
     """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
     inputs of every resnet / transformer block (for the no-checkpointing case). `blocks`: each
     checkpointable block's input, in the order the forward calls them ("resnet" or "block",
-    elements), and `fixed` the saved inputs of the layers between them, which never recompute;
-    together they are `saved`."""
+    elements), `fixed` the saved inputs of the layers between them, which never recompute, and
+    `unchecked` the inputs of resnets called without checkpointing; `saved` is all of them."""
     saved: int = 0
     work: int = 0
     resnet_inputs: int = 0
@@ -193,13 +196,12 @@ def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int)
         if level < len(chans) - 1:
             add("sampler", ch, level)
     top = len(chans) - 1
-    # the mid block's first resnet runs without checkpointing; in a cross-attention mid block the
-    # pairs after it (transformer, resnet) are checkpointed, in SSD-1B's plain one nothing is
-    crossed = config.get("mid_block_type") == "UNetMidBlock2DCrossAttn"
+    # the mid block's first resnet runs without checkpointing; a cross-attention mid block then has
+    # a (transformer, resnet) pair, checkpointed; SSD-1B's plain one (no layers) nothing more
     add("resnet", chans[top], top, checked=False)
-    if crossed:
+    if config.get("mid_block_type") == "UNetMidBlock2DCrossAttn":
         add("block", chans[top], top, _per_layer(depths, top, 1)[-1])
-    add("resnet", chans[top], top, checked=crossed)
+        add("resnet", chans[top], top)
     prev = chans[top]
     for j, level in enumerate(reversed(range(len(chans)))):
         ch, below = chans[level], chans[max(level - 1, 0)]
@@ -458,29 +460,37 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     the GPU, except that the last text encoder is still there when the first ones run again for
     the negative prompt (the two largest encoders at once); the optimizer state stays. The grid
     runs every model in the dtype of the denoiser's frozen weights (all its weights when none is
-    frozen): fp32 for a full fine-tune of fp32 weights, which doubles every term but its weights."""
-    wide = cfg.train.mode == "full" and cfg.train.precision != "full_bf16"
-    item = 4 if wide else 2
-    encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, wide) for e in facts.encoders
+    frozen: train/samples.py `grid_dtype`), which is bf16 under full_bf16 and fp32 otherwise (a
+    LoRA's base too): fp32 doubles every term but the weights."""
+    item = grid_item_bytes(cfg)
+    encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
     shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
     halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
     stages = [{"text encoders": sum(encoders[-2:])},
-              {"weights": terms["weights"] + terms["stream unit"],
+              {"weights": terms["weights"],
                "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
               {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]
     return {"optimizer state": terms["optimizer state"], **max(stages, key=lambda st: sum(st.values())),
             "workspace": WORKSPACE}
 
 
-def _sampled_encoder_bytes(enc, t5_precision: str, wide: bool) -> int:
-    """An encoder's bytes on the GPU while a grid encodes: cast to fp32 first when `wide`, then T5
-    stored as model.t5_precision asks (bf16 casts it back; a quantized T5 keeps the rest fp32)."""
+def grid_item_bytes(cfg: RunConfig) -> int:
+    """Bytes a value in a sample grid's models: the frozen base is bf16 under full_bf16, fp32 otherwise."""
+    return 2 if cfg.train.precision == "full_bf16" else 4
+
+
+def _sampled_encoder_bytes(enc, t5_precision: str, item: int) -> int:
+    """An encoder's bytes on the GPU while a grid encodes: cast to the grid's dtype (`item` bytes a
+    value), then T5 stored as model.t5_precision asks (bf16 casts it back; a quantized one keeps
+    its other weights in the grid's dtype)."""
+    if enc.kind != "t5":
+        return item * enc.params
     stored = encoder_bytes(enc, t5_precision)[0]
-    if not wide or (enc.kind == "t5" and t5_precision == "bf16"):
+    if t5_precision == "bf16":
         return stored
-    return stored + (2 * (enc.params - enc.linear_numel) if enc.kind == "t5" else stored)
+    return stored + (item - 2) * (enc.params - enc.linear_numel)
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:
@@ -656,6 +666,13 @@ def _tried_last(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
     return None
 
 
+# Shares of checkpointed blocks the planner does not choose for a family: its share model has not
+# been measured there. For a UNet it was measured at 0.5 and 0.75 (full bf16, the step in
+# backward), and it predicts 0.25 far below the straight line from those to no checkpointing,
+# whose constants were fitted to mixed-precision runs. A user may still set it.
+UNMEASURED_SHARES = {"sdxl": (0.25,)}
+
+
 def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
     """(values, prediction) of the fastest fitting assignment, or (None, (peak, phase, values)) of
     the smallest prediction of the first phase group that cannot fit. Groups are searched in
@@ -667,7 +684,8 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
         found = last = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
-            if _never_tried(cfg, combo):
+            if _never_tried(cfg, combo) or combo.get("train.gradient_checkpointing") in UNMEASURED_SHARES.get(
+                    facts.family, ()):
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue

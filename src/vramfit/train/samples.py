@@ -20,6 +20,13 @@ from vramfit.config.schema import RunConfig
 log = logging.getLogger("vramfit")
 
 
+def grid_dtype(denoiser: torch.nn.Module) -> torch.dtype:
+    """The dtype a grid runs the encoders and the VAE in: the denoiser's frozen weights' (a LoRA's
+    base), or its weights' when all train (memory/planner.py counts the grid so)."""
+    params = list(denoiser.parameters())
+    return next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
+
+
 class SampleGrids:
     """Callable with a step number; renders when the step is due. `final` renders regardless."""
 
@@ -45,8 +52,7 @@ class SampleGrids:
             log.info("train.cuda_graphs: recordings dropped for the sample grid; the next step records again")
             free_device_memory(self.device)
         s = self.cfg.sample
-        params = list(self.bundle.denoiser.parameters())  # the encoders follow the frozen base
-        dtype = next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
+        dtype = grid_dtype(self.bundle.denoiser)
         vae, encoders = self.family.load_encoders(self.bundle.source)
         for m in (vae, *encoders):
             m.to(dtype)
