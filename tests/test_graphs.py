@@ -514,3 +514,21 @@ def test_config_toml_keeps_the_default_undecided_and_says_what_it_resolved_to(tm
     assert load_config(tmp_path / "config.toml", [], need_data=False).train.cuda_graphs is False
     chosen = load_config(None, ["train.cuda_graphs=false"], need_data=False)
     assert "cuda_graphs = false\n" in dump_config(chosen)  # a value the user (or a fallback) set stays
+
+
+def test_when_neither_step_fits_the_error_gives_both_measurements(images, tmp_path, cache_root, capsys,
+                                                                  graphs_by_default_on_the_cpu, monkeypatch):
+    from vramfit.memory import probe
+
+    def fake_probe(family, bundle, cfg, device, buckets, **kwargs):
+        graphs_by_default_on_the_cpu.append(cfg.train.cuda_graphs)
+        peak = "9.00" if cfg.train.cuda_graphs else "8.50"
+        raise probe.FitProbeError(f"fit probe: two training steps at the largest bucket peaked at {peak} GiB, "
+                                  "more than the 8.00 GiB of the GPU; nothing was cached. ...")
+
+    monkeypatch.setattr(probe, "fit_probe", fake_probe)
+    code = main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
+                           "train.optimizer=adamw"))
+    err = capsys.readouterr().err
+    assert code != 0 and graphs_by_default_on_the_cpu == [True, False]
+    assert "with CUDA graphs (auto)" in err and "9.00 GiB" in err and "Without them" in err and "8.50 GiB" in err

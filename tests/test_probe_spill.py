@@ -20,7 +20,10 @@ BUCKETS = [(SIZE, SIZE), (SIZE // 2, SIZE * 2), (SIZE // 2, SIZE // 2)]
 
 
 def _loaded(**sections):
-    cfg = RunConfig.model_validate({"data": {"resolution": SIZE}, **sections})
+    # graphs pinned off: left to their default they would be on where a GPU is (the probe then
+    # measures reserved memory and its message adds a note)
+    train = {"cuda_graphs": False, **sections.pop("train", {})}
+    cfg = RunConfig.model_validate({"data": {"resolution": SIZE}, "train": train, **sections})
     source = resolve_source(cfg.model)
     family = detect_family(source)
     return cfg, family, family.load(source)

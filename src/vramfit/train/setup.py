@@ -300,13 +300,17 @@ def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: t
     except probe.FitProbeError as exc:
         if not (cfg.train.cuda_graphs and graphs_by):
             raise
+        recorded = str(exc).split("; nothing was cached")[0]
         log.warning("train.cuda_graphs (%s): the recorded step does not fit (%s); probing it without "
-                    "graphs", graphs_by, str(exc).split("; nothing was cached")[0])
+                    "graphs", graphs_by, recorded)
     from vramfit.memory.planner import with_values
 
     # the recordings' pool keeps its room reserved, which the probe counts; the step without graphs holds less
     eager = with_values(cfg, {"train.cuda_graphs": False})
-    probe.fit_probe(family, bundle, eager, device, buckets)
+    try:
+        probe.fit_probe(family, bundle, eager, device, buckets)
+    except probe.FitProbeError as exc:
+        raise probe.FitProbeError(f"with CUDA graphs ({graphs_by}): {recorded}. Without them: {exc}") from None
     log.info("train.cuda_graphs (%s): off, the step fits without graphs", graphs_by)
     return eager
 
@@ -357,7 +361,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
 
     family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks,
                                             probe=None if ranks.sharded else probe)
-    if cfg is not planned and ranks.main:  # the probe turned the default's graphs off
+    if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
         write_text_atomic(out / "config.toml", dump_config(cfg))
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
