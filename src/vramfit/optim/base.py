@@ -469,13 +469,12 @@ class ParamOptimizer(torch.optim.Optimizer):
             self.rounding.load_state_dict(generators)
 
 
-def norm_checks(norm: torch.Tensor, max_norm) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def norm_checks(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(finite flag, clipping factor) of a gradient whose L2 norm is `norm` (or of several: a
     vector of norms): the flag in one kernel (a norm is >= 0 or NaN, so `norm < inf`, where
-    isfinite takes four), and with `max_norm` > 0 (a float, or a tensor of limits, taken as set)
-    clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), else None."""
-    clips = torch.is_tensor(max_norm) or max_norm > 0
-    scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if clips else None
+    isfinite takes four), and with `max_norm` > 0 clip_grad_norm_'s factor
+    min(1, max_norm / (norm + 1e-6)), else None."""
+    scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0) if max_norm > 0 else None
     return norm < math.inf, scale
 
 

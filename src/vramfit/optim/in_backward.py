@@ -19,13 +19,14 @@ gradient becomes the buffer as it is. fp32 gradients accumulate in autograd as u
 Step inside backward (`in_backward`). On the last micro-batch the hook forms the parameter's
 full gradient (fp32: the buffer plus the fresh gradient, unrounded), takes it out of `p.grad` and
 puts it on a pending list, grouped by the pack it would join (optim/base.py packs by device,
-dtype and, for Adafactor, shape). Before a gradient would take the pending values past the
-optimizer's pack limit (`pack_limit` of the trainable parameters: the largest of them or 4 Mi
-values, whichever is more), the largest pending group is stepped with `optimizer.step_params`
-and freed, so that tensors that pack together keep waiting together (gradients arrive in
-backward's order, shapes interleaved); `finish()` steps the rest (and any tensor whose gradient
-came only from earlier micro-batches). A group's norms (one multi-tensor kernel a device), finite
-flags and clipping are made when it steps.
+dtype and, for Adafactor, shape). When a gradient takes the pending values past the optimizer's
+pack limit (`pack_limit` of the trainable parameters: the largest of them or 4 Mi values,
+whichever is more), the largest pending group (often its own) is stepped with
+`optimizer.step_params` and freed, until they are within it again, so that tensors that pack
+together keep waiting together (gradients arrive in backward's order, shapes interleaved);
+`finish()` steps the rest (and any tensor whose gradient came only from earlier micro-batches). A
+group's norms (one multi-tensor kernel a device), finite flags and clipping (multi-tensor ops,
+no tensor made from the host, so a recorded backward may make them) are made when it steps.
 So at most one pack limit of gradients waits at a time instead of all of them (for a full
 fine-tune, a bf16 copy of the model: 2.6 GiB for SSD-1B), and the optimizer runs once per pack
 rather than once per tensor. A tensor on the compute device that the optimizer can step in chunks
@@ -79,7 +80,7 @@ class BackwardSteps:
         # (parameter, fp32 gradient) waiting to step, by the pack they would join (`_pack_key`); at
         # most _limit values in all. Their norms, finite flags and clipping are made when they step
         self._pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._clip_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # _clip_to as 0-dim tensors
+        self._group_numel: dict[tuple, int] = {}
         self._pending_numel = 0
         # tensors the optimizer steps in chunks (`chunks`) never wait: they step from the hook. Only
         # those on the compute `device` (when given): a streamed weight's home is in CPU memory, where
@@ -209,11 +210,14 @@ class BackwardSteps:
         return self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
 
     def _step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        while self._pending and self._pending_numel + grad.numel() > self._limit:
-            # the largest waiting pack steps: tensors that would pack together keep waiting together
-            self._flush(max(self._pending, key=lambda k: sum(g.numel() for _, g in self._pending[k])))
-        self._pending.setdefault(self._pack_key(p), []).append((p, grad))
+        key = self._pack_key(p)
+        self._pending.setdefault(key, []).append((p, grad))
+        self._group_numel[key] = self._group_numel.get(key, 0) + grad.numel()
         self._pending_numel += grad.numel()
+        while self._pending_numel > self._limit:
+            # the largest waiting group steps (this gradient's, often): tensors that pack together
+            # keep waiting together
+            self._flush(max(self._group_numel, key=self._group_numel.__getitem__))
 
     def _pack_key(self, p: torch.Tensor) -> tuple:
         """What the optimizer's packs share (optim/base.py step_params): the device and dtype, and
@@ -230,9 +234,10 @@ class BackwardSteps:
         tensors."""
         if key is None:
             pending = [item for group in self._pending.values() for item in group]
-            self._pending = {}
+            self._pending, self._group_numel = {}, {}
         else:
             pending = self._pending.pop(key)
+            del self._group_numel[key]
         if not pending:
             return
         self._pending_numel -= sum(grad.numel() for _, grad in pending)
@@ -247,26 +252,19 @@ class BackwardSteps:
         by_device: dict[torch.device, list[int]] = {}
         for i, (_, grad) in enumerate(pending):
             by_device.setdefault(grad.device, []).append(i)
-        for device, indices in by_device.items():
+        for indices in by_device.values():
             grads = [pending[i][1] for i in indices]
-            norms = torch.stack(torch._foreach_norm(grads))
-            limits = torch.stack([self._clip_tensor(pending[i][0], device) for i in indices]) \
-                if self.max_grad_norm > 0 else 0.0
-            finite, scales = norm_checks(norms, limits)
-            if scales is not None:
-                for grad, scale in zip(grads, scales.unbind()):
+            norms = torch._foreach_norm(grads)
+            if self.max_grad_norm > 0:  # min(1, max_norm / (norm + 1e-6)), no tensor made from the host
+                scales = torch._foreach_add(norms, 1e-6)
+                torch._foreach_reciprocal_(scales)
+                torch._foreach_mul_(scales, [self._clip_to[id(pending[i][0])] for i in indices])
+                torch._foreach_clamp_max_(scales, 1.0)
+                for grad, scale in zip(grads, scales):
                     grad.mul_(scale)
-            for i, flag in zip(indices, finite.unbind()):
+            for i, flag in zip(indices, norm_checks(torch.stack(norms), 0.0)[0].unbind()):
                 flags[i] = flag
         return flags
-
-    def _clip_tensor(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`p`'s share of max_grad_norm as a 0-dim tensor on `device`, made once (a recorded step
-        reads the same one)."""
-        key = (id(p), device)
-        if key not in self._clip_tensors:
-            self._clip_tensors[key] = torch.tensor(self._clip_to[id(p)], device=device)
-        return self._clip_tensors[key]
 
     def _count_held(self, flags: list[torch.Tensor]) -> None:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -321,7 +319,7 @@ class BackwardSteps:
             self._buffers.clear()
         self._summed = set()
         self._zero_held()
-        self._pending, self._pending_numel = {}, 0
+        self._pending, self._group_numel, self._pending_numel = {}, {}, 0
 
     def remove(self) -> None:
         for h in self._handles:
