@@ -48,9 +48,10 @@ Cost: pending fp32 gradients of at most one pack limit of values, 4 bytes each (
 4 bytes per value of the largest trainable tensor where that is more and the optimizer does not
 chunk: AdamW on a full SDXL/SSD-1B UNet, its 1280 x 2560 x 3 x 3 up-block kernel, 118 MB),
 besides the gradient whose hook runs; the optimizer's pack (or chunk) temporaries while a pack
-steps; one norm per tensor (a multi-tensor kernel per group); the optimizer's Python work runs during backward instead of after
-it, once per pack or per chunk of a chunked tensor (whose gradient is read three times: the
-passes of optim/adafactor.py, the first of which also gives its norm).
+steps; one norm per tensor (a multi-tensor kernel per group); the optimizer's Python work runs
+during backward instead of after it, once per pack or per chunk of a chunked tensor (whose
+gradient is read three times: the passes of optim/adafactor.py, the first of which also gives
+its norm).
 """
 from __future__ import annotations
 
