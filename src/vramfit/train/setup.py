@@ -335,7 +335,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     user = cfg
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
     graphs_by = graphs_chosen_by(user, cfg)
-    if "cuda_graphs" not in cfg.train.model_fields_set:
+    if graphs_by == "auto":
         clash = cfg.graph_clashes()
         log.info("train.cuda_graphs (auto): %s", "on" if cfg.train.cuda_graphs else
                  f"off beside {' and '.join(clash)}" if clash else "off (no GPU, or several processes)")
