@@ -119,6 +119,11 @@ LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4")]
+# the planner's share model for a UNet in full bf16, at shares it has not been fitted on (planner.py
+# UNMEASURED_SHARES): a quarter of the blocks, and none
+FULL_CASES += [partly_checkpointed(c, 0.25) for c in FULL_CASES if c.name == "inbwd_graphs"]
+FULL_CASES += [Case(f"{c.name}_nockpt", f"{c.label}, no checkpointing", c.sets + ["train.gradient_checkpointing=false"],
+                    c.requires, c.role) for c in FULL_CASES if c.name == "inbwd_graphs"]
 # a quantized base frees room that activations kept uncheckpointed can take (memory/checkpointing.py)
 LORA_CASES += [partly_checkpointed(c, share) for c in LORA_CASES
                if c.name in ("base_int8_graphs", "base_fp8_graphs", "base_nf4_graphs") for share in (0.25, 0.5)]
