@@ -70,12 +70,17 @@ def _peak(call, module: torch.nn.Module, *inputs: torch.Tensor) -> int:
     return counter.peak
 
 
+def shipped(name: str) -> dict:
+    """A shipped architecture's config (src/vramfit/models/configs), as its diffusers class takes it."""
+    from vramfit.models.tiny import shipped_config
+
+    return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
+
+
 def main() -> None:
     from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
 
     from vramfit.memory.planner import _ACTIVATIONS
-    from vramfit.models.tiny import shipped_config
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -85,12 +90,9 @@ def main() -> None:
     F.scaled_dot_product_attention = _fused_attention
     results = {}
 
-    def config(name: str) -> dict:
-        return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
-
     with torch.device("meta"):
         for name, unet_cfg in (("ssd1b", "ssd1b_unet"), ("sdxl", "sdxl_unet")):
-            cfg = config(unet_cfg)
+            cfg = shipped(unet_cfg)
             unet = UNet2DConditionModel(**cfg).to(dtype)
             x = torch.empty(2, 4, lat, lat, dtype=dtype)
             ctx = torch.empty(2, 77, cfg["cross_attention_dim"], dtype=dtype)
@@ -99,7 +101,7 @@ def main() -> None:
             peak = _peak(lambda: unet(x, t, ctx, added_cond_kwargs=added), unet, x, t, ctx, *added.values())
             work = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0).work
             results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
-        cfg = config("sd3_medium_transformer")
+        cfg = shipped("sd3_medium_transformer")
         sd3 = SD3Transformer2DModel(**cfg).to(dtype)
         x = torch.empty(2, cfg["in_channels"], lat, lat, dtype=dtype)
         text = torch.empty(2, 154, cfg["joint_attention_dim"], dtype=dtype)
@@ -110,7 +112,7 @@ def main() -> None:
         work = _ACTIVATIONS["sd3"](cfg, lat, lat, 77).work
         results["sd3m"] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
         for name in ("sdxl_vae", "sd3_vae"):
-            vae = AutoencoderKL(**config(name)).to(dtype)
+            vae = AutoencoderKL(**shipped(name)).to(dtype)
             z = torch.empty(1, vae.config.latent_channels, lat, lat, dtype=dtype)
             peak = _peak(lambda: vae.decode(z), vae, z)
             results[name] = dict(decode_gib=peak / GIB, bytes_per_pixel=peak / args.size**2)

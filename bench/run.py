@@ -123,7 +123,7 @@ LORA_CASES += [graphed(c) for c in LORA_CASES
 # UNMEASURED_SHARES): a quarter of the blocks, and none
 FULL_CASES += [partly_checkpointed(c, 0.25) for c in FULL_CASES if c.name == "inbwd_graphs"]
 FULL_CASES += [Case(f"{c.name}_nockpt", f"{c.label}, no checkpointing", c.sets + ["train.gradient_checkpointing=false"],
-                    c.requires, c.role) for c in FULL_CASES if c.name == "inbwd_graphs"]
+                    c.requires, c.role) for c in FULL_CASES if c.name in ("recipe", "inbwd_graphs")]
 # a quantized base frees room that activations kept uncheckpointed can take (memory/checkpointing.py)
 LORA_CASES += [partly_checkpointed(c, share) for c in LORA_CASES
                if c.name in ("base_int8_graphs", "base_fp8_graphs", "base_nf4_graphs") for share in (0.25, 0.5)]

@@ -129,7 +129,8 @@ def test_ssd1b_full_fine_tune_at_8_6_and_4_gib(ssd1b):
     roomy, _ = _choose(ssd1b, FULL_1024, 24)
     assert not roomy.train.gradient_checkpointing  # the fastest setting when it fits
     at8, _ = _choose(ssd1b, FULL_1024, 8)
-    assert at8.train.gradient_checkpointing and not at8.train.optimizer_in_backward
+    # full bf16 keeps every activation in about 3.9 GiB (bench/count_train_memory.py): no checkpointing fits
+    assert not at8.train.gradient_checkpointing and not at8.train.optimizer_in_backward
     assert not at8.memory.stream_weights
     at6, _ = _choose(ssd1b, FULL_1024, 6)
     assert at6.train.gradient_checkpointing and at6.train.optimizer_in_backward and not at6.memory.stream_weights

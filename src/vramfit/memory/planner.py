@@ -32,12 +32,13 @@ Each phase (bytes allocated; n = a tensor's element count):
 Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
 gradient checkpointing the inputs of the checkpointed modules (SDXL family: each resnet and
 transformer block, the layers around them; SD3: each joint block's image + text tokens x width)
-x `saved`, plus the largest block's tokens x channels x `work` (its recompute); without it, every
-resnet's and block's input x `all_resnet` / `all_block`. Offloaded activations keep only `work`.
-A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): the model lists the
-checkpointable blocks in the order the forward calls them and picks the ones that recompute as
-PartialCheckpoint does; those keep their input x `saved`, the others their input x `all_resnet` /
-`all_block`, the layers between blocks their inputs x `saved`; plus `work`.
+x `saved`, plus the largest block's tokens x channels x `work` (its recompute). A share s of the
+blocks checkpointed (memory/checkpointing.py, spread evenly): the model lists the checkpointable
+blocks in the order the forward calls them and picks the ones that recompute as PartialCheckpoint
+does; those keep their input x `saved`, the others their input x `all_resnet` / `all_block`, the
+layers between blocks their inputs x `saved`; plus the `work` of the largest block that recomputes.
+Without checkpointing it is the same sum with no block recomputing and no work. Offloaded
+activations keep only `work`.
 
 Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
 reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
@@ -48,10 +49,18 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
 - STEP_TEMP_BYTES 20 (Adafactor) / 24 (AdamW): counted in optim/adafactor.py and adamw.py (five or
   six fp32 copies); checked by SSD-1B train, accumulation 1: 5.583 GiB = 2.48 W + 2.48 G + 0.55 T...
 - SDXL family saved 0.77, work 38.7: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
-  all_resnet 7.0, all_block 44.2: the seed's "fast" SSD-1B (22.59 GiB) and SDXL (41.97 GiB), no
-  checkpointing; IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
-  (Fitted as 0.8, 58, 8 and 44 while the up blocks' resnets were counted at twice the level's
-  channels; with their real inputs, the same products at those runs.)
+  IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
+  (Fitted as 0.8 and 58 while the up blocks' resnets were counted at twice the level's channels;
+  with their real inputs, the same products at those runs.)
+- The UNet's bytes per element kept without checkpointing. Full bf16 (bf16_resnet 9.6, bf16_block
+  60.4): counted by `python bench/count_train_memory.py`, every tensor autograd saves in a forward
+  of the shipped SSD-1B and SDXL on the meta device (their SD3-M figure, 42.0, agrees with SD3's
+  fitted all_block 43). Mixed precision (all_resnet 22.7, all_block 62.7; autocast keeps norms in
+  fp32 and saves the bf16 copies it makes): fitted to vramfit's recorded fastest SSD-1B (27.32 GiB)
+  and SDXL (50.98 GiB) rows, `982523e`/`fd53a85` (machines D and B). The earlier 7.0 and 44.2,
+  fitted to the seed's "fast" runs whose peak is the optimizer step, also charged each transformer
+  model's norm and projections at a block's 44.2 where checkpointing charges them `saved`: SSD-1B
+  in full bf16 without checkpointing was predicted +22.3% (`d2a8a2b`, machine AA).
 - SAMPLE_WORK (sdxl 10.5, sd3 25.3) and VAE_DECODE_BYTES_PER_PIXEL 1536: counted by
   `python bench/count_sample_memory.py` (the shipped architectures on the meta device, fused
   attention; at 1024; at 512 SD3's figure is 23.4). The SSD-1B example's grid at 1024 (`dfd312a`,
@@ -60,12 +69,10 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
 - A share of the blocks checkpointed, no constant of its own: the planner's choices at the seed's
   peak, step in backward and graphs, SSD-1B with 0.75 of the blocks (4.00 GiB, `e085ab6`, machine
   W, docs/bench/ssd1b_budget_w.json) and 0.5 (4.67 GiB, `dfd312a`, Y), SDXL with 0.5 (8.51 GiB,
-  W) are predicted at +0.6%, -0.6% and -5.7%; SD3-M LoRA 1024 with 0.25 and 0.5 over a quantized
-  base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put the UNet
-  rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
-  Measured only there: for a UNet, 0.25 is predicted far below the straight line from 0.5 to no
-  checkpointing (whose constants come from mixed-precision runs), so the planner does not choose
-  it (UNMEASURED_SHARES).
+  W), and 0.25 and none of the blocks in full bf16 (`d2a8a2b`, AA: SSD-1B 5.50 and 6.41 GiB, SDXL
+  9.83 and 11.42 GiB) are predicted at +1.3% to +7.0%; SD3-M LoRA 1024 with 0.25 and 0.5 over a
+  quantized base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put
+  the UNet rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
 - SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
   1024 batch 1 (4.604 GiB); lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
@@ -127,10 +134,13 @@ class ActivationConstants:
     all_resnet: float  # without checkpointing, bytes per element of a resnet's input
     all_block: float  # ... of a transformer block's input (a full fine-tune: every linear saves its input)
     lora_block: Optional[float] = None  # all_block under LoRA, whose frozen linears save no input; None: the same
+    # all_resnet and all_block of a full fine-tune in full bf16, where no autocast copy is saved; None: the same
+    bf16_resnet: Optional[float] = None
+    bf16_block: Optional[float] = None
 
 
 _CONSTANTS = {
-    "sdxl": ActivationConstants(saved=0.77, work=38.7, all_resnet=7.0, all_block=44.2),
+    "sdxl": ActivationConstants(saved=0.77, work=38.7, all_resnet=22.7, all_block=62.7, bf16_resnet=9.6, bf16_block=60.4),
     "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
 }
 
@@ -145,7 +155,6 @@ class ActivationShape:
     saved: int = 0
     work: int = 0
     resnet_inputs: int = 0
-    block_inputs: int = 0
     blocks: list[tuple[str, int]] = field(default_factory=list)
     fixed: int = 0
     unchecked: int = 0  # inputs of resnets never checkpointed: every activation kept under a share
@@ -180,7 +189,6 @@ def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int)
                 out.unchecked += elems
         elif depth:
             out.saved += (depth + 3) * elems  # the text states are one shared tensor
-            out.block_inputs += depth * elems + 3 * elems
             out.work = max(out.work, elems)
             out.blocks += [("block", elems)] * depth
             out.fixed += 3 * elems
@@ -228,7 +236,7 @@ def sd3_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) 
     layers = int(config["num_layers"])
     per_block = tokens * width
     return ActivationShape(saved=layers * (per_block + width), work=per_block, resnet_inputs=0,
-                           block_inputs=layers * per_block, blocks=[("block", per_block)] * layers,
+                           blocks=[("block", per_block)] * layers,
                            fixed=layers * width)
 
 
@@ -369,21 +377,27 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
-    block = k.lora_block if cfg.train.mode == "lora" and k.lora_block is not None else k.all_block
-    every = k.all_resnet * shape.resnet_inputs + block * shape.block_inputs
+    resnet, block = k.all_resnet, k.all_block
+    if cfg.train.mode == "lora" and k.lora_block is not None:
+        block = k.lora_block
+    elif cfg.train.precision == "full_bf16" and k.bf16_block is not None:
+        resnet, block = k.bf16_resnet, k.bf16_block
     share = _checkpointed_share(cfg)
     if share == 1.0:
         return {"saved": 0 if cfg.memory.offload_activations else int(k.saved * shape.saved * scale), "work": int(work)}
-    if share:  # the blocks that recompute keep their inputs, the others every activation
-        recomputes = recomputed_blocks(share, len(shape.blocks))
-        inputs = shape.fixed + sum(n for (_, n), r in zip(shape.blocks, recomputes) if r)
-        kept = k.all_resnet * shape.unchecked + sum(n * (k.all_resnet if kind == "resnet" else block)
-                                                    for (kind, n), r in zip(shape.blocks, recomputes) if not r)
-        saved = 0.0 if cfg.memory.offload_activations else (k.saved * inputs + kept) * scale
-        return {"saved": int(saved), "work": int(work)}
-    if cfg.memory.offload_activations:
+    if not share and cfg.memory.offload_activations:
         return {"saved": 0, "work": int(work)}
-    return {"saved": int(every * scale), "work": 0}
+    # the blocks that recompute keep their inputs, the others every activation; the layers between
+    # blocks never recompute and keep their inputs, as under full checkpointing (none recompute
+    # without checkpointing: the same sum, with no recompute's work)
+    recomputes = recomputed_blocks(share, len(shape.blocks)) if share else [False] * len(shape.blocks)
+    inputs = shape.fixed + sum(n for (_, n), r in zip(shape.blocks, recomputes) if r)
+    if share:  # the recompute's working memory is that of the largest block that recomputes
+        work = k.work * max((n for (_, n), r in zip(shape.blocks, recomputes) if r), default=0) * scale
+    kept = resnet * shape.unchecked + sum(n * (resnet if kind == "resnet" else block)
+                                          for (kind, n), r in zip(shape.blocks, recomputes) if not r)
+    saved = 0.0 if cfg.memory.offload_activations else (k.saved * inputs + kept) * scale
+    return {"saved": int(saved), "work": int(work) if share else 0}
 
 
 def _checkpointed_share(cfg: RunConfig) -> float:
@@ -666,13 +680,6 @@ def _tried_last(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
     return None
 
 
-# Shares of checkpointed blocks the planner does not choose for a family: its share model has not
-# been measured there. For a UNet it was measured at 0.5 and 0.75 (full bf16, the step in
-# backward), and it predicts 0.25 far below the straight line from those to no checkpointing,
-# whose constants were fitted to mixed-precision runs. A user may still set it.
-UNMEASURED_SHARES = {"sdxl": (0.25,)}
-
-
 def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
     """(values, prediction) of the fastest fitting assignment, or (None, (peak, phase, values)) of
     the smallest prediction of the first phase group that cannot fit. Groups are searched in
@@ -684,8 +691,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
         found = last = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
-            if _never_tried(cfg, combo) or combo.get("train.gradient_checkpointing") in UNMEASURED_SHARES.get(
-                    facts.family, ()):
+            if _never_tried(cfg, combo):
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue

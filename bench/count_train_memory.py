@@ -1,0 +1,115 @@
+"""Count the activations a training forward saves for backward, on the meta device: no GPU, no compute.
+
+Without gradient checkpointing every activation autograd saves lives until backward frees it, so
+the training peak holds all of them. This builds the shipped denoisers on the meta device with
+their weights in bf16 (train.precision = "full_bf16"), runs one forward under a saved-tensors hook
+and adds the bytes of each storage saved, once, to the checkpointable block that was running:
+a UNet's resnets and transformer blocks, SD3's joint blocks; the rest (the layers between blocks,
+the embeddings) under "other". Weights are left out. Attention is counted as the fused kernel
+saves it on a GPU: query, key, value, output and an fp32 log-sum-exp per query.
+
+It prints, per kind, bytes per element of the blocks' inputs as memory/planner.py counts them
+(`_ACTIVATIONS`): the planner's full-bf16 constants for blocks kept without checkpointing.
+Mixed precision (autocast) cannot run on the meta device; its constants stay fitted.
+
+usage: python bench/count_train_memory.py [--size 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from count_sample_memory import shipped
+
+GIB = 2**30
+
+
+class FusedAttention(torch.autograd.Function):
+    """What a flash or memory-efficient kernel saves: its inputs, its output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("counting only")
+
+
+def saved_bytes(model: torch.nn.Module, kinds: dict[type, str], call) -> dict[str, int]:
+    """{kind: bytes saved for backward while a module of that kind ran}, "other" for what ran
+    outside them."""
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    running, seen = ["other"], set()
+    saved: dict[str, int] = {}
+
+    def leave(*_) -> None:  # a forward hook's return value would replace the module's output
+        running.pop()
+
+    for module in model.modules():
+        kind = next((k for cls, k in kinds.items() if isinstance(module, cls)), None)
+        if kind:
+            module.register_forward_pre_hook(lambda *_, kind=kind: running.append(kind))
+            module.register_forward_hook(leave)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in weights and key not in seen:
+            seen.add(key)
+            saved[running[-1]] = saved.get(running[-1], 0) + t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return saved
+
+
+def main() -> None:
+    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from vramfit.memory.planner import _ACTIVATIONS
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=1024)
+    args = ap.parse_args()
+    lat, dtype = args.size // 8, torch.bfloat16
+    F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: FusedAttention.apply(q, k, v)
+    results = {}
+    with torch.device("meta"):
+        for name in ("ssd1b", "sdxl"):
+            cfg = shipped(f"{name}_unet")
+            unet = UNet2DConditionModel(**cfg).to(dtype)
+            x = torch.empty(1, 4, lat, lat, dtype=dtype)
+            ctx = torch.empty(1, 77, cfg["cross_attention_dim"], dtype=dtype)
+            added = dict(text_embeds=torch.empty(1, 1280, dtype=dtype), time_ids=torch.empty(1, 6, dtype=dtype))
+            saved = saved_bytes(unet, {ResnetBlock2D: "resnet", BasicTransformerBlock: "block"},
+                                   lambda: unet(x, torch.tensor([500]), ctx, added_cond_kwargs=added))
+            shape = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0)
+            blocks = sum(n for kind, n in shape.blocks if kind == "block")
+            results[name] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
+                                 bytes_per_resnet_input=saved["resnet"] / shape.resnet_inputs,
+                                 bytes_per_block_input=saved["block"] / blocks,
+                                 bytes_per_fixed_input=saved.get("other", 0) / shape.fixed)
+        cfg = shipped("sd3_medium_transformer")
+        sd3 = SD3Transformer2DModel(**cfg).to(dtype)
+        x = torch.empty(1, cfg["in_channels"], lat, lat, dtype=dtype)
+        text = torch.empty(1, 154, cfg["joint_attention_dim"], dtype=dtype)
+        pooled = torch.empty(1, cfg["pooled_projection_dim"], dtype=dtype)
+        saved = saved_bytes(sd3, {JointTransformerBlock: "block"},
+                               lambda: sd3(hidden_states=x, timestep=torch.tensor([500.0]),
+                                           encoder_hidden_states=text, pooled_projections=pooled))
+        shape = _ACTIVATIONS["sd3"](cfg, lat, lat, 77)
+        results["sd3m"] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
+                               bytes_per_block_input=saved["block"] / sum(n for _, n in shape.blocks))
+    print(json.dumps(dict(size=args.size, dtype="bf16", **results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
