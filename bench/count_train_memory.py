@@ -69,18 +69,23 @@ def saved_bytes(model: torch.nn.Module, kinds: dict[type, str], call) -> dict[st
     return saved
 
 
-def main() -> None:
+def count(size: int) -> dict:
+    """{model: its counted figures} at `size` x `size` pixels, batch 1."""
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: FusedAttention.apply(q, k, v)
+    try:
+        return _count(size // 8, torch.bfloat16)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def _count(lat: int, dtype: torch.dtype) -> dict:
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
     from vramfit.memory.planner import _ACTIVATIONS
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", type=int, default=1024)
-    args = ap.parse_args()
-    lat, dtype = args.size // 8, torch.bfloat16
-    F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: FusedAttention.apply(q, k, v)
     results = {}
     with torch.device("meta"):
         for name in ("ssd1b", "sdxl"):
@@ -108,7 +113,14 @@ def main() -> None:
         shape = _ACTIVATIONS["sd3"](cfg, lat, lat, 77)
         results["sd3m"] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
                                bytes_per_block_input=saved["block"] / sum(n for _, n in shape.blocks))
-    print(json.dumps(dict(size=args.size, dtype="bf16", **results), indent=1))
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=1024)
+    args = ap.parse_args()
+    print(json.dumps(dict(size=args.size, dtype="bf16", **count(args.size)), indent=1))
 
 
 if __name__ == "__main__":

@@ -119,8 +119,8 @@ LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4")]
-# the planner's share model for a UNet in full bf16, at shares it has not been fitted on (planner.py
-# UNMEASURED_SHARES): a quarter of the blocks, and none
+# the planner's share model for a UNet in full bf16 at a quarter of the blocks and at none (planner.py
+# counts the kept activations with bench/count_train_memory.py; these rows check it)
 FULL_CASES += [partly_checkpointed(c, 0.25) for c in FULL_CASES if c.name == "inbwd_graphs"]
 FULL_CASES += [Case(f"{c.name}_nockpt", f"{c.label}, no checkpointing", c.sets + ["train.gradient_checkpointing=false"],
                     c.requires, c.role) for c in FULL_CASES if c.name in ("recipe", "inbwd_graphs")]

@@ -112,15 +112,17 @@ def test_no_checkpointing_is_a_share_with_no_block_recomputing(precision):
     facts = facts_for_layout("ssd1b")
     assert not any(checkpointing.recomputed_blocks(0.01, 60))
 
-    def train_peak(share):
+    def train_peak(share, offload=False):
         cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {
             "optimizer": "adafactor", "precision": precision, "gradient_checkpointing": share,
-            "optimizer_in_backward": True}})
+            "optimizer_in_backward": True}, "memory": {"offload_activations": offload}})
         return next(p.peak for p in predict(facts, cfg).phases if p.name == "train")
 
     assert train_peak(0.01) == train_peak(False)
     peaks = [train_peak(s) for s in (False, 0.25, 0.5, 0.75, True)]
     assert peaks == sorted(peaks, reverse=True)
+    # offloaded, every block's activations come back one block at a time, whatever the share
+    assert len({train_peak(s, offload=True) for s in (False, 0.01, 0.25, True)}) == 1
 
 
 def test_the_planner_takes_a_quarter_of_a_unet_s_blocks_where_it_fits():
@@ -139,19 +141,28 @@ def test_the_planner_takes_a_quarter_of_a_unet_s_blocks_where_it_fits():
 
 
 def test_the_full_bf16_unet_constants_are_the_counted_ones():
-    """bf16_resnet and bf16_block are what bench/count_train_memory.py counts on the meta device."""
-    import subprocess
+    """bf16_resnet and bf16_block are what bench/count_train_memory.py counts on the meta device,
+    and the planner's activations without checkpointing are the whole count, the layers between
+    blocks included (the tool counts them apart, under "other")."""
     import sys
 
     from vramfit.memory.planner import _CONSTANTS
 
-    out = subprocess.run([sys.executable, "count_train_memory.py"], cwd=Path(__file__).parent.parent / "bench", capture_output=True,
-                         text=True, check=True).stdout
-    counted = json.loads(out[out.index("{"):])
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from count_train_memory import count
+    finally:
+        sys.path.remove(bench)
+    counted = count(1024)
     k = _CONSTANTS["sdxl"]
     for name in ("ssd1b", "sdxl"):
         assert counted[name]["bytes_per_resnet_input"] == pytest.approx(k.bf16_resnet, rel=0.02)
         assert counted[name]["bytes_per_block_input"] == pytest.approx(k.bf16_block, rel=0.02)
+        cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {
+            "optimizer": "adafactor", "precision": "full_bf16", "gradient_checkpointing": False}})
+        train = next(p for p in predict(facts_for_layout(name), cfg).phases if p.name == "train")
+        assert train.parts["saved"] / GIB == pytest.approx(counted[name]["total_gib"], rel=0.05)
     assert counted["sd3m"]["bytes_per_block_input"] == pytest.approx(_CONSTANTS["sd3"].all_block, rel=0.05)
 
 

@@ -38,7 +38,9 @@ blocks in the order the forward calls them and picks the ones that recompute as 
 does; those keep their input x `saved`, the others their input x `all_resnet` / `all_block`, the
 layers between blocks their inputs x `saved`; plus the `work` of the largest block that recomputes.
 Without checkpointing it is the same sum with no block recomputing and no work. Offloaded
-activations keep only `work`.
+activations keep only the largest block's `work`, at any share. The constants per element kept:
+`all_resnet` / `all_block` under autocast, `bf16_resnet` / `bf16_block` in full bf16 and fp32 (at
+twice the bytes), `lora_block` for a LoRA's blocks where the family has one.
 
 Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
 reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
@@ -135,7 +137,7 @@ class ActivationConstants:
     all_block: float  # ... of a transformer block's input (a full fine-tune: every linear saves its input)
     lora_block: Optional[float] = None  # all_block under LoRA, whose frozen linears save no input; None: the same
     # all_resnet and all_block of a full fine-tune in full bf16, where no autocast copy is saved; None: the same
-    bf16_resnet: Optional[float] = None
+    bf16_resnet: Optional[float] = None  # (fp32 too, at twice the bytes; a LoRA's lora_block still wins)
     bf16_block: Optional[float] = None
 
 
@@ -148,7 +150,7 @@ _CONSTANTS = {
 @dataclass
 class ActivationShape:
     """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
-    inputs of every resnet / transformer block (for the no-checkpointing case). `blocks`: each
+    inputs of every resnet (`resnet_inputs`, checked against diffusers in the tests). `blocks`: each
     checkpointable block's input, in the order the forward calls them ("resnet" or "block",
     elements), `fixed` the saved inputs of the layers between them, which never recompute, and
     `unchecked` the inputs of resnets called without checkpointing; `saved` is all of them."""
@@ -378,10 +380,11 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
     resnet, block = k.all_resnet, k.all_block
+    if cfg.train.precision in ("full_bf16", "fp32"):  # no autocast copies (fp32: twice the bytes, in `scale`)
+        resnet = k.bf16_resnet if k.bf16_resnet is not None else resnet
+        block = k.bf16_block if k.bf16_block is not None else block
     if cfg.train.mode == "lora" and k.lora_block is not None:
         block = k.lora_block
-    elif cfg.train.precision == "full_bf16" and k.bf16_block is not None:
-        resnet, block = k.bf16_resnet, k.bf16_block
     share = _checkpointed_share(cfg)
     if share == 1.0:
         return {"saved": 0 if cfg.memory.offload_activations else int(k.saved * shape.saved * scale), "work": int(work)}
@@ -392,12 +395,13 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     # without checkpointing: the same sum, with no recompute's work)
     recomputes = recomputed_blocks(share, len(shape.blocks)) if share else [False] * len(shape.blocks)
     inputs = shape.fixed + sum(n for (_, n), r in zip(shape.blocks, recomputes) if r)
-    if share:  # the recompute's working memory is that of the largest block that recomputes
+    offloaded = cfg.memory.offload_activations  # every block's activations come back: the largest block's work
+    if share and not offloaded:  # the recompute's working memory is that of the largest block that recomputes
         work = k.work * max((n for (_, n), r in zip(shape.blocks, recomputes) if r), default=0) * scale
     kept = resnet * shape.unchecked + sum(n * (resnet if kind == "resnet" else block)
                                           for (kind, n), r in zip(shape.blocks, recomputes) if not r)
-    saved = 0.0 if cfg.memory.offload_activations else (k.saved * inputs + kept) * scale
-    return {"saved": int(saved), "work": int(work) if share else 0}
+    saved = 0.0 if offloaded else (k.saved * inputs + kept) * scale
+    return {"saved": int(saved), "work": int(work) if share or offloaded else 0}
 
 
 def _checkpointed_share(cfg: RunConfig) -> float:
