@@ -77,8 +77,31 @@ def shipped(name: str) -> dict:
     return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
 
 
+def denoiser_call(name: str, batch: int, lat: int, dtype: torch.dtype):
+    """(model, call, inputs) of a shipped denoiser ("ssd1b_unet", "sdxl_unet" or
+    "sd3_medium_transformer") built where torch's default device is, and one forward of `batch`
+    items of `lat` x `lat` latents on it."""
+    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+
+    cfg = shipped(name)
+    if name.endswith("_unet"):
+        model = UNet2DConditionModel(**cfg).to(dtype)
+        x = torch.empty(batch, 4, lat, lat, dtype=dtype)
+        ctx = torch.empty(batch, 77, cfg["cross_attention_dim"], dtype=dtype)
+        added = dict(text_embeds=torch.empty(batch, 1280, dtype=dtype), time_ids=torch.empty(batch, 6, dtype=dtype))
+        t = torch.tensor([500] * batch)
+        return model, lambda: model(x, t, ctx, added_cond_kwargs=added), (x, t, ctx, *added.values())
+    model = SD3Transformer2DModel(**cfg).to(dtype)
+    x = torch.empty(batch, cfg["in_channels"], lat, lat, dtype=dtype)
+    text = torch.empty(batch, 154, cfg["joint_attention_dim"], dtype=dtype)
+    pooled = torch.empty(batch, cfg["pooled_projection_dim"], dtype=dtype)
+    t = torch.tensor([500.0] * batch)
+    return (model, lambda: model(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled),
+            (x, t, text, pooled))
+
+
 def main() -> None:
-    from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+    from diffusers import AutoencoderKL
 
     from vramfit.memory.planner import _ACTIVATIONS
     ap = argparse.ArgumentParser()
@@ -91,26 +114,12 @@ def main() -> None:
     results = {}
 
     with torch.device("meta"):
-        for name, unet_cfg in (("ssd1b", "ssd1b_unet"), ("sdxl", "sdxl_unet")):
-            cfg = shipped(unet_cfg)
-            unet = UNet2DConditionModel(**cfg).to(dtype)
-            x = torch.empty(2, 4, lat, lat, dtype=dtype)
-            ctx = torch.empty(2, 77, cfg["cross_attention_dim"], dtype=dtype)
-            added = dict(text_embeds=torch.empty(2, 1280, dtype=dtype), time_ids=torch.empty(2, 6, dtype=dtype))
-            t = torch.tensor([500, 500])
-            peak = _peak(lambda: unet(x, t, ctx, added_cond_kwargs=added), unet, x, t, ctx, *added.values())
-            work = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0).work
+        for name, model_name, family, tokens in (("ssd1b", "ssd1b_unet", "sdxl", 0), ("sdxl", "sdxl_unet", "sdxl", 0),
+                                                 ("sd3m", "sd3_medium_transformer", "sd3", 77)):
+            model, call, inputs = denoiser_call(model_name, 2, lat, dtype)
+            peak = _peak(call, model, *inputs)
+            work = _ACTIVATIONS[family](shipped(model_name), lat, lat, tokens).work
             results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
-        cfg = shipped("sd3_medium_transformer")
-        sd3 = SD3Transformer2DModel(**cfg).to(dtype)
-        x = torch.empty(2, cfg["in_channels"], lat, lat, dtype=dtype)
-        text = torch.empty(2, 154, cfg["joint_attention_dim"], dtype=dtype)
-        pooled = torch.empty(2, cfg["pooled_projection_dim"], dtype=dtype)
-        t = torch.tensor([500.0, 500.0])
-        peak = _peak(lambda: sd3(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled),
-                     sd3, x, t, text, pooled)
-        work = _ACTIVATIONS["sd3"](cfg, lat, lat, 77).work
-        results["sd3m"] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
         for name in ("sdxl_vae", "sd3_vae"):
             vae = AutoencoderKL(**shipped(name)).to(dtype)
             z = torch.empty(1, vae.config.latent_channels, lat, lat, dtype=dtype)

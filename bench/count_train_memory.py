@@ -22,7 +22,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from count_sample_memory import shipped
+from count_sample_memory import denoiser_call, shipped
 
 GIB = 2**30
 
@@ -80,7 +80,6 @@ def count(size: int) -> dict:
 
 
 def _count(lat: int, dtype: torch.dtype) -> dict:
-    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
@@ -89,28 +88,17 @@ def _count(lat: int, dtype: torch.dtype) -> dict:
     results = {}
     with torch.device("meta"):
         for name in ("ssd1b", "sdxl"):
-            cfg = shipped(f"{name}_unet")
-            unet = UNet2DConditionModel(**cfg).to(dtype)
-            x = torch.empty(1, 4, lat, lat, dtype=dtype)
-            ctx = torch.empty(1, 77, cfg["cross_attention_dim"], dtype=dtype)
-            added = dict(text_embeds=torch.empty(1, 1280, dtype=dtype), time_ids=torch.empty(1, 6, dtype=dtype))
-            saved = saved_bytes(unet, {ResnetBlock2D: "resnet", BasicTransformerBlock: "block"},
-                                   lambda: unet(x, torch.tensor([500]), ctx, added_cond_kwargs=added))
-            shape = _ACTIVATIONS["sdxl"](cfg, lat, lat, 0)
+            unet, call, _ = denoiser_call(f"{name}_unet", 1, lat, dtype)
+            saved = saved_bytes(unet, {ResnetBlock2D: "resnet", BasicTransformerBlock: "block"}, call)
+            shape = _ACTIVATIONS["sdxl"](shipped(f"{name}_unet"), lat, lat, 0)
             blocks = sum(n for kind, n in shape.blocks if kind == "block")
             results[name] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
                                  bytes_per_resnet_input=saved["resnet"] / shape.resnet_inputs,
                                  bytes_per_block_input=saved["block"] / blocks,
                                  bytes_per_fixed_input=saved.get("other", 0) / shape.fixed)
-        cfg = shipped("sd3_medium_transformer")
-        sd3 = SD3Transformer2DModel(**cfg).to(dtype)
-        x = torch.empty(1, cfg["in_channels"], lat, lat, dtype=dtype)
-        text = torch.empty(1, 154, cfg["joint_attention_dim"], dtype=dtype)
-        pooled = torch.empty(1, cfg["pooled_projection_dim"], dtype=dtype)
-        saved = saved_bytes(sd3, {JointTransformerBlock: "block"},
-                               lambda: sd3(hidden_states=x, timestep=torch.tensor([500.0]),
-                                           encoder_hidden_states=text, pooled_projections=pooled))
-        shape = _ACTIVATIONS["sd3"](cfg, lat, lat, 77)
+        sd3, call, _ = denoiser_call("sd3_medium_transformer", 1, lat, dtype)
+        saved = saved_bytes(sd3, {JointTransformerBlock: "block"}, call)
+        shape = _ACTIVATIONS["sd3"](shipped("sd3_medium_transformer"), lat, lat, 77)
         results["sd3m"] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
                                bytes_per_block_input=saved["block"] / sum(n for _, n in shape.blocks))
     return results

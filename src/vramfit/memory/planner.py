@@ -388,8 +388,6 @@ def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> di
     share = _checkpointed_share(cfg)
     if share == 1.0:
         return {"saved": 0 if cfg.memory.offload_activations else int(k.saved * shape.saved * scale), "work": int(work)}
-    if not share and cfg.memory.offload_activations:
-        return {"saved": 0, "work": int(work)}
     # the blocks that recompute keep their inputs, the others every activation; the layers between
     # blocks never recompute and keep their inputs, as under full checkpointing (none recompute
     # without checkpointing: the same sum, with no recompute's work)
