@@ -545,6 +545,52 @@ def test_fused_in_place_adamw_matches_the_foreach_path_and_the_packed_math(weigh
             torch.testing.assert_close(opts[0].state[fused][key], opts[1].state[foreach][key], rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_step_held_back_on_the_device_changes_nothing_and_takes_back_its_counts(cls, dtype, monkeypatch):
+    """step(finite=flag): the training loop's step, launched before the host knows the flag. A
+    False flag leaves every weight and state tensor as it was (fp32 AdamW: the fused kernel's
+    found_inf), and take_back() returns the step counts, so the next step is the one a step never
+    taken would have been followed by."""
+    held, clean = _Blocks(dtype), _Blocks(dtype)
+    opt_h = cls(held.parameters(), lr=1e-3, rounding=RoundingGenerators(0))
+    opt_c = cls(clean.parameters(), lr=1e-3, rounding=RoundingGenerators(0))
+    kernel, fused_calls = torch._fused_adamw_, []
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused_calls.append(k["found_inf"]) or kernel(*a, **k))
+    for model, opt in ((held, opt_h), (clean, opt_c)):
+        _grads(model)
+        opt.step(finite=torch.tensor(True))
+        opt.zero_grad()
+    before = [p.detach().clone() for p in held.parameters()]
+    states = [{k: (v.dequantize() if hasattr(v, "codes") else v.clone()) if torch.is_tensor(v) else v
+               for k, v in opt_h.state[p].items()} for p in held.parameters()]
+    _grads(held)
+    opt_h.step(finite=torch.tensor(False))
+    opt_h.zero_grad()
+    assert all(torch.equal(p, b) for p, b in zip(held.parameters(), before))
+    for p, state in zip(held.parameters(), states):
+        for key, value in opt_h.state[p].items():
+            if key == "step":
+                assert value == state[key] + 1  # counted on the host until the flag is read
+            else:
+                live = value.dequantize() if hasattr(value, "codes") else value
+                assert torch.equal(live, state[key]), key
+    opt_h.take_back()
+    assert all(opt_h.state[p]["step"] == 1 for p in held.parameters())
+    if cls is AdamW and dtype == torch.float32:  # in place, through the fused kernel, flag and all
+        assert fused_calls and all(f is not None for f in fused_calls)
+    # a second step on the same gradients lands where the clean run's second step does (bf16: the
+    # held-back step drew rounding noise, so the two land on bf16 neighbours of the same value)
+    for model, opt in ((held, opt_h), (clean, opt_c)):
+        _grads(model)
+        opt.step(finite=torch.tensor(True))
+    for (name, a), b in zip(held.named_parameters(), clean.parameters()):
+        if dtype == torch.float32:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6, msg=name)
+
+
 class _ReadOnTheDevice:
     """Stands in for RecordedScalars on the CPU: every step reads its scalars from 0-dim tensors
     holding the values a replay would have loaded, so the tensor path of the update math runs."""

@@ -107,7 +107,7 @@ class AdamW(ParamOptimizer):
     # torch.optim.AdamW(fused=True) runs it) where this torch has it; else the foreach ops below
     fused = True
 
-    def _update_in_place(self, params, grads, states, group, hyper):
+    def _update_in_place(self, params, grads, states, group, hyper, finite=None):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         step = states[0]["step"]
@@ -116,11 +116,15 @@ class AdamW(ParamOptimizer):
         kernel = getattr(torch, "_fused_adamw_", None)
         if self.fused and kernel is not None and params[0].device.type in ("cuda", "cpu"):
             # The same math as _update; the kernel reads the step count from a tensor on the device
-            # (a fill, not a host-to-device copy) and does not change it.
+            # (a fill, not a host-to-device copy) and does not change it. It skips the whole update
+            # where `found_inf` is 1: the device-side form of `finite`.
             count = torch.full((), float(step), device=params[0].device)
+            found_inf = None if finite is None else finite.logical_not().float()
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), lr=lr, beta1=beta1,
-                   beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                   beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
             return True
+        if finite is not None:
+            return False  # the foreach ops below cannot be held back on the device: the pack's update can
         # The same operations as _update, in the same order, on lists of tensors.
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)

@@ -186,6 +186,8 @@ class ParamOptimizer(torch.optim.Optimizer):
         self.rounding = rounding
         self._groups_by_param: Optional[dict[int, dict]] = None
         self._recorded: Optional[RecordedScalars] = None  # while a CUDA graph records steps
+        self._counting = False
+        self._counted: list[dict] = []  # the states the last `step(finite=...)` counted
 
     def _advance(self, states: list[dict], group: dict) -> dict:
         """Count one step of each of `states` (one parameter, or a pack of them at one step
@@ -193,6 +195,8 @@ class ParamOptimizer(torch.optim.Optimizer):
         (`record_scalars`) their places on the device."""
         for state in states:
             state["step"] += 1
+        if self._counting:
+            self._counted.extend(states)
         if self._recorded is not None:
             return self._recorded.place(states, group)
         return self.scalars(group, states[0]["step"])
@@ -230,21 +234,37 @@ class ParamOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update_in_place(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
-                         group: dict, hyper: dict) -> bool:
+                         group: dict, hyper: dict, finite: Optional[torch.Tensor] = None) -> bool:
         """Optionally, the update of fp32 parameters with fp32 gradients and state, written in
-        place with foreach ops (no packing copies); returns False where not implemented."""
+        place with foreach ops (no packing copies), none of it where the 0-dim `finite` is False;
+        returns False where not implemented (the pack's update then runs)."""
         return False
 
     # ---- stepping -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, finite: Optional[torch.Tensor] = None):
+        """Step every parameter that has a gradient. `finite`: a 0-dim bool tensor, read on the
+        device: where it is False no parameter or state changes (no host sync is needed before
+        the step launches), and `take_back()` then undoes the step counts, which the host
+        advanced."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.step_params([(p, p.grad) for group in self.param_groups for p in group["params"]
-                          if p.grad is not None])
+        self._counted, self._counting = [], finite is not None
+        try:
+            self.step_params([(p, p.grad) for group in self.param_groups for p in group["params"]
+                              if p.grad is not None], finite=finite)
+        finally:
+            self._counting = False
         return loss
+
+    def take_back(self) -> None:
+        """After a `step(finite=...)` whose flag turned out False: its step counts go back, as if
+        the step had never been taken."""
+        for state in self._counted:
+            state["step"] -= 1
+        self._counted = []
 
     # An update in which each element depends only on the same element of the parameter, the
     # gradient and the state (AdamW) packs by concatenation; otherwise tensors of one shape stack.
@@ -360,10 +380,12 @@ class ParamOptimizer(torch.optim.Optimizer):
         hyper = self._advance(states, group)
         grads = [g for _, g in members]
         state_tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
-        if finite is None and self._recorded is None and all(type(t) is torch.Tensor for t in state_tensors) and all(
+        if not isinstance(finite, list) and self._recorded is None and all(
+                type(t) is torch.Tensor for t in state_tensors) and all(
                 t.dtype == torch.float32 and t.device == device for t in [*params, *grads, *state_tensors]):
             # fp32 throughout: nothing to round, so the update runs in place on the tensors themselves
-            if self._update_in_place(params, grads, states, group, hyper):
+            if self._update_in_place(params, grads, states, group, hyper,
+                                     None if finite is None else finite.to(device, non_blocking=async_copy)):
                 return
         flat = self.elementwise
         if isinstance(finite, list):

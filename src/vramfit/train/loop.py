@@ -194,12 +194,18 @@ def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Para
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    value, finite = float(total), bool(torch.isfinite(norm))  # one host sync per step
-    if math.isfinite(value) and finite:
-        optimizer.step()
-    else:
-        _nonfinite(cfg, progress, value, used)
+    if hasattr(norm, "full_tensor"):  # FSDP's DTensor gradients give a DTensor norm
+        norm = norm.full_tensor()
+    # The check stays on the device: the step launches at once and changes nothing where the flag
+    # is False, so the host's one sync a step comes after the step's launches, not before them
+    # (the GPU would idle while they are made).
+    finite = torch.isfinite(norm) & torch.isfinite(total)
+    optimizer.step(finite=finite)
     optimizer.zero_grad(set_to_none=True)
+    value = float(total)  # the host sync
+    if not bool(finite):
+        optimizer.take_back()  # the step counts the host advanced
+        _nonfinite(cfg, progress, value, used)
     return value
 
 
