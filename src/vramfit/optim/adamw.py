@@ -107,24 +107,28 @@ class AdamW(ParamOptimizer):
     # torch.optim.AdamW(fused=True) runs it) where this torch has it; else the foreach ops below
     fused = True
 
+    def _in_place_kind(self, device, finite):
+        if self.fused and getattr(torch, "_fused_adamw_", None) is not None and device.type in ("cuda", "cpu"):
+            return "fused"
+        # the foreach ops cannot be held back on the device: with a flag, the pack's update runs
+        return "foreach" if finite is None else None
+
     def _update_in_place(self, params, grads, states, group, hyper, finite=None):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         step = states[0]["step"]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        kernel = getattr(torch, "_fused_adamw_", None)
-        if self.fused and kernel is not None and params[0].device.type in ("cuda", "cpu"):
+        if self._in_place_kind(params[0].device, finite) == "fused":
             # The same math as _update; the kernel reads the step count from a tensor on the device
             # (a fill, not a host-to-device copy) and does not change it. It skips the whole update
             # where `found_inf` is 1: the device-side form of `finite`.
             count = torch.full((), float(step), device=params[0].device)
             found_inf = None if finite is None else finite.logical_not().float()
-            kernel(params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), lr=lr, beta1=beta1,
-                   beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
-            return True
-        if finite is not None:
-            return False  # the foreach ops below cannot be held back on the device: the pack's update can
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                                found_inf=found_inf)
+            return
         # The same operations as _update, in the same order, on lists of tensors.
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -135,7 +139,6 @@ class AdamW(ParamOptimizer):
         torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))
-        return True
 
 
 class AdamW8bit(AdamW):

@@ -42,7 +42,9 @@ Where a pack would be fp32 throughout (fp32 parameters, gradients and state, as 
 mixed_bf16 with AdamW) there is nothing to round, and an optimizer may instead update the
 tensors in place (`_update_in_place`; AdamW does, with torch's fused AdamW kernel where torch
 has one, else with foreach ops in _update's order of operations, chunked like the packs), which
-saves the packing copies.
+saves the packing copies. The fused kernel makes no temporaries, so it takes all the tensors of
+a pack key in one call, however many values they hold, and holds the whole update back on the
+device where a 0-dim `finite` is False.
 
 Cost: one pass of packing and unpacking (a copy of each parameter, gradient and state tensor)
 in exchange for about ten kernel launches per pack instead of per parameter: SSD-1B's UNet has
@@ -233,12 +235,19 @@ class ParamOptimizer(torch.optim.Optimizer):
         stack of parameters of one shape along dimension 0, each to be updated on its own."""
         raise NotImplementedError
 
+    def _in_place_kind(self, device: torch.device, finite: Optional[torch.Tensor]) -> Optional[str]:
+        """Whether this optimizer updates fp32 tensors on `device` in place (`_update_in_place`),
+        with or without a `finite` flag: "fused" (one kernel, no temporaries: any number of
+        tensors at once), "foreach" (temporaries of the tensors stepped: bounded as packs are),
+        or None (the pack's `_update`)."""
+        return None
+
     def _update_in_place(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
-                         group: dict, hyper: dict, finite: Optional[torch.Tensor] = None) -> bool:
-        """Optionally, the update of fp32 parameters with fp32 gradients and state, written in
-        place with foreach ops (no packing copies), none of it where the 0-dim `finite` is False;
-        returns False where not implemented (the pack's update then runs)."""
-        return False
+                         group: dict, hyper: dict, finite: Optional[torch.Tensor] = None) -> None:
+        """The update of fp32 parameters with fp32 gradients and state, written in place (no
+        packing copies), none of it where the 0-dim `finite` is False; called only where
+        `_in_place_kind` says it can."""
+        raise NotImplementedError
 
     # ---- stepping -------------------------------------------------------------------------
     @torch.no_grad()
@@ -354,6 +363,10 @@ class ParamOptimizer(torch.optim.Optimizer):
             if key[0] == "alone":
                 self.step_param(*pairs[indices[0]], finite=flags[indices[0]])
                 continue
+            members = [pairs[i] for i in indices]
+            if not per_member and self._in_place(members, finite) == "fused":
+                self._step_pack(members, finite)  # no temporaries, so no bound: one update of them all
+                continue
             chunks: list[list[int]] = [[]]
             size = 0
             bound = limits[pairs[indices[0]][0].device]
@@ -367,9 +380,24 @@ class ParamOptimizer(torch.optim.Optimizer):
             for chunk in chunks:
                 self._step_pack([pairs[i] for i in chunk], [flags[i] for i in chunk] if per_member else finite)
 
+    def _in_place(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite) -> Optional[str]:
+        """How these members can step in place (`_in_place_kind`): where they are fp32 throughout
+        (parameters, gradients and plain state tensors, on one device) there is nothing to round,
+        so the update may write the tensors themselves instead of a pack. None where not."""
+        if isinstance(finite, list) or self._recorded is not None:
+            return None
+        device = members[0][0].device
+        state = [v for p, _ in members for v in self.state[p].values() if torch.is_tensor(v)]
+        if not all(type(t) is torch.Tensor for t in state) or not all(  # 8-bit moments are not
+                t.dtype == torch.float32 and t.device == device for t in [*(t for m in members for t in m), *state]):
+            return None
+        return self._in_place_kind(device, finite)
+
     def _step_pack(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite) -> None:
-        """One `_update` for the members; `finite` as in step_params (a list: one per member)."""
-        if len(members) == 1:
+        """One `_update` for the members, or one update in place; `finite` as in step_params (a
+        list: one per member)."""
+        in_place = self._in_place(members, finite)
+        if len(members) == 1 and in_place is None:
             self.step_param(*members[0], finite=finite[0] if isinstance(finite, list) else finite)
             return
         params = [p for p, _ in members]
@@ -379,14 +407,10 @@ class ParamOptimizer(torch.optim.Optimizer):
         group = self._group_of(params[0])
         hyper = self._advance(states, group)
         grads = [g for _, g in members]
-        state_tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
-        if not isinstance(finite, list) and self._recorded is None and all(
-                type(t) is torch.Tensor for t in state_tensors) and all(
-                t.dtype == torch.float32 and t.device == device for t in [*params, *grads, *state_tensors]):
-            # fp32 throughout: nothing to round, so the update runs in place on the tensors themselves
-            if self._update_in_place(params, grads, states, group, hyper,
-                                     None if finite is None else finite.to(device, non_blocking=async_copy)):
-                return
+        if in_place is not None:
+            self._update_in_place(params, grads, states, group, hyper,
+                                  None if finite is None else finite.to(device, non_blocking=async_copy))
+            return
         flat = self.elementwise
         if isinstance(finite, list):
             finite = _member_mask(finite, params, flat, device, async_copy)
