@@ -364,8 +364,9 @@ class ParamOptimizer(torch.optim.Optimizer):
                 self.step_param(*pairs[indices[0]], finite=flags[indices[0]])
                 continue
             members = [pairs[i] for i in indices]
-            if not per_member and self._in_place(members, finite) == "fused":
-                self._step_pack(members, finite)  # no temporaries, so no bound: one update of them all
+            in_place = None if per_member else self._in_place(members, finite)
+            if in_place == "fused":
+                self._step_pack(members, finite, in_place)  # no temporaries, so no bound: one update of them all
                 continue
             chunks: list[list[int]] = [[]]
             size = 0
@@ -393,10 +394,11 @@ class ParamOptimizer(torch.optim.Optimizer):
             return None
         return self._in_place_kind(device, finite)
 
-    def _step_pack(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite) -> None:
+    def _step_pack(self, members: list[tuple[torch.Tensor, torch.Tensor]], finite, in_place: Optional[str] = None) -> None:
         """One `_update` for the members, or one update in place; `finite` as in step_params (a
-        list: one per member)."""
-        in_place = self._in_place(members, finite)
+        list: one per member). `in_place`: what `_in_place` said of these members, where the
+        caller asked it already."""
+        in_place = in_place or self._in_place(members, finite)
         if len(members) == 1 and in_place is None:
             self.step_param(*members[0], finite=finite[0] if isinstance(finite, list) else finite)
             return
