@@ -8,6 +8,7 @@ import json
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramfit.memory import stochastic_rounding as sr
 from vramfit.optim import adafactor
@@ -64,13 +65,26 @@ def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, 
     poisoned = [g.clone() for g in grads]
     poisoned[0][0, 7] = float("nan")
     held = opts[0].step_chunked(weight, ChunkedGrad(poisoned), max_norm)
-    return {"finite": [bool(f) for f in finite], "launches": len(launched),
+    untouched = torch.equal(weight, before)
+    # one more step, its torch ops counted: besides the kernels only allocations, views and the seeds
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    again = [g.clone() for g in grads]
+    with Ops():
+        opts[0].step_chunked(weight, ChunkedGrad(again), max_norm)
+    return {"finite": [bool(f) for f in finite], "launches": len(launched), "torch_ops": sorted(set(ops)),
+            "torch_op_count": len(ops),
             "chunks": len(ChunkedGrad(grads).spans(limit)),
             "within_a_spacing": bool(((got - want).abs() <= ulp * 1.001).all()),
             "bias_in_spacings": ((got - want) / ulp).mean().item(),
             # along each value's step: a step too long or too short (an update off by a factor) shows here
             "bias_along_step": ((got - want) / ulp * torch.sign(want - start.float())).mean().item(), "moved": (got != start.float()).double().mean().item(),
-            "state_error": max(states.values()), "held_back": not bool(held), "untouched": torch.equal(weight, before)}
+            "state_error": max(states.values()), "held_back": not bool(held), "untouched": untouched}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETER_RUNS_IT,
 DEVICES += ["cuda"] if torch.cuda.is_available() else []
 
 
+ARITHMETIC = {"add", "add_", "addcmul", "addcmul_", "mul", "mul_", "div", "div_", "sum", "mean", "sqrt_", "rsqrt_",
+              "where", "lt", "clamp_", "reciprocal_", "dot", "pow_", "stack", "logical_not", "full", "fill_"}
+
+
 def _neighbours(value: float) -> tuple[float, float]:
     low = torch.tensor(value).bfloat16().float().item()
     if low > value:
@@ -54,6 +58,8 @@ def test_fused_rounding_and_chunked_adafactor_steps(device):
             assert step["launches"] == 0 and step["chunks"] >= 4
         else:
             assert step["launches"] == step["chunks"] >= 10  # a kernel a chunk
+            # the arithmetic between the passes runs in the kernels too: no torch op computes anything
+            assert not set(step["torch_ops"]) & ARITHMETIC, step["torch_ops"]
         assert step["finite"] == [True, True]
         assert step["within_a_spacing"] and abs(step["bias_in_spacings"]) < 0.02  # a neighbour, unbiased
         assert abs(step["bias_along_step"]) < 0.02  # and the step itself as long as the exact one

@@ -31,21 +31,27 @@ beside an fp32 copy of its gradient. Equal to the whole update within float roun
 chunk sums and chunk dot products; a clipped gradient's squares are the squares times the
 scale's square).
 
-On a GPU with Triton, for a bf16 weight written with stochastic rounding, each pass runs as one
-kernel a chunk (`_sums_kernel`, `_squares_kernel`, `_apply_kernel`; the first two leave one
-partial sum a program, which torch adds up: the same order at every run): g^2 and the update
-r[row] c[col] g are formed in registers, never as fp32 tensors, and pass 3 adds the weight decay,
-rounds the new value (memory/stochastic_rounding.py's Philox rounding) and holds it back on a
-False finite flag in the same pass. Per value that is 2 bytes read in each of passes 1 and 2 and
-6 moved in pass 3, against about 26, 22 and 40 for the torch ops; a chunk takes three Triton
-kernels and five small torch ops (the two partial sums' totals, their adds, the seed's draw)
-instead of about twenty full-size ones. It pays where the
-GPU's time is the step's (a step inside backward recorded as a CUDA graph, train/graphs.py);
+On a GPU with Triton, for a bf16 weight written with stochastic rounding, the whole step runs as
+Triton kernels (`_fused_step`): each pass one kernel a chunk (`_sums_kernel`, `_squares_kernel`,
+`_apply_kernel`), and the arithmetic between them in two more (`_factors_kernel`: the norm, its
+finite flag and clipping scale, both moments and the update's factors; `_rms_kernel`: the
+update's RMS clip, the learning rate and the scale in one factor). Passes 1 and 2 leave one partial
+sum a program, which the next kernel adds up in program order: the same order at every run. g^2
+and the update r[row] c[col] g are formed in registers, never as fp32 tensors, and pass 3 adds the
+weight decay, rounds the new value (memory/stochastic_rounding.py's Philox rounding) and holds it
+back on a False finite flag in the same pass. Per value that is 2 bytes read in each of passes 1
+and 2 and 6 moved in pass 3, against about 26, 22 and 40 for the torch ops. The learning rate,
+beta2 and the decay are read from the device (ParamOptimizer.device_scalars), so a step recorded
+as a CUDA graph (train/graphs.py) runs the kernels an eager step compiled. Besides the kernels a
+step makes two allocations, the chunks' views and a seed a chunk, where the torch ops take about
+fifty small launches a tensor: on the host (a step inside backward, eagerly) and on the GPU (a
+recorded one, where every tiny kernel still costs its few microseconds) alike.
 tests/test_fused_kernels.py holds it to the exact fp32 step (each value one of its two bf16
 neighbours, unbiased).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -60,26 +66,26 @@ if triton is not None:
     from vramfit.memory.stochastic_rounding import round_bf16
 
     @triton.jit
-    def _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO: tl.constexpr):
-        """The update (r[row] c[col]) g at `offsets` of a chunk (g: one part, or the sum of two in
-        fp32), as passes 2 and 3 both form it; the torch ops compute the same products in the same
-        order (r c, then times g)."""
+    def _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, factor, TWO: tl.constexpr):
+        """The update (r[row] factor c[col]) g at `offsets` of a chunk (g: one part, or the sum of
+        two in fp32), as passes 2 (factor 1) and 3 both form it; the torch ops compute the same
+        products in the same order (r times the factor, times c, then times g)."""
         g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         if TWO:
             g = g + tl.load(g2_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0)
+        r = tl.load(r_ptr + offsets // cols, mask=inside, other=0.0) * factor
         c = tl.load(c_ptr + offsets % cols, mask=inside, other=0.0)
         return (r * c) * g
 
     @triton.jit
-    def _apply_kernel(p_ptr, g_ptr, g2_ptr, r_ptr, c_ptr, decay_ptr, keep_ptr, seed_ptr, n, cols,
+    def _apply_kernel(p_ptr, g_ptr, g2_ptr, r_ptr, c_ptr, factor_ptr, decay_ptr, keep_ptr, seed_ptr, n, cols,
                       TWO: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr):
         """Pass 3 of a chunked step of a bf16 weight, fused: for each value of the chunk,
-        new = old (+ decay * old) - the update, rounded stochastically into the weight; nothing is
-        written when the finite flag is False."""
+        new = old (+ decay * old) - the update times the step's factor (`_rms_kernel`), rounded
+        stochastically into the weight; nothing is written when the finite flag is False."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n * tl.load(keep_ptr).to(tl.int64)  # a False finite flag: no value is inside
-        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO)
+        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, tl.load(factor_ptr), TWO)
         old = tl.load(p_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         if DECAY:
             old = old + old * tl.load(decay_ptr)
@@ -93,7 +99,7 @@ if triton is not None:
         program = tl.program_id(0)
         offsets = program.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
-        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, TWO)
+        update = _update_at(g_ptr, g2_ptr, r_ptr, c_ptr, offsets, inside, cols, 1.0, TWO)
         tl.store(out_ptr + program, tl.sum(update * update, axis=0))
 
     @triton.jit
@@ -119,30 +125,82 @@ if triton is not None:
             tl.store(part_ptr + program.to(tl.int64) * cols + col, tl.sum(squares, axis=0), mask=in_cols)
         tl.store(row_ptr + row, total, mask=in_rows)
 
+    @triton.jit
+    def _factors_kernel(row_sum_ptr, part_ptr, row_state_ptr, col_state_ptr, r_ptr, c_ptr, scale_ptr, keep_ptr,
+                        beta_ptr, rest_ptr, max_norm, rows, cols, parts, CLIP: tl.constexpr, EPS: tl.constexpr,
+                        ROWS: tl.constexpr, COLS: tl.constexpr):
+        """Between passes 1 and 2, fused: from g^2's row sums and pass 1's partial column sums, the
+        norm's finite flag and clipping scale, both second-moment factors updated (held back on a
+        False flag) and the update's row and column factors. Every program sums the row sums, in
+        the same order, for the norm; program 0 then does the rows (their mean needs all of them),
+        each other program COLS columns, adding up their partial sums in program order."""
+        program = tl.program_id(0)
+        total = tl.zeros((ROWS,), dtype=tl.float32)
+        for start in range(0, rows, ROWS):
+            i = start + tl.arange(0, ROWS)
+            total += tl.load(row_sum_ptr + i, mask=i < rows, other=0.0)
+        norm = tl.sqrt(tl.sum(total, axis=0))
+        finite = norm < float("inf")  # a norm is >= 0 or NaN
+        held = finite.to(tl.int32)  # indices below rows * held (cols * held) are written: none on a False flag
+        if CLIP:  # clip_grad_norm_'s factor; the clipped gradient's squares are the squares times its square
+            scale = tl.minimum(max_norm / (norm + 1e-6), 1.0)
+        else:
+            scale = norm * 0.0 + 1.0
+        squared = scale * scale
+        beta, rest = tl.load(beta_ptr), tl.load(rest_ptr)
+        if program == 0:
+            kept = tl.zeros((ROWS,), dtype=tl.float32)
+            for start in range(0, rows, ROWS):
+                i = start + tl.arange(0, ROWS)
+                inside = i < rows
+                mean = tl.load(row_sum_ptr + i, mask=inside, other=0.0) * squared / cols + EPS
+                new = tl.load(row_state_ptr + i, mask=inside, other=0.0) * beta + rest * mean
+                tl.store(r_ptr + i, new, mask=inside)
+                kept += tl.where(inside, new, 0.0)
+            row_mean = tl.sum(kept, axis=0) / rows
+            tl.debug_barrier()
+            for start in range(0, rows, ROWS):
+                i = start + tl.arange(0, ROWS)
+                inside = i < rows
+                new = tl.load(r_ptr + i, mask=inside, other=1.0)
+                tl.store(row_state_ptr + i, new, mask=i < rows * held)
+                tl.store(r_ptr + i, tl.math.rsqrt(new / row_mean), mask=inside)
+            tl.store(scale_ptr, scale)
+            tl.store(keep_ptr, held.to(tl.uint8))
+        else:
+            j = (program - 1) * COLS + tl.arange(0, COLS)
+            inside = j < cols
+            col = tl.zeros((COLS,), dtype=tl.float32)
+            for part in range(0, parts):
+                col += tl.load(part_ptr + part * cols + j, mask=inside, other=0.0)
+            mean = col * squared / rows + EPS
+            new = tl.load(col_state_ptr + j, mask=inside, other=0.0) * beta + rest * mean
+            tl.store(col_state_ptr + j, new, mask=j < cols * held)
+            tl.store(c_ptr + j, tl.math.rsqrt(new), mask=inside)
+
+    @triton.jit
+    def _rms_kernel(part_ptr, scale_ptr, factor_ptr, lr_ptr, parts, count, CLIP: tl.constexpr,
+                    LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+        """After pass 2, one program: the update's RMS from pass 2's partial sums (in program order)
+        and the factor pass 3 multiplies the update by: the RMS clip, the learning rate and the
+        clipping scale at once."""
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, parts, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            total += tl.load(part_ptr + i, mask=i < parts, other=0.0)
+        rms = tl.sqrt(tl.sum(total, axis=0) / count)
+        if CLIP:
+            rms = rms * tl.load(scale_ptr)
+        factor = (1.0 / tl.maximum(rms / LIMIT, 1.0)) * tl.load(lr_ptr)
+        if CLIP:
+            factor = factor * tl.load(scale_ptr)
+        tl.store(factor_ptr, factor)
+
 
 SUM_ROWS, SUM_COLS = 16, 256  # a pass-1 program's rows, and the columns it reads at a time
+FACTOR_ROWS, FACTOR_COLS = 1024, 256  # `_factors_kernel`: rows read at a time; columns of a program
+ALIGN = 16  # fp32 values: each piece of a fused step's buffer starts 64 bytes in, as a fresh tensor
 
-
-def _sums_fused(parts: list[torch.Tensor], row_sum: torch.Tensor) -> torch.Tensor:
-    """Pass 1 on one chunk: its rows' sums of g^2 written into `row_sum`; returns its column sums."""
-    rows, cols = parts[0].shape
-    programs = triton.cdiv(rows, SUM_ROWS)
-    partial = torch.empty(programs, cols, dtype=torch.float32, device=row_sum.device)
-    with on(row_sum.device):
-        _sums_kernel[(programs,)](parts[0], parts[-1], row_sum, partial, rows, cols, TWO=len(parts) == 2,
-                                  ROWS=SUM_ROWS, COLS=SUM_COLS)
-    return partial.sum(dim=0)
-
-
-def _squares_fused(parts: list[torch.Tensor], r_factor: torch.Tensor, c_factor: torch.Tensor) -> torch.Tensor:
-    """The sum of the squares of one chunk's update (pass 2) from `_squares_kernel`."""
-    n, cols = parts[0].numel(), parts[0].shape[-1]
-    programs = triton.cdiv(n, FUSED_BLOCK)
-    partial = torch.empty(programs, dtype=torch.float32, device=parts[0].device)
-    with on(partial.device):
-        _squares_kernel[(programs,)](parts[0], parts[-1], r_factor, c_factor, partial, n, cols,
-                                     TWO=len(parts) == 2, BLOCK=FUSED_BLOCK)
-    return partial.sum()
 
 EPS1 = 1e-30
 CLIP_THRESHOLD = 1.0
@@ -209,15 +267,13 @@ class Adafactor(ParamOptimizer):
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
         group, state, hyper, spans = self._begin_chunked(p, grad)
+        if self._fused_passes(p, grad):
+            return self._fused_step(p, grad, group, state, hyper, spans, max_norm)
         rows, cols = grad.shape
         # pass 1: g^2's row and column sums, unscaled; the norm is their total
         row_sum = torch.empty(rows, dtype=torch.float32, device=p.device)
         col_sum = torch.zeros(cols, dtype=torch.float32, device=p.device)
-        fused = self._fused_passes(p, grad)
         for start, stop in spans:
-            if fused:
-                col_sum.add_(_sums_fused([t[start:stop] for t in grad.parts], row_sum[start:stop]))
-                continue
             sq = grad.rows(start, stop).square_()
             torch.sum(sq, dim=-1, out=row_sum[start:stop])
             col_sum.add_(sq.sum(dim=0))
@@ -239,9 +295,6 @@ class Adafactor(ParamOptimizer):
 
         square_sum = torch.zeros((), dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 2: the update's RMS
-            if fused:
-                square_sum.add_(_squares_fused([t[start:stop] for t in grad.parts], r_factor[start:stop], c_factor))
-                continue
             flat = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop).view(-1)
             square_sum.add_(torch.dot(flat, flat))
             del flat
@@ -254,15 +307,8 @@ class Adafactor(ParamOptimizer):
             factor.mul_(scale)
         r_factor.mul_(factor)
         matrix = p.view(rows, cols)
-        decay = hyper["decay"] if group["weight_decay"] else None
-        if fused and decay is not None and not torch.is_tensor(decay):  # the kernel reads it from the device
-            decay = torch.full((), decay, dtype=torch.float32, device=p.device)
         for start, stop in spans:  # pass 3: the update, written back chunk by chunk
             old = matrix[start:stop]
-            if fused:
-                self._apply_fused(old, [t[start:stop] for t in grad.parts], r_factor[start:stop], c_factor, decay,
-                                  finite)
-                continue
             step = grad.times(torch.mul(r_factor[start:stop], c_factor), start, stop)
             if group["weight_decay"]:
                 old32 = old.float()
@@ -274,22 +320,61 @@ class Adafactor(ParamOptimizer):
         return finite
 
     def _fused_passes(self, p: torch.Tensor, grad: ChunkedGrad) -> bool:
-        """Whether the passes of this chunked step run as Triton kernels (`_sums_kernel`,
-        `_squares_kernel`, `_apply_kernel`): a bf16 weight written with stochastic rounding, a
-        gradient of one or two contiguous parts, on a GPU with Triton."""
+        """Whether this chunked step runs as Triton kernels (`_fused_step`): a bf16 weight written
+        with stochastic rounding, a gradient of one or two contiguous parts, on a GPU with Triton."""
         return self._fuses(p) and len(grad.parts) <= 2 and fused_kernels(p, *grad.parts)
 
-    def _apply_fused(self, old: torch.Tensor, parts: list[torch.Tensor], r_factor: torch.Tensor,
-                     c_factor: torch.Tensor, decay, finite: torch.Tensor) -> None:
-        """Pass 3 of a chunked step on one chunk in one kernel (`_apply_kernel`)."""
-        device = old.device
-        seed = device_seed(self.rounding(device), device)
-        rows, cols = old.shape
+    def _fused_step(self, p: torch.Tensor, grad: ChunkedGrad, group: dict, state: dict, hyper: dict,
+                    spans: list[tuple[int, int]], max_norm: float) -> torch.Tensor:
+        """`step_chunked`'s arithmetic as five Triton kernels and a seed's draw per chunk, with one
+        buffer for everything they pass on: pass 1 a chunk (`_sums_kernel`), the factors
+        (`_factors_kernel`), pass 2 a chunk (`_squares_kernel`), the step's factor
+        (`_rms_kernel`), pass 3 a chunk (`_apply_kernel`). The numbers they read (the learning
+        rate, beta2 and the decay) are read from the device, eagerly as when a step is recorded
+        (`device_scalars`), so a recording meets the kernels an eager step compiled."""
+        rows, cols = grad.shape
+        device = p.device
+        two = len(grad.parts) == 2
+        pieces = [[t[start:stop] for t in grad.parts] for start, stop in spans]
+        sums = [triton.cdiv(stop - start, SUM_ROWS) for start, stop in spans]  # pass 1's programs a chunk
+        squares = [triton.cdiv((stop - start) * cols, FUSED_BLOCK) for start, stop in spans]  # pass 2's
+        sizes = (rows, rows, cols, sum(sums) * cols, sum(squares), 1, 1)
+        padded = [-(-n // ALIGN) * ALIGN for n in sizes]
+        starts = [0, *itertools.accumulate(padded)]
+        buffer = torch.empty(starts[-1], dtype=torch.float32, device=device)
+        row_sum, r_factor, c_factor, part1, part2, scale, factor = (
+            buffer[start:start + n] for start, n in zip(starts, sizes))
+        finite = torch.empty((), dtype=torch.bool, device=device)
+        keep = finite.view(torch.uint8)
+        numbers = self.device_scalars(hyper, device)
+        clip = max_norm > 0
         with on(device):
-            _apply_kernel[(triton.cdiv(old.numel(), FUSED_BLOCK),)](
-                old, parts[0], parts[-1], r_factor, c_factor, decay if decay is not None else seed,
-                finite.view(torch.uint8), seed,
-                old.numel(), cols, TWO=len(parts) == 2, DECAY=decay is not None, BLOCK=FUSED_BLOCK)
+            first = 0
+            for (start, stop), parts, programs in zip(spans, pieces, sums):
+                _sums_kernel[(programs,)](parts[0], parts[-1], row_sum[start:stop], part1[first * cols:], stop - start,
+                                          cols, TWO=two, ROWS=SUM_ROWS, COLS=SUM_COLS)
+                first += programs
+            _factors_kernel[(1 + triton.cdiv(cols, FACTOR_COLS),)](
+                row_sum, part1, state["exp_avg_sq_row"], state["exp_avg_sq_col"], r_factor, c_factor, scale, keep,
+                numbers["beta2t"], numbers["rest"], float(max_norm), rows, cols, first, CLIP=clip, EPS=EPS1,
+                ROWS=FACTOR_ROWS, COLS=FACTOR_COLS)
+            first = 0
+            for (start, stop), parts, programs in zip(spans, pieces, squares):
+                _squares_kernel[(programs,)](parts[0], parts[-1], r_factor[start:stop], c_factor, part2[first:],
+                                             (stop - start) * cols, cols, TWO=two, BLOCK=FUSED_BLOCK)
+                first += programs
+            _rms_kernel[(1,)](part2, scale, factor, numbers["lr"], first, float(rows * cols), CLIP=clip,
+                              LIMIT=CLIP_THRESHOLD, BLOCK=FUSED_BLOCK)
+            decay = numbers["decay"] if group["weight_decay"] else None
+            matrix = p.view(rows, cols)
+            for (start, stop), parts in zip(spans, pieces):
+                seed = device_seed(self.rounding(device), device)
+                old = matrix[start:stop]
+                _apply_kernel[(triton.cdiv(old.numel(), FUSED_BLOCK),)](
+                    old, parts[0], parts[-1], r_factor[start:stop], c_factor, factor,
+                    decay if decay is not None else seed, keep, seed, old.numel(), cols, TWO=two,
+                    DECAY=decay is not None, BLOCK=FUSED_BLOCK)
+        return finite
 
     def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         shape = p32.shape

@@ -190,6 +190,7 @@ class ParamOptimizer(torch.optim.Optimizer):
         self._recorded: Optional[RecordedScalars] = None  # while a CUDA graph records steps
         self._counting = False
         self._counted: list[dict] = []  # the states the last `step(finite=...)` counted
+        self._on_device: dict[tuple, dict[str, torch.Tensor]] = {}  # `device_scalars`, by the numbers
 
     def _advance(self, states: list[dict], group: dict) -> dict:
         """Count one step of each of `states` (one parameter, or a pack of them at one step
@@ -202,6 +203,27 @@ class ParamOptimizer(torch.optim.Optimizer):
         if self._recorded is not None:
             return self._recorded.place(states, group)
         return self.scalars(group, states[0]["step"])
+
+    def device_scalars(self, hyper: dict, device: torch.device) -> dict[str, torch.Tensor]:
+        """A step's `scalars` as 0-dim fp32 tensors on `device`, 16 bytes apart as RecordedScalars
+        places are, for kernels that read them there: a recorded step's places as they are, else
+        the numbers, copied there once (one copy from pinned memory, which does not hold the host
+        up) for every step that shares them (a group's parameters at one step count)."""
+        if any(torch.is_tensor(v) for v in hyper.values()):
+            return hyper
+        key = (device, *hyper.items())
+        found = self._on_device.get(key)
+        if found is None:
+            if len(self._on_device) >= 64:  # earlier steps' numbers (a schedule moves the learning rate)
+                self._on_device.clear()
+            slot = RecordedScalars.SLOT
+            host = torch.zeros(len(hyper) * slot, dtype=torch.float32)
+            host[::slot] = torch.tensor(list(hyper.values()), dtype=torch.float32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            values = host.to(device, non_blocking=True)
+            found = self._on_device[key] = {name: values[i * slot] for i, name in enumerate(hyper)}
+        return found
 
     def record_scalars(self, device: torch.device, capacity: int) -> "RecordedScalars":
         """From now until `RecordedScalars.close()`, steps read their scalars from places on

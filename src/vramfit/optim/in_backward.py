@@ -272,7 +272,9 @@ class BackwardSteps:
         for finite in flags:
             by_device.setdefault(finite.device, []).append(finite)
         for device, group in by_device.items():
-            self._held_count(device).add_(torch.stack(group).logical_not().sum())
+            # one flag (a chunked tensor's) adds itself: two kernels, not four
+            held = group[0].logical_not() if len(group) == 1 else torch.stack(group).logical_not().sum()
+            self._held_count(device).add_(held)
 
     def _held_count(self, device: torch.device) -> torch.Tensor:
         """The count of held-back tensors on `device`. It stays put once made (zeroed after each
