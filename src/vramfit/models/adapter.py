@@ -80,7 +80,20 @@ class Family(Protocol):
                       generator: torch.Generator, device: torch.device,
                       dtype: torch.dtype) -> torch.Tensor:
         """The family's objective on one micro-batch (cached/live encodings), random draws
-        from `generator` only."""
+        from `generator` only: `loss_from` of `loss_inputs`."""
+        ...
+
+    def loss_inputs(self, bundle: ModelBundle, batch: dict[str, torch.Tensor], cfg: Any,
+                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Everything the loss of one micro-batch needs from the host, as CPU tensors: its
+        conditioning and every random draw (so the training loop can make them ahead and copy them
+        to the device without holding the host up, train/loop.py)."""
+        ...
+
+    def loss_from(self, bundle: ModelBundle, inputs: dict[str, torch.Tensor], cfg: Any, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The loss of `loss_inputs`, whether they are still on the CPU or already on `device`:
+        the same values either way."""
         ...
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,

@@ -321,12 +321,18 @@ class SD3Family:
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Rectified-flow loss (velocity target) with SD3's timestep density and loss weighting."""
+        return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
+
+    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """What `loss_from` needs from the host, on the CPU: the batch's conditioning, every random
+        draw of the loss (the latent sample, the noise, the timestep density's) and what follows
+        from them there (the sigmas, the model's timesteps, the loss weights)."""
         for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
         scheme = getattr(cfg, "weighting_scheme", flow.DEFAULT_SCHEME)
-        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator).to(device)
-        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(device)
+        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
         u = flow.sample_density(scheme, latents.shape[0], generator,
                                 logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
                                 logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
@@ -334,11 +340,18 @@ class SD3Family:
         sched = bundle.noise_scheduler.config
         table = flow.shifted_sigmas(sched.num_train_timesteps, sched.shift)
         sigmas, timesteps = flow.lookup_sigmas(u, table)
-        noisy, target = flow.flow_inputs(latents, noise, sigmas)
-        text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
-        pred = self.predict(bundle, noisy.to(dtype), timesteps.to(device), text)
-        return weighted_mse(pred, target, flow.loss_weighting(scheme, sigmas).to(device),
-                            batch.get("sample_weight"))
+        inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
+                  "weights": flow.loss_weighting(scheme, sigmas)}
+        inputs.update({k: batch[k] for k in ("prompt_embeds", "pooled", "sample_weight") if k in batch})
+        return inputs
+
+    def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
+        noisy, target = flow.flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
+        text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
+        pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
+        return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"))
 
     # ---- saving ------------------------------------------------------------------------------
     def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.models.adapter import ModelBundle, Source
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
-from vramfit.train.objectives import epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.train.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -239,12 +239,25 @@ class SDXLFamily:
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Epsilon-prediction loss on SDXL's DDPM schedule, with noise offset and min-SNR weights."""
-        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator).to(device)
-        noisy, noise, timesteps = epsilon_inputs(latents, bundle.noise_scheduler, generator, cfg.noise_offset)
-        text = {k: batch[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
-        pred = self.predict(bundle, noisy.to(dtype), timesteps, text, batch["time_ids"].to(device, dtype))
+        return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
+
+    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """What `loss_from` needs from the host, on the CPU: the batch's conditioning and every
+        random draw of the loss (the latent sample, the noise and the timesteps)."""
+        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
+        inputs = {"latents": latents, **epsilon_draws(latents.shape, bundle.noise_scheduler, generator, cfg.noise_offset)}
+        inputs.update({k: batch[k] for k in ("prompt_embeds", "pooled", "time_ids", "sample_weight") if k in batch})
+        return inputs
+
+    def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
+        latents = inputs["latents"].to(device)
+        noisy, noise, timesteps = epsilon_inputs(latents, bundle.noise_scheduler, inputs, cfg.noise_offset)
+        text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
+        pred = self.predict(bundle, noisy.to(dtype), timesteps, text, inputs["time_ids"].to(device, dtype))
         weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
-        return weighted_mse(pred, noise, weights, batch.get("sample_weight"))
+        return weighted_mse(pred, noise, weights, inputs.get("sample_weight"))
 
     # ---- saving ------------------------------------------------------------------------------
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -61,11 +61,78 @@ class LoopResult:
 def micro_step_loss(family: Family, bundle: ModelBundle, batch: dict, cfg: TrainConfig,
                     generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Loss of one micro-batch (not yet divided by the accumulation count)."""
+    return inputs_loss(family, bundle, family.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
+
+
+def inputs_loss(family: Family, bundle: ModelBundle, inputs: dict, cfg: TrainConfig, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Loss of one micro-batch from its `Family.loss_inputs`."""
     # CUDA graphs record the casts themselves; autocast's cache of cast weights cannot be recorded
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cfg.cuda_graphs is not True)
                 if cfg.precision == "mixed_bf16" else nullcontext())
     with autocast:
-        return family.training_loss(bundle, batch, cfg, generator, device, dtype)
+        return family.loss_from(bundle, inputs, cfg, device, dtype)
+
+
+class Feeder:
+    """The micro-batches of a run with their loss inputs, made one ahead.
+
+    What a micro-batch's loss needs from the host (its batch from the cache and every random draw:
+    `Family.loss_inputs`) is made on the CPU and, on a GPU, put in pinned memory and copied to the
+    device without holding the host up. The loop calls `ahead()` just before it waits for the GPU
+    (reading the step's loss), so the next step's inputs are made while the GPU still works on
+    this one and its kernels follow at once, instead of the GPU waiting for the host at every step's
+    start. Each micro-batch draws from its own generator (`micro_batch_generator`), so when its
+    draws are made changes none of them. Making one ahead leaves `progress` as it was: the
+    micro-batch counts as taken only in `take()`, so a state saved in between resumes with it; an
+    error in making them (an unreadable cache entry) is raised there too, where it was met before."""
+
+    def __init__(self, family: Family, bundle: ModelBundle, data: TrainingData, cfg: TrainConfig,
+                 batches: Iterator[tuple[int, list[Record]]], progress: Progress, device: torch.device):
+        self.family, self.bundle, self.data, self.cfg = family, bundle, data, cfg
+        self.batches, self.progress, self.device = batches, progress, device
+        self._next: Optional[tuple[int, list[Record], dict, tuple]] = None
+        self._failed: Optional[tuple[Exception, Optional[tuple]]] = None  # (error, position after the take)
+
+    def take(self) -> tuple[int, list[Record], dict]:
+        """(global index, records, loss inputs on the device) of the next micro-batch."""
+        self.ahead()
+        if self._failed is not None:
+            error, position = self._failed
+            self._failed = None
+            if position is not None:
+                self._place(position)
+            raise error
+        index, group, inputs, position = self._next
+        self._next = None
+        self._place(position)
+        return index, group, inputs
+
+    def ahead(self) -> None:
+        """Make the next micro-batch's inputs now (nothing when they are made already)."""
+        if self._next is not None or self._failed is not None:
+            return
+        before, after = self._position(), None
+        try:
+            index, group = next(self.batches)
+            after = self._position()
+            inputs = self.family.loss_inputs(self.bundle, self.data.batch(group), self.cfg,
+                                             micro_batch_generator(self.cfg.seed, index))
+            if self.device.type == "cuda":
+                inputs = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in inputs.items()}
+        except Exception as error:  # noqa: BLE001 - raised again by `take`
+            self._failed = (error, after)
+            return
+        finally:
+            self._place(before)
+        self._next = (index, group, inputs, after)
+
+    def _position(self) -> tuple[int, int, int]:
+        p = self.progress
+        return p.epoch, p.batch_in_epoch, p.micro_batches
+
+    def _place(self, position: tuple[int, int, int]) -> None:
+        self.progress.epoch, self.progress.batch_in_epoch, self.progress.micro_batches = position
 
 
 def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuffle: bool) -> Iterator[list[Record]]:
@@ -101,11 +168,11 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
     batches = ranks.micro_batches(epoch_batches(data, cfg, progress, shuffle), progress)
     loss_bundle = ranks.forward_bundle(bundle)
+    feed = Feeder(family, loss_bundle, data, cfg, batches, progress, device)
     params = [p for p in unet.parameters() if p.requires_grad]
 
-    def forward(index: int, group: list[Record]) -> torch.Tensor:
-        return micro_step_loss(family, loss_bundle, data.batch(group), cfg, micro_batch_generator(cfg.seed, index),
-                               device, dtype)
+    def forward(inputs: dict) -> torch.Tensor:
+        return inputs_loss(family, loss_bundle, inputs, cfg, device, dtype)
 
     grad_hooks = optional_steps(params, optimizer, in_backward=cfg.optimizer_in_backward,
                                 round_sums=cfg.stochastic_rounding, grad_accum=cfg.grad_accum,
@@ -133,9 +200,9 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         while progress.step < cfg.steps:
             t0 = time.perf_counter()
             if cfg.optimizer_in_backward:
-                value = _step_in_backward(forward, batches, optimizer, grad_hooks, cfg, progress, device)
+                value = _step_in_backward(forward, feed, optimizer, grad_hooks, cfg, progress, device)
             else:
-                value = _step_after_backward(forward, batches, optimizer, params, grad_hooks, cfg, progress, device,
+                value = _step_after_backward(forward, feed, optimizer, params, grad_hooks, cfg, progress, device,
                                              ranks)
             schedule.step()
             progress.step += 1
@@ -156,25 +223,30 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     return result
 
 
-def _accumulate(forward, batches: Iterator[list[Record]], grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
-                device: torch.device, check_last: bool,
+def _accumulate(forward, feed: Feeder, grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
+                device: torch.device, check_last: bool, more: bool,
                 ranks: Optional[DataParallel] = None) -> tuple[torch.Tensor, list[Record], bool]:
     """Forward and backward of one optimizer step's micro-batches: (mean loss, records, whether
     every backward ran). With `check_last` the mean loss is read (one host sync) before the last
-    backward, which is skipped when the loss is not finite. Over several ranks each rank runs
-    its share of the micro-batches and only the last backward averages gradients across them."""
+    backward, which is skipped when the loss is not finite; the next step's inputs are made
+    before that read where there is a `more` step. Over several ranks each rank runs its share of
+    the micro-batches and only the last backward averages gradients across them."""
     ranks = ranks or DataParallel()
     total = torch.zeros((), device=device)
     used: list[Record] = []
     for i in range(cfg.grad_accum):
         last = i == cfg.grad_accum - 1
-        index, group = next(batches)
+        _, group, inputs = feed.take()
         used += group
         with ranks.sync(last):
-            loss = forward(index, group)
+            loss = forward(inputs)
+            del inputs
             total += loss.detach() / cfg.grad_accum
-            if last and check_last and not math.isfinite(float(total)):
-                return total, used, False
+            if last and check_last:
+                if more:
+                    feed.ahead()
+                if not math.isfinite(float(total)):
+                    return total, used, False
             if grad_hooks is not None:
                 grad_hooks.begin(last)
             (loss / cfg.grad_accum).backward()
@@ -182,10 +254,11 @@ def _accumulate(forward, batches: Iterator[list[Record]], grad_hooks: Optional[B
     return total, used, True
 
 
-def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Parameter],
+def _step_after_backward(forward, feed: Feeder, optimizer, params: list[torch.nn.Parameter],
                          grad_hooks: Optional[BackwardSteps], cfg: TrainConfig, progress: Progress,
                          device: torch.device, ranks: Optional[DataParallel] = None) -> float:
-    total, used, _ = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=False, ranks=ranks)
+    more = progress.step + 1 < cfg.steps
+    total, used, _ = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=False, more=more, ranks=ranks)
     total = (ranks or DataParallel()).mean(total)  # every rank logs and decides on the same value
     if grad_hooks is not None:
         grad_hooks.finish()  # stochastically rounded sums become p.grad
@@ -202,6 +275,8 @@ def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Para
     finite = torch.isfinite(norm) & torch.isfinite(total)
     optimizer.step(finite=finite)
     optimizer.zero_grad(set_to_none=True)
+    if more:
+        feed.ahead()  # while the GPU works on this step
     value = float(total)  # the host sync
     if not bool(finite):
         optimizer.take_back()  # the step counts the host advanced
@@ -209,12 +284,13 @@ def _step_after_backward(forward, batches, optimizer, params: list[torch.nn.Para
     return value
 
 
-def _step_in_backward(forward, batches, optimizer, grad_hooks: BackwardSteps, cfg: TrainConfig,
+def _step_in_backward(forward, feed: Feeder, optimizer, grad_hooks: BackwardSteps, cfg: TrainConfig,
                       progress: Progress, device: torch.device) -> float:
     """Each parameter steps in its gradient hook during the last backward (optim/in_backward.py).
     A non-finite loss is caught before that backward, so nothing of the step is applied; a
     non-finite gradient tensor is held back while the finite ones are applied."""
-    total, used, complete = _accumulate(forward, batches, grad_hooks, cfg, device, check_last=True)
+    total, used, complete = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=True,
+                                        more=progress.step + 1 < cfg.steps)
     value = float(total)
     if not complete:
         grad_hooks.discard()

@@ -8,18 +8,23 @@ from __future__ import annotations
 import torch
 
 
-def _draw(shape, generator: torch.Generator, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device, dtype)
-
-
-def epsilon_inputs(latents: torch.Tensor, scheduler, generator: torch.Generator, noise_offset: float):
-    """Noisy latents, the noise to predict, and the timesteps, as SDXL's training scripts draw them."""
-    b, c = latents.shape[:2]
-    noise = _draw(latents.shape, generator, latents.device)
+def epsilon_draws(shape: torch.Size, scheduler, generator: torch.Generator, noise_offset: float) -> dict[str, torch.Tensor]:
+    """The random draws of `epsilon_inputs`, on the CPU, in the order SDXL's training scripts
+    draw them: the noise, the offset noise (with noise_offset > 0), the timesteps."""
+    draws = {"noise": torch.randn(shape, generator=generator, dtype=torch.float32)}
     if noise_offset > 0:
-        noise = noise + noise_offset * _draw((b, c, 1, 1), generator, latents.device)
-    n = scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, n, (b,), generator=generator).to(latents.device)
+        draws["offset_noise"] = torch.randn(tuple(shape[:2]) + (1, 1), generator=generator, dtype=torch.float32)
+    draws["timesteps"] = torch.randint(0, scheduler.config.num_train_timesteps, (shape[0],), generator=generator)
+    return draws
+
+
+def epsilon_inputs(latents: torch.Tensor, scheduler, draws: dict[str, torch.Tensor], noise_offset: float):
+    """Noisy latents, the noise to predict, and the timesteps, on the latents' device, from
+    `epsilon_draws` (on the CPU or already there)."""
+    noise = draws["noise"].to(latents.device)
+    if noise_offset > 0:
+        noise = noise + noise_offset * draws["offset_noise"].to(latents.device)
+    timesteps = draws["timesteps"].to(latents.device)
     noisy = scheduler.add_noise(latents.float(), noise, timesteps)
     return noisy, noise, timesteps
 
