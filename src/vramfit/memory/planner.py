@@ -433,9 +433,9 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             "pack numel": min(sum(x.numel for x in trained), max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL))}
 
 
-def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
+def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms: dict[str, int]) -> dict[str, int]:
+    """The training phase's parts; `terms`: `device_terms(facts, cfg)`."""
     t = cfg.train
-    terms = device_terms(facts, cfg)
     grads = terms["gradients"]
     temps = STEP_TEMP_BYTES[t.optimizer] * terms["pack numel"]
     act = _activations(facts, cfg, side)
@@ -519,10 +519,10 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     if cfg.cache.text:
         parts = _text_phase(facts, cfg, min(captions, TEXT_CHUNK))
         phases.append(PhaseEstimate("cache_text", sum(parts.values()), parts))
-    parts = _train_phase(facts, cfg, side)
+    terms = device_terms(facts, cfg)
+    parts = _train_phase(facts, cfg, side, terms)
     phases.append(PhaseEstimate("train", sum(parts.values()), parts))
     if cfg.sample.every_steps and cfg.sample.prompts:
-        terms = device_terms(facts, cfg)
         samples = _samples_phase(facts, cfg, terms)  # (CUDA graphs drop their pool and buffers before a grid)
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
     parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}
