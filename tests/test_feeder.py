@@ -15,7 +15,7 @@ from vramfit.train.state import Progress
 class Family:
     """Stands in for a model family: the inputs are the batch plus a draw from the micro-batch's generator."""
 
-    def loss_inputs(self, bundle, batch, cfg, generator):
+    def loss_inputs(self, bundle, batch, cfg, generator, dtype=None):
         return {"x": batch["x"] + torch.rand(batch["x"].shape, generator=generator)}
 
 
@@ -83,3 +83,32 @@ def test_an_error_made_ahead_is_raised_when_that_micro_batch_is_taken():
     with pytest.raises(RuntimeError, match=f"item {first} became unreadable"):
         feeder.take()
     assert _position(progress) == (0, 1, 1)  # where taking it without ahead leaves the run
+
+
+@pytest.mark.parametrize("model", ["tiny:sdxl", "tiny:sd3"])
+def test_conditioning_cast_ahead_gives_the_loss_of_conditioning_cast_by_the_loss(model):
+    """The Feeder asks `loss_inputs` for the training dtype (fewer bytes pinned and copied): the
+    loss is the one of fp32 inputs that `loss_from` casts itself, to the bit."""
+    from vramfit.config.schema import ModelConfig
+    from vramfit.models.registry import detect_family
+    from vramfit.models.sources import resolve_source
+
+    source = resolve_source(ModelConfig(path=model))
+    family = detect_family(source)
+    bundle = family.load(source)
+    bundle = dataclasses.replace(bundle, denoiser=bundle.denoiser.to(torch.bfloat16))
+    cpu = torch.device("cpu")
+    torch.manual_seed(1)
+    batch = family.encode_images(bundle, torch.rand(2, 3, 64, 64) * 2 - 1, cpu, torch.float32, tiling=False)
+    batch.update(family.encode_text(bundle, ["a red circle", "a blue square"], cpu, torch.float32))
+    if model == "tiny:sdxl":
+        batch["time_ids"] = torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)
+    cfg = TrainConfig(precision="full_bf16", noise_offset=0.05 if model == "tiny:sdxl" else 0.0)
+    with torch.no_grad():
+        losses = [family.loss_from(bundle, family.loss_inputs(bundle, batch, cfg, torch.Generator().manual_seed(2),
+                                                              dtype), cfg, cpu, torch.bfloat16)
+                  for dtype in (None, torch.bfloat16)]
+    cast = family.loss_inputs(bundle, batch, cfg, torch.Generator().manual_seed(2), torch.bfloat16)
+    assert cast["prompt_embeds"].dtype == torch.bfloat16 and batch["prompt_embeds"].dtype == torch.float32
+    assert cast["latents"].dtype == cast["noise"].dtype == torch.float32  # the noise arithmetic stays fp32
+    assert torch.equal(losses[0], losses[1]) and torch.isfinite(losses[0])

@@ -5,18 +5,23 @@ import torch
 from diffusers import DDPMScheduler
 
 from vramfit.models.tiny import shipped_config
-from vramfit.train.objectives import epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.train.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
 
 
 def _sched():
     return DDPMScheduler.from_config(shipped_config("sdxl_scheduler"))
 
 
+def _inputs(x, sched, seed: int, offset: float):
+    draws = epsilon_draws(x.shape, sched, torch.Generator().manual_seed(seed), offset)
+    return epsilon_inputs(x, sched, draws, offset)
+
+
 def test_noisy_latents_follow_the_ddpm_schedule_and_are_seeded():
     sched = _sched()
     x = torch.randn(3, 4, 8, 8)
-    a = epsilon_inputs(x, sched, torch.Generator().manual_seed(0), 0.0)
-    b = epsilon_inputs(x, sched, torch.Generator().manual_seed(0), 0.0)
+    a = _inputs(x, sched, 0, 0.0)
+    b = _inputs(x, sched, 0, 0.0)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     noisy, noise, t = a
     ab = sched.alphas_cumprod[t].view(-1, 1, 1, 1)
@@ -27,8 +32,8 @@ def test_noisy_latents_follow_the_ddpm_schedule_and_are_seeded():
 def test_noise_offset_adds_a_per_channel_constant():
     sched = _sched()
     x = torch.zeros(2, 4, 16, 16)
-    _, plain, _ = epsilon_inputs(x, sched, torch.Generator().manual_seed(0), 0.0)
-    _, offset, _ = epsilon_inputs(x, sched, torch.Generator().manual_seed(0), 0.5)
+    _, plain, _ = _inputs(x, sched, 0, 0.0)
+    _, offset, _ = _inputs(x, sched, 0, 0.5)
     diff = offset - plain
     assert diff.abs().max() > 0.01
     # the same shift over every pixel of a channel

@@ -84,10 +84,11 @@ class Family(Protocol):
         ...
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict[str, torch.Tensor], cfg: Any,
-                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+                    generator: torch.Generator, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
         """Everything the loss of one micro-batch needs from the host, as CPU tensors: its
         conditioning and every random draw (so the training loop can make them ahead and copy them
-        to the device without holding the host up, train/loop.py)."""
+        to the device without holding the host up, train/loop.py). With `dtype` (the training's)
+        the conditioning `loss_from` casts to it is cast already."""
         ...
 
     def loss_from(self, bundle: ModelBundle, inputs: dict[str, torch.Tensor], cfg: Any, device: torch.device,

@@ -323,10 +323,12 @@ class SD3Family:
         """Rectified-flow loss (velocity target) with SD3's timestep density and loss weighting."""
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
-    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
         """What `loss_from` needs from the host, on the CPU: the batch's conditioning, every random
         draw of the loss (the latent sample, the noise, the timestep density's) and what follows
-        from them there (the sigmas, the model's timesteps, the loss weights)."""
+        from them there (the sigmas, the model's timesteps, the loss weights). With `dtype` the
+        conditioning is in that dtype already, as `loss_from` casts it (the same values)."""
         for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
@@ -342,7 +344,9 @@ class SD3Family:
         sigmas, timesteps = flow.lookup_sigmas(u, table)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
                   "weights": flow.loss_weighting(scheme, sigmas)}
-        inputs.update({k: batch[k] for k in ("prompt_embeds", "pooled", "sample_weight") if k in batch})
+        inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
+        if "sample_weight" in batch:
+            inputs["sample_weight"] = batch["sample_weight"]
         return inputs
 
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -241,12 +241,16 @@ class SDXLFamily:
         """Epsilon-prediction loss on SDXL's DDPM schedule, with noise offset and min-SNR weights."""
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
-    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
         """What `loss_from` needs from the host, on the CPU: the batch's conditioning and every
-        random draw of the loss (the latent sample, the noise and the timesteps)."""
+        random draw of the loss (the latent sample, the noise and the timesteps). With `dtype` the
+        conditioning is in that dtype already, as `loss_from` casts it (the same values)."""
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
         inputs = {"latents": latents, **epsilon_draws(latents.shape, bundle.noise_scheduler, generator, cfg.noise_offset)}
-        inputs.update({k: batch[k] for k in ("prompt_embeds", "pooled", "time_ids", "sample_weight") if k in batch})
+        inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled", "time_ids")})
+        if "sample_weight" in batch:
+            inputs["sample_weight"] = batch["sample_weight"]
         return inputs
 
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,

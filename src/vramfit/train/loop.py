@@ -79,18 +79,23 @@ class Feeder:
 
     What a micro-batch's loss needs from the host (its batch from the cache and every random draw:
     `Family.loss_inputs`) is made on the CPU and, on a GPU, put in pinned memory and copied to the
-    device without holding the host up. The loop calls `ahead()` just before it waits for the GPU
-    (reading the step's loss), so the next step's inputs are made while the GPU still works on
-    this one and its kernels follow at once, instead of the GPU waiting for the host at every step's
-    start. Each micro-batch draws from its own generator (`micro_batch_generator`), so when its
+    device without holding the host up; the conditioning is cast to the training's dtype first, as
+    the loss would cast it on the device (the same values, fewer bytes). The loop calls `ahead()`
+    before it waits for the GPU, after the step's launches (the step after backward) or the last
+    backward's (the step inside it), so the next step's inputs are made while the GPU still works
+    on this one, in memory those launches have let go of (the step's peak does not grow by them),
+    and its kernels follow at once, instead of the GPU waiting for the host at every step's start.
+    Where the device has no room for them yet, they stay in pinned memory and the loss copies
+    them. Each micro-batch draws from its own generator (`micro_batch_generator`), so when its
     draws are made changes none of them. Making one ahead leaves `progress` as it was: the
     micro-batch counts as taken only in `take()`, so a state saved in between resumes with it; an
     error in making them (an unreadable cache entry) is raised there too, where it was met before."""
 
     def __init__(self, family: Family, bundle: ModelBundle, data: TrainingData, cfg: TrainConfig,
-                 batches: Iterator[tuple[int, list[Record]]], progress: Progress, device: torch.device):
+                 batches: Iterator[tuple[int, list[Record]]], progress: Progress, device: torch.device,
+                 dtype: Optional[torch.dtype] = None):
         self.family, self.bundle, self.data, self.cfg = family, bundle, data, cfg
-        self.batches, self.progress, self.device = batches, progress, device
+        self.batches, self.progress, self.device, self.dtype = batches, progress, device, dtype
         self._next: Optional[tuple[int, list[Record], dict, tuple]] = None
         self._failed: Optional[tuple[Exception, Optional[tuple]]] = None  # (error, position after the take)
 
@@ -117,9 +122,13 @@ class Feeder:
             index, group = next(self.batches)
             after = self._position()
             inputs = self.family.loss_inputs(self.bundle, self.data.batch(group), self.cfg,
-                                             micro_batch_generator(self.cfg.seed, index))
+                                             micro_batch_generator(self.cfg.seed, index), self.dtype)
             if self.device.type == "cuda":
-                inputs = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in inputs.items()}
+                inputs = {k: v.pin_memory() for k, v in inputs.items()}
+                try:
+                    inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+                except torch.OutOfMemoryError:  # no room yet: `loss_from` copies them when they are used
+                    pass
         except Exception as error:  # noqa: BLE001 - raised again by `take`
             self._failed = (error, after)
             return
@@ -168,7 +177,7 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
     batches = ranks.micro_batches(epoch_batches(data, cfg, progress, shuffle), progress)
     loss_bundle = ranks.forward_bundle(bundle)
-    feed = Feeder(family, loss_bundle, data, cfg, batches, progress, device)
+    feed = Feeder(family, loss_bundle, data, cfg, batches, progress, device, dtype)
     params = [p for p in unet.parameters() if p.requires_grad]
 
     def forward(inputs: dict) -> torch.Tensor:
@@ -224,13 +233,12 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
 
 
 def _accumulate(forward, feed: Feeder, grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
-                device: torch.device, check_last: bool, more: bool,
+                device: torch.device, check_last: bool,
                 ranks: Optional[DataParallel] = None) -> tuple[torch.Tensor, list[Record], bool]:
     """Forward and backward of one optimizer step's micro-batches: (mean loss, records, whether
     every backward ran). With `check_last` the mean loss is read (one host sync) before the last
-    backward, which is skipped when the loss is not finite; the next step's inputs are made
-    before that read where there is a `more` step. Over several ranks each rank runs its share of
-    the micro-batches and only the last backward averages gradients across them."""
+    backward, which is skipped when the loss is not finite. Over several ranks each rank runs
+    its share of the micro-batches and only the last backward averages gradients across them."""
     ranks = ranks or DataParallel()
     total = torch.zeros((), device=device)
     used: list[Record] = []
@@ -242,11 +250,8 @@ def _accumulate(forward, feed: Feeder, grad_hooks: Optional[BackwardSteps], cfg:
             loss = forward(inputs)
             del inputs
             total += loss.detach() / cfg.grad_accum
-            if last and check_last:
-                if more:
-                    feed.ahead()
-                if not math.isfinite(float(total)):
-                    return total, used, False
+            if last and check_last and not math.isfinite(float(total)):
+                return total, used, False
             if grad_hooks is not None:
                 grad_hooks.begin(last)
             (loss / cfg.grad_accum).backward()
@@ -258,7 +263,7 @@ def _step_after_backward(forward, feed: Feeder, optimizer, params: list[torch.nn
                          grad_hooks: Optional[BackwardSteps], cfg: TrainConfig, progress: Progress,
                          device: torch.device, ranks: Optional[DataParallel] = None) -> float:
     more = progress.step + 1 < cfg.steps
-    total, used, _ = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=False, more=more, ranks=ranks)
+    total, used, _ = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=False, ranks=ranks)
     total = (ranks or DataParallel()).mean(total)  # every rank logs and decides on the same value
     if grad_hooks is not None:
         grad_hooks.finish()  # stochastically rounded sums become p.grad
@@ -275,8 +280,8 @@ def _step_after_backward(forward, feed: Feeder, optimizer, params: list[torch.nn
     finite = torch.isfinite(norm) & torch.isfinite(total)
     optimizer.step(finite=finite)
     optimizer.zero_grad(set_to_none=True)
-    if more:
-        feed.ahead()  # while the GPU works on this step
+    if more:  # while the GPU works on this step, in memory its launches have let go of
+        feed.ahead()
     value = float(total)  # the host sync
     if not bool(finite):
         optimizer.take_back()  # the step counts the host advanced
@@ -289,8 +294,11 @@ def _step_in_backward(forward, feed: Feeder, optimizer, grad_hooks: BackwardStep
     """Each parameter steps in its gradient hook during the last backward (optim/in_backward.py).
     A non-finite loss is caught before that backward, so nothing of the step is applied; a
     non-finite gradient tensor is held back while the finite ones are applied."""
-    total, used, complete = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=True,
-                                        more=progress.step + 1 < cfg.steps)
+    total, used, complete = _accumulate(forward, feed, grad_hooks, cfg, device, check_last=True)
+    if complete and progress.step + 1 < cfg.steps:
+        # while the GPU runs the backward (and its steps); its activations, freed as its launches
+        # were made, give the room, so the step's peak does not grow by the inputs
+        feed.ahead()
     value = float(total)
     if not complete:
         grad_hooks.discard()
