@@ -267,7 +267,8 @@ class Adafactor(ParamOptimizer):
     @torch.no_grad()
     def step_chunked(self, p: torch.Tensor, grad: ChunkedGrad, max_norm: float = 0.0) -> torch.Tensor:
         group, state, hyper, spans = self._begin_chunked(p, grad)
-        if self._fused_passes(p, grad):
+        factors = (state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+        if self._fused_passes(p, grad) and all(t.dtype == torch.float32 and t.is_contiguous() for t in factors):
             return self._fused_step(p, grad, group, state, hyper, spans, max_norm)
         rows, cols = grad.shape
         # pass 1: g^2's row and column sums, unscaled; the norm is their total
