@@ -299,7 +299,8 @@ class GroupRun:
     def put(self, row: dict) -> None:
         row = add_rates(row, self.data.get("flops", {}), self.args.peak_tflops, not self.args.tiny and
                         self.data.get("gpu") is not None)
-        row = dict(row, commit=self.data.get("commit"), date=self.data.get("date"), machine=self.data.get("machine"))
+        row = dict(row, commit=self.data.get("commit"), src_digest=self.data.get("src_digest"), date=self.data.get("date"),
+                   machine=self.data.get("machine"))
         for old in self.rows:  # a reference replaced keeps judging the rows of its own machine (report.py)
             if (old["side"], old["case"]) == (row["side"], row["case"]) and old.get("role") in REF_ROLES \
                     and old.get("status") == "ok" and old.get("date") != row.get("date"):
@@ -338,9 +339,22 @@ def environment(tiny: bool) -> dict:
         dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True,
                                cwd=ROOT).stdout
         commit += "+dirty" if dirty.strip() else ""
-    return dict(commit=commit, torch=torch.__version__,
+    return dict(commit=commit, src_digest=src_digest(ROOT / "src"), torch=torch.__version__,
                 gpu=None if tiny else gpu_name(), machine=machine_id(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def src_digest(src: Path) -> str:
+    """A digest of the project's source as it ran (every .py file under `src`, by path and bytes),
+    which names the code of a row where the commit cannot: a working tree copied to the GPU
+    machine may carry git metadata older than its files. `git archive COMMIT src | ...` of the
+    commit that holds the same files gives the same digest."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(src.rglob("*.py")):
+        h.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def machine_id() -> str:

@@ -131,3 +131,31 @@ def test_the_memory_trace_finds_the_peak_and_what_was_live_then():
     assert cut["truncated"] and cut["peak_bytes"] is None
     full = trace_steps.memory_peak({"device_traces": [events]}, "vramfit", ["train", "save"], "train", kept=len(events))
     assert full["truncated"] and full["peak_bytes"] == 157 * MIB  # as long as torch keeps: perhaps cut
+
+
+def test_the_source_digest_names_the_code_that_ran(tmp_path):
+    """bench/run.py's src_digest: equal for equal source trees wherever they lie, different when
+    one .py file differs by a byte or moves; files that are not Python do not count."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bench = str(root / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import run
+    finally:
+        sys.path.remove(bench)
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(root / "src", a, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(a, b)
+    assert run.src_digest(a) == run.src_digest(b) == run.src_digest(root / "src")
+    (b / "vramfit" / "notes.txt").write_text("not code")
+    assert run.src_digest(b) == run.src_digest(a)
+    loop = b / "vramfit" / "train" / "loop.py"
+    loop.write_bytes(loop.read_bytes() + b" ")
+    assert run.src_digest(b) != run.src_digest(a)
+    loop.write_bytes(loop.read_bytes()[:-1])
+    loop.rename(b / "vramfit" / "loop.py")
+    assert run.src_digest(b) != run.src_digest(a)
