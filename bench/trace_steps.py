@@ -162,7 +162,11 @@ MEMORY_ENTRIES = 3_000_000  # allocator events kept: a few SDXL-sized steps and 
 
 
 class _NoProfile:
-    """Stands in for the profiler while the allocator's history is recorded."""
+    """Stands in for the profiler while the allocator's history is recorded (and, taking
+    torch.profiler.profile's arguments, for bench/host_samples.py's runs)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def __enter__(self):
         return self
