@@ -78,7 +78,6 @@ def chunked_step(device: str, weight_decay: float, max_norm: float, parts: int, 
     with Ops():
         opts[0].step_chunked(weight, ChunkedGrad(again), max_norm)
     return {"finite": [bool(f) for f in finite], "launches": len(launched), "torch_ops": sorted(set(ops)),
-            "torch_op_count": len(ops),
             "chunks": len(ChunkedGrad(grads).spans(limit)),
             "within_a_spacing": bool(((got - want).abs() <= ulp * 1.001).all()),
             "bias_in_spacings": ((got - want) / ulp).mean().item(),
