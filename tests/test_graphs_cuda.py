@@ -59,6 +59,12 @@ CASES = {
     "sd3-lora-inbwd-adamw": ("tiny:sd3", [
         "train.mode=lora", "train.optimizer=adamw", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.lr_scheduler=cosine", "train.weight_decay=0.01"]),
+    # compiled blocks recorded (both sides compiled): each bucket shape compiles in an eager step first
+    "sd3-full-compiled": ("tiny:sd3", ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4",
+                                       "train.compile=true"]),
+    "ssd1b-full-inbwd-compiled-checkpointed": ("tiny:ssd1b", [
+        "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
+        "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.compile=true"]),
 }
 
 

@@ -189,9 +189,10 @@ class TrainConfig(_Section):
         "memory.vram_budget, whose planner may turn them on too) and the step without them fits "
         "(the run's config.toml records which). CUDA only; not with "
         "memory.stream_weights, "
-        "memory.offload_activations, compile, LoRA dropout, or grad_accum > 1 with "
+        "memory.offload_activations, LoRA dropout, or grad_accum > 1 with "
         "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
-        "sums with stochastic_rounding included). "
+        "sums with stochastic_rounding included), and so do compiled blocks (train.compile: each "
+        "bucket shape then runs one step eagerly, which compiles it, and records at its second). "
         "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
         "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
         "their activations in a memory pool of their own: the memory report shows the peak.")
@@ -418,8 +419,7 @@ class RunConfig(_Section):
                                  "backward replay the same weights at the same places, and the same "
                                  "gradient-hook work at every call, with no host work between their "
                                  "kernels, which these settings need (moving weights, hooks that act "
-                                 "differently from one micro-batch to the next, compiled guards, dropout "
-                                 "masks); turn one of them off")
+                                 "differently from one micro-batch to the next, dropout masks); turn one of them off")
         if self.sample.every_steps and self.memory.stream_weights:
             raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
                              "whole denoiser on the GPU while they render; render them after training "
@@ -433,7 +433,6 @@ class RunConfig(_Section):
             ("memory.offload_activations", self.memory.offload_activations),
             ("train.optimizer_in_backward with train.grad_accum > 1",
              self.train.optimizer_in_backward and self.train.grad_accum > 1),
-            ("train.compile", self.train.compile),
             ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
 
     def _graphs_by_default(self) -> bool:

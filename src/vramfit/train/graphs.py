@@ -44,12 +44,16 @@ the device and loaded before each replay; the rounding generator; the last pack)
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations), train.compile, and the optimizer step inside backward over
-  several micro-batches (gradient hooks whose host work differs between micro-batches, which a
+  memory.offload_activations) and the optimizer step inside backward over several micro-batches (gradient hooks whose host work differs between micro-batches, which a
   recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A
   quantized LoRA base records as it is: widening its weights is GPU work like any other, and
   replaying it removes the host cost of torchao's tensor subclasses, which otherwise dominates
   such a step.
+- no compiling inside the recording: with compiled blocks (train.compile) each signature's first
+  call runs eagerly, so that torch.compile builds and loads that shape's kernels (CUDA cannot
+  load a kernel while it records), and its second call records. The recording then holds the
+  compiled kernels, and a replay skips the guards that select them: the signature, shapes
+  included, is what they guard, and it is the recording's key.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
   the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw no random
   numbers in their forward (LoRA dropout would: refused).
@@ -192,10 +196,15 @@ class _Replay(torch.autograd.Function):
 class GraphedDenoiser(torch.nn.Module):
     """The denoiser, with each training call signature recorded and replayed (see the module doc)."""
 
-    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None, sums=None):
+    def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None, sums=None,
+                 warm_each: bool = False):
         super().__init__()
         self.denoiser = denoiser
         self._recorder = recorder
+        # compiled blocks (train.compile): each signature runs once eagerly before it records, since
+        # compiling for a new shape loads kernels, which CUDA refuses while it records
+        self._warm_each = warm_each
+        self._eager_keys: set = set()  # the signatures that ran eagerly (with warm_each only)
         self._steps = steps  # optim/in_backward.py BackwardSteps when the step runs inside backward
         self._sums = sums  # the same when its hooks sum bf16 gradients of several micro-batches
         self._recordings: dict[Any, Optional[object]] = {}
@@ -222,11 +231,16 @@ class GraphedDenoiser(torch.nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         tensors = tuple(leaves[i] for i in positions)
+        key = _signature(spec, leaves, tensors)
         if not self._warmed_up() or any(t.requires_grad for t in tensors):  # warm-up; or inputs that want gradients
             self._warm = True
+            if self._warm_each:
+                self._eager_keys.add(key)
+            return self.denoiser(*args, **kwargs)
+        if self._warm_each and key not in self._eager_keys:  # compiles its blocks for this shape
+            self._eager_keys.add(key)
             return self.denoiser(*args, **kwargs)
         self._forget_if_moved()
-        key = _signature(spec, leaves, tensors)
         if key not in self._recordings:
             self._recordings[key] = self._record(key, leaves, positions, spec, tensors)
         recording = self._recordings[key]

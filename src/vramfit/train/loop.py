@@ -197,7 +197,7 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
         stepping = grad_hooks if cfg.optimizer_in_backward else None
         summing = None if cfg.optimizer_in_backward else grad_hooks
         loss_bundle = dataclasses.replace(loss_bundle, denoiser=GraphedDenoiser(loss_bundle.denoiser, steps=stepping,
-                                                                                sums=summing))
+                                                                                sums=summing, warm_each=cfg.compile))
     # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
     streamer = streamer_of(unet)
     if grad_hooks is not None and steps_streamed_on_device(streamer is not None, cfg.mode, grad_hooks.in_backward,
