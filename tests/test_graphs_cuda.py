@@ -18,7 +18,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _train(images, out, cache, model, *extra):
-    # without graphs unless `extra` asks for them: on a GPU they are on by default
+    # without graphs unless `extra` asks for them: on a GPU they are on by default.
+    # Each run compiles afresh: torch.compile remembers across runs of one process which sizes
+    # changed, and a later run would compile other kernels (dynamic sizes), rounding otherwise
+    torch._dynamo.reset()
     assert main(train_args(images, out, cache, "save.dtype=fp32", "save.name=m", "train.device=cuda",
                            "memory.fit_probe=false", "train.steps=4", "train.grad_accum=2",
                            "train.cuda_graphs=false", *extra, model=model)) == 0
@@ -92,7 +95,9 @@ def test_graphed_runs_on_the_gpu_match_runs_without(images, tmp_path, cache_root
     # the same kernels in the same order: equal up to the few last bits that reductions may differ in
     assert losses == pytest.approx(plain_losses, rel=1e-3, abs=1e-5)
     for key in plain_weights:
-        if "train.precision=full_bf16" in sets:
+        if plain_weights[key].dtype == torch.float8_e4m3fn:  # SD3's T5 in its single file: not trained
+            assert torch.equal(weights[key].view(torch.uint8), plain_weights[key].view(torch.uint8)), key
+        elif "train.precision=full_bf16" in sets:
             # the same draws, but a last bit of the fp32 update may move a stochastic rounding to the
             # other bf16 neighbour (0.4 to 0.8% apart): a few values in a thousand at most
             close = torch.isclose(weights[key], plain_weights[key], rtol=1e-3, atol=1e-5)
