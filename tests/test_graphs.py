@@ -403,6 +403,17 @@ class _Tiny(torch.nn.Module):
         return self.b(torch.tanh(self.a(x))) * scale
 
 
+def _eager_grads(xs):
+    """The gradients of each input through a fresh _Tiny without graphs."""
+    eager = _Tiny()
+    expected = []
+    for x in xs:
+        eager(x).square().mean().backward()
+        expected.append([p.grad.clone() for p in eager.parameters()])
+        eager.zero_grad(set_to_none=True)
+    return expected
+
+
 def _steps(model, calls, xs):
     """Forward and backward of each input through a GraphedDenoiser (stand-in recorder); the
     gradients after each, the loop's zero_grad(set_to_none=True) between them."""
@@ -418,12 +429,7 @@ def _steps(model, calls, xs):
 
 def test_moved_weights_are_recorded_again_and_give_eager_gradients():
     xs = [torch.randn(2, 4), torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 4)]
-    eager = _Tiny()
-    expected = []
-    for x in xs:
-        eager(x).square().mean().backward()
-        expected.append([p.grad.clone() for p in eager.parameters()])
-        eager.zero_grad(set_to_none=True)
+    expected = _eager_grads(xs)
     calls = []
     model = _Tiny()
     graphed, grads = _steps(model, calls, xs[:2])
@@ -446,12 +452,7 @@ def test_with_compiled_blocks_each_signature_runs_eagerly_once_before_it_records
     recording must not do: with warm_each every signature's first call runs eagerly, its second
     records, and the gradients are the eager ones throughout."""
     xs = [torch.randn(2, 4), torch.randn(2, 4), torch.randn(3, 4), torch.randn(3, 4), torch.randn(2, 4)]
-    eager = _Tiny()
-    expected = []
-    for x in xs:
-        eager(x).square().mean().backward()
-        expected.append([p.grad.clone() for p in eager.parameters()])
-        eager.zero_grad(set_to_none=True)
+    expected = _eager_grads(xs)
     model = _Tiny()
     shapes = []
     graphed = graphs.GraphedDenoiser(model, warm_each=True, recorder=lambda flat, tensors, prepare: (
