@@ -192,7 +192,8 @@ class TrainConfig(_Section):
         "memory.offload_activations, LoRA dropout, or grad_accum > 1 with "
         "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
         "sums with stochastic_rounding included), and so do compiled blocks (train.compile: each "
-        "bucket shape then runs one step eagerly, which compiles it, and records at its second). "
+        "bucket shape then runs one step eagerly, which compiles it, and records at its second; so "
+        "again after a sample grid). "
         "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
         "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
         "their activations in a memory pool of their own: the memory report shows the peak.")

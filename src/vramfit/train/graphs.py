@@ -51,7 +51,8 @@ What a replay needs, and how a run provides it:
   such a step.
 - no compiling inside the recording: with compiled blocks (train.compile) each signature's first
   call runs eagerly, so that torch.compile builds and loads that shape's kernels (CUDA cannot
-  load a kernel while it records), and its second call records. The recording then holds the
+  load a kernel while it records), and its second call records; after recordings are dropped
+  (a sample grid, moved weights) the first call runs eagerly again. The recording then holds the
   compiled kernels, and a replay skips the guards that select them: the signature, shapes
   included, is what they guard, and it is the recording's key.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
@@ -303,8 +304,12 @@ class GraphedDenoiser(torch.nn.Module):
         self._weights_at = now
 
     def _drop_recordings(self) -> None:
-        """Forget every recording and what was noted of it; the pool goes with the last of them."""
+        """Forget every recording and what was noted of it; the pool goes with the last of them.
+        With compiled blocks each signature runs eagerly again before it records again: calls
+        since (a sample grid's, other shapes') may have had torch.compile build kernels for any
+        size, which a signature's next call would then use, and load, for the first time."""
         self._recordings.clear()
+        self._eager_keys.clear()
         self._used.clear()
         self._adopted.clear()
         self._summed.clear()
