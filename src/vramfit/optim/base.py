@@ -351,6 +351,12 @@ class ParamOptimizer(torch.optim.Optimizer):
         MIN_PACK_NUMEL, whichever is more."""
         return max(self.MIN_PACK_NUMEL, max((p.numel() for p in params), default=0))
 
+    def pack_key(self, p: torch.Tensor) -> tuple:
+        """What the parameters of one pack share besides their group, step count and state layout:
+        the device and dtype, and the shape unless the update is elementwise (Adafactor's
+        factored one is not)."""
+        return p.device, p.dtype, None if self.elementwise else tuple(p.shape)
+
     @torch.no_grad()
     def step_params(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], finite=None) -> None:
         """Step every (parameter, gradient) pair, packed as the module docstring says. `finite`:
@@ -373,8 +379,7 @@ class ParamOptimizer(torch.optim.Optimizer):
             if storage is None or storage in storages or any(kind is None for _, kind in layout):
                 key = ("alone", id(p))
             else:
-                shape = None if self.elementwise else tuple(p.shape)
-                key = (id(group), p.device, p.dtype, state["step"], shape, layout)
+                key = (id(group), *self.pack_key(p), state["step"], layout)
                 storages.add(storage)
             packs.setdefault(key, []).append(index)
         # the bound of each device's packs: its own largest parameter (streamed weights, updated in

@@ -78,7 +78,7 @@ class BackwardSteps:
         self._clip_to = {id(p): max_grad_norm * math.sqrt(p.numel() / total) for p in params}
         self._buffers: dict[int, torch.Tensor] = {}
         self._held_back: dict[torch.device, torch.Tensor] = {}
-        # (parameter, fp32 gradient) waiting to step, by the pack they would join (`_pack_key`); at
+        # (parameter, fp32 gradient) waiting to step, by the pack they would join (the optimizer's `pack_key`); at
         # most _limit values in all. Their norms, finite flags and clipping are made when they step
         self._pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._group_numel: dict[tuple, int] = {}
@@ -211,7 +211,7 @@ class BackwardSteps:
         return self._clip_to[id(p)] if self.max_grad_norm > 0 else 0.0
 
     def _step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        key = self._pack_key(p)
+        key = self.optimizer.pack_key(p)
         self._pending.setdefault(key, []).append((p, grad))
         self._group_numel[key] = self._group_numel.get(key, 0) + grad.numel()
         self._pending_numel += grad.numel()
@@ -219,11 +219,6 @@ class BackwardSteps:
             # the largest waiting group steps (this gradient's, often): tensors that pack together
             # keep waiting together
             self._flush(max(self._group_numel, key=self._group_numel.__getitem__))
-
-    def _pack_key(self, p: torch.Tensor) -> tuple:
-        """What the optimizer's packs share (optim/base.py step_params): the device and dtype, and
-        the shape unless its update is elementwise (Adafactor's factored one is not)."""
-        return p.device, p.dtype, None if self.optimizer.elementwise else tuple(p.shape)
 
     def _step_chunked(self, p: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """Clip and step one large tensor now, its gradient read in chunks (optim/base.py
