@@ -470,6 +470,13 @@ def test_with_compiled_blocks_each_signature_runs_eagerly_once_before_it_records
         graphed(xs[0]).square().mean().backward()
         model.zero_grad(set_to_none=True)
         assert shapes == expect
+    with torch.no_grad():  # weights moved (offload and back): recordings dropped, eager first again
+        for p in model.parameters():
+            p.data = p.data.clone()
+    for expect in ([(2, 4), (3, 4), (2, 4)], [(2, 4), (3, 4), (2, 4), (2, 4)]):
+        graphed(xs[0]).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        assert shapes == expect
 
 
 def test_inputs_that_want_gradients_run_eagerly():

@@ -44,7 +44,8 @@ the device and loaded before each replay; the rounding generator; the last pack)
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
   Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations) and the optimizer step inside backward over several micro-batches (gradient hooks whose host work differs between micro-batches, which a
+  memory.offload_activations) and the optimizer step inside backward over several
+  micro-batches (gradient hooks whose host work differs between micro-batches, which a
   recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A
   quantized LoRA base records as it is: widening its weights is GPU work like any other, and
   replaying it removes the host cost of torchao's tensor subclasses, which otherwise dominates
@@ -238,10 +239,10 @@ class GraphedDenoiser(torch.nn.Module):
             if self._warm_each:
                 self._eager_keys.add(key)
             return self.denoiser(*args, **kwargs)
+        self._forget_if_moved()
         if self._warm_each and key not in self._eager_keys:  # compiles its blocks for this shape
             self._eager_keys.add(key)
             return self.denoiser(*args, **kwargs)
-        self._forget_if_moved()
         if key not in self._recordings:
             self._recordings[key] = self._record(key, leaves, positions, spec, tensors)
         recording = self._recordings[key]
