@@ -115,12 +115,12 @@ LORA_CASES = [
          ["train.optimizer=adamw", "train.gradient_checkpointing=false", "train.max_grad_norm=0"], role="fastest"),
 ]
 FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
-LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "fastest")]
+LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "base_fp8", "fastest")]
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16",
                                                             "recipe_compile", "inbwd_compile", "fastest_compile")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4", "recipe_compile",
-                             "fastest_compile")]
+                             "base_int8_compile", "base_fp8_compile", "fastest_compile")]
 # the planner's share model for a UNet in full bf16 at a quarter of the blocks and at none (planner.py
 # counts the kept activations with bench/count_train_memory.py; these rows check it)
 FULL_CASES += [partly_checkpointed(c, 0.25) for c in FULL_CASES if c.name == "inbwd_graphs"]
