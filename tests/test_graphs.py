@@ -106,7 +106,8 @@ def test_graphed_training_with_accumulation_equals_training_without(images, tmp_
 def test_compiled_blocks_record_and_train_as_without_graphs(images, tmp_path, cache_root, recorded, monkeypatch,
                                                             model, checkpointing):
     """train.compile beside train.cuda_graphs through the CLI: each bucket shape compiles in an eager
-    step and then records, and the run trains as the compiled run without graphs does."""
+    step and then records, again after each sample grid (which drops the recordings), and the run
+    trains as the compiled run without graphs does."""
     compiled = []
     eager_compile = torch.nn.Module.compile
 
@@ -120,11 +121,25 @@ def test_compiled_blocks_record_and_train_as_without_graphs(images, tmp_path, ca
     monkeypatch.setattr("torch._functorch.config.donated_buffer", False)
     cache = cache_root / f"graphs-{model}"
     sets = ["train.grad_accum=2", "train.steps=3", "train.precision=fp32", "train.compile=true",
-            f"train.gradient_checkpointing={checkpointing}"]
+            f"train.gradient_checkpointing={checkpointing}", "sample.every_steps=1",
+            "sample.prompts=['a red circle']", "sample.steps=1", "sample.seeds=[1]"]
     alone = _train(images, tmp_path / "alone", cache, *sets, model=model)
     assert recorded == [] and compiled
+    calls = []  # (signatures that ran eagerly, recordings held) before each training call
+    forward = graphs.GraphedDenoiser.forward
+
+    def counting(self, *args, **kwargs):
+        if self.denoiser.training and torch.is_grad_enabled():
+            calls.append((len(self._eager_keys), self.captures))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.GraphedDenoiser, "forward", counting)
     both = _train(images, tmp_path / "both", cache, *sets, "train.cuda_graphs=true", model=model)
-    assert recorded and len(recorded) == len(set(recorded))
+    # two micro-batches a step, a grid after steps 1 and 2. Step 1: eager, then the same shape
+    # records. The grid drops it; step 2 has two shapes, each eager (none recorded, yet the grid
+    # after it still makes them run eagerly again); step 3 eager, then recorded
+    assert calls == [(0, 0), (1, 0), (0, 0), (1, 0), (0, 0), (1, 0)]
+    assert len(recorded) == 2
     _assert_same(both, alone)
 
 

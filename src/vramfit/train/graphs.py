@@ -360,10 +360,15 @@ _LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # every GraphedDe
 
 def release_recordings() -> int:
     """Drop the recordings of every GraphedDenoiser that holds some (`GraphedDenoiser.release`);
-    returns how many did. Call between steps; then free the allocator's cache."""
-    holding = [d for d in list(_LIVE) if d.captures]
+    returns how many did. Call between steps; then free the allocator's cache. One that holds
+    none yet forgets which signatures ran eagerly (compiled blocks run each once more before it
+    records: what runs in between may compile them anew)."""
+    live = list(_LIVE)
+    holding = [d for d in live if d.captures]
     for d in holding:
         d.release()
+    for d in live:
+        d._eager_keys.clear()
     return len(holding)
 
 
