@@ -65,6 +65,10 @@ CASES = {
     # compiled blocks recorded (both sides compiled): each bucket shape compiles in an eager step first
     "sd3-full-compiled": ("tiny:sd3", ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4",
                                        "train.compile=true"]),
+    # ... and again after each sample grid, whose calls compile the blocks for inference
+    "sd3-full-compiled-samples": ("tiny:sd3", [
+        "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.compile=true",
+        "sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]),
     "ssd1b-full-inbwd-compiled-checkpointed": ("tiny:ssd1b", [
         "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.compile=true"]),
