@@ -101,10 +101,8 @@ def test_graphed_training_with_accumulation_equals_training_without(images, tmp_
     _assert_same(graphed, plain)
 
 
-# (SSD-1B with checkpointing runs on the GPU, tests/test_graphs_cuda.py: here its compilation takes 30 s)
-@pytest.mark.parametrize("model,checkpointing", [("tiny:sd3", "false")])
-def test_compiled_blocks_record_and_train_as_without_graphs(images, tmp_path, cache_root, recorded, monkeypatch,
-                                                            model, checkpointing):
+# tiny SD3 (SSD-1B with checkpointing runs on the GPU, tests/test_graphs_cuda.py: here its compilation takes 30 s)
+def test_compiled_blocks_record_and_train_as_without_graphs(images, tmp_path, cache_root, recorded, monkeypatch):
     """train.compile beside train.cuda_graphs through the CLI: each bucket shape compiles in an eager
     step and then records, again after each sample grid (which drops the recordings), and the run
     trains as the compiled run without graphs does."""
@@ -119,9 +117,9 @@ def test_compiled_blocks_record_and_train_as_without_graphs(images, tmp_path, ca
     # the stand-in recording runs one autograd graph's backward at every replay (retain_graph), which
     # AOT autograd's donated buffers forbid; a CUDA recording runs it once
     monkeypatch.setattr("torch._functorch.config.donated_buffer", False)
-    cache = cache_root / f"graphs-{model}"
+    model, cache = "tiny:sd3", cache_root / "graphs-sd3"
     sets = ["train.grad_accum=2", "train.steps=3", "train.precision=fp32", "train.compile=true",
-            f"train.gradient_checkpointing={checkpointing}", "sample.every_steps=1",
+            "train.gradient_checkpointing=false", "sample.every_steps=1",
             "sample.prompts=['a red circle']", "sample.steps=1", "sample.seeds=[1]"]
     alone = _train(images, tmp_path / "alone", cache, *sets, model=model)
     assert recorded == [] and compiled

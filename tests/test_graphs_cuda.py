@@ -28,23 +28,22 @@ def _train(images, out, cache, model, *extra):
     return json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
 
 
+# a full fine-tune, fp32 weights under bf16 autocast; a sample grid after every second step
+FULL_ADAMW = ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4"]
+SAMPLES = ["sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]
+
 CASES = {
-    "ssd1b-full": ("tiny:ssd1b", ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4"]),
-    "ssd1b-full-checkpointed-samples": ("tiny:ssd1b", [
-        "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.gradient_checkpointing=true",
-        "sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]),
+    "ssd1b-full": ("tiny:ssd1b", FULL_ADAMW),
+    "ssd1b-full-checkpointed-samples": ("tiny:ssd1b", [*FULL_ADAMW, "train.gradient_checkpointing=true", *SAMPLES]),
     # half of the blocks checkpointed (memory/checkpointing.py), the graph-safe checkpoint inside
-    "ssd1b-full-half-checkpointed": ("tiny:ssd1b", [
-        "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.gradient_checkpointing=0.5"]),
+    "ssd1b-full-half-checkpointed": ("tiny:ssd1b", [*FULL_ADAMW, "train.gradient_checkpointing=0.5"]),
     # bf16 weights, two micro-batches a step summed with stochastic rounding in the recorded backward
     "ssd1b-full-bf16-sums": ("tiny:ssd1b", [
         "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.gradient_checkpointing=true"]),
     "sd3-lora-nf4": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"]),
     "sdxl-lora-int8": ("tiny:sdxl", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"]),
     # sample grids between steps drop the recordings (over a quantized base too); the next step records again
-    "sd3-lora-fp8-samples": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=fp8", "train.lr=1e-4",
-                                          "sample.every_steps=2", "sample.prompts=['a red circle']",
-                                          "sample.steps=2"]),
+    "sd3-lora-fp8-samples": ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=fp8", "train.lr=1e-4", *SAMPLES]),
     # the step inside backward, recorded with the backward: one micro-batch a step, a learning rate
     # that moves every step (the recorded step reads it from the device), clipping per tensor
     "ssd1b-full-inbwd-fp32": ("tiny:ssd1b", [
@@ -63,12 +62,9 @@ CASES = {
         "train.mode=lora", "train.optimizer=adamw", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.lr_scheduler=cosine", "train.weight_decay=0.01"]),
     # compiled blocks recorded (both sides compiled): each bucket shape compiles in an eager step first
-    "sd3-full-compiled": ("tiny:sd3", ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4",
-                                       "train.compile=true"]),
+    "sd3-full-compiled": ("tiny:sd3", [*FULL_ADAMW, "train.compile=true"]),
     # ... and again after each sample grid, whose calls compile the blocks for inference
-    "sd3-full-compiled-samples": ("tiny:sd3", [
-        "train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4", "train.compile=true",
-        "sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]),
+    "sd3-full-compiled-samples": ("tiny:sd3", [*FULL_ADAMW, "train.compile=true", *SAMPLES]),
     "ssd1b-full-inbwd-compiled-checkpointed": ("tiny:ssd1b", [
         "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.compile=true"]),
