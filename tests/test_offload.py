@@ -6,6 +6,8 @@ compute copy may exist, and at most two units may be on the "device" at once.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -205,6 +207,42 @@ def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, m
     trainable = [p for u in units for p in u.params if p.requires_grad]
     assert stats.grads_moved == len(trainable)
     assert all(p.grad is not None and p.grad.data_ptr() != 0 for p in trainable)
+
+
+def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
+    """Every copy goes into one of the streamer's slots (each made the size of a unit), the same
+    ones step after step, which is what a CUDA graph recording needs;
+    gradients equal the unstreamed step's (so no slot was overwritten while autograd still read
+    it: on the CPU a copy lands at once)."""
+    args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, "memory.stream_unit_mib=0.05",
+                      "train.precision=fp32", "train.gradient_checkpointing=0.5", model="tiny:sd3")
+    cfg = load_config(None, args[3::2])
+    device = torch.device("cpu")
+    family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
+    reference = copy.deepcopy(bundle.denoiser).float().requires_grad_(True)
+    streamer = place_denoiser(bundle, cfg, device)
+    batch = data.batch(next(data.batches(1, torch.Generator().manual_seed(0), False)))
+    bundle.denoiser.train()
+    slots = []
+    for _ in range(3):
+        loss = micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                               torch.float32)
+        loss.backward()
+        slots.append([b.data_ptr() for slot in streamer._slots for b in slot.values()])
+    # from the second step on (the first learns which unit comes next, to copy it ahead) no slot is
+    # made and the same ones are used (a checkpointed block spanning several units holds all of
+    # them until its backward is done: more than two slots here)
+    assert slots[1] == slots[2] and 2 <= len(streamer._slots) < len(streamer.units)
+    sizes = {sum(h.numel() for h in u.homes) for u in streamer.units}
+    assert all(b.numel() in sizes for slot in streamer._slots for b in slot.values())  # each made for a unit
+    reference.train()
+    reference_bundle = dataclasses.replace(bundle, denoiser=reference)
+    loss = micro_step_loss(family, reference_bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                           torch.float32)
+    (3 * loss).backward()  # the streamed weights' gradients summed over the three steps above
+    streamed = dict(bundle.denoiser.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(streamed[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _one_cuda_step(images, out, cache, *sets: str):

@@ -11,11 +11,18 @@ tensor (a plain CPU tensor on CPU-only runs). So `state_dict()`, checkpoint and 
 `lora_state` and the optimizer all see the real, current weights with no context to enter, and
 an optimizer updates a streamed weight where it lives. When a module of a unit is called (its
 forward pre-hook; also when gradient checkpointing recomputes it in backward), the unit's
-weights are copied into one device buffer per dtype and `.data` points into it; the copy of the
-unit that usually comes next (learned from the previous pass, forward and backward separately)
-is started at once on a side CUDA stream, so it overlaps the current unit's compute. At most
-`capacity` units (2: the current one and the one prefetched) are on the device; the least
-recently used goes first, and after every forward and every backward all of them go. A unit's
+weights are copied into a *slot* (device buffers, one per dtype) and `.data` points into it; the copy of the unit that usually
+comes next (learned from the previous pass, forward and backward separately) is started at once
+on a side CUDA stream, so it overlaps the current unit's compute. At most `capacity` units (2:
+the current one and the one prefetched) are on the device; the least recently used goes first,
+and after every forward and every backward all of them go. A slot is reused once no unit holds
+it and autograd keeps nothing of it (a checkpointed block's recomputed weights, until its
+backward is done; a block split into several units holds all of them then); the smallest free
+slot the unit fits in is taken, else one of the unit's size is made, and slots are kept. The
+copy into a slot waits, on the GPU, for the work queued before on the compute stream and on the
+copy-home stream, so the host never waits for the GPU. Since the same calls come in the same
+order every step, the copies go to the same places every step, which is what lets a CUDA graph
+record a streamed step (train/graphs.py, `recorded`). A unit's
 tensors that autograd saves for backward are saved as references (unit, offset, shape, strides)
 and fetched again when backward needs them, so without checkpointing the weights do not stay on
 the device from forward to backward either.
@@ -58,8 +65,8 @@ under checkpointing or its re-fetch of saved weights without), and for a full fi
 gradients once back (stepped on the device: their new values once back instead); otherwise the
 optimizer step of the streamed weights runs on the CPU after backward, not overlapped with the
 GPU; host memory holds the weights, their gradients and optimizer state, pinned. On the device:
-at most three units' copies (the current one, the next, and one the GPU may still be reading),
-the resident weights, and the streamed gradients only until
+the slots (kept between steps: as many units as are held at once, two or three where a
+checkpointed block is one unit), the resident weights, and the streamed gradients only until
 their copy to the host is done. Under mixed_bf16 without checkpointing the bf16 casts autocast
 makes of the weights are saved as they are (on the device); autocast's cache of them is
 cleared at each change of unit. On CPU-only runs every step still copies into separate compute
@@ -68,8 +75,7 @@ tensors, so tests see the mechanism work.
 from __future__ import annotations
 
 import weakref
-from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -223,7 +229,9 @@ class WeightStreamer:
         self._stash: dict[nn.Parameter, Optional[torch.Tensor]] = {}
         self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._delivering = False
-        self._freeing: deque = deque()  # CUDA events: compute done with an evicted unit's buffers
+        # the device buffers units are copied into (`_slot`), one per dtype each; made as needed, kept
+        self._slots: list[dict[torch.dtype, torch.Tensor]] = []
+        self._recording = False  # inside a CUDA graph's recording (train/graphs.py): no host syncs
         self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self.steps = None  # optim/in_backward.py BackwardSteps that steps streamed weights on the device
@@ -241,6 +249,29 @@ class WeightStreamer:
         optim/in_backward.py BackwardSteps whose optimizer has compact state), and copy the new
         values home; None: back to moving their gradients home (the normal path)."""
         self.steps = steps
+
+    @contextmanager
+    def recorded(self):
+        """Around a CUDA graph's recording of the streamed forward or backward (train/graphs.py),
+        on the recording's stream: the copy streams join the recording at its start and it waits
+        for them at its end (a recording must end with every stream it forked joined back), no
+        host sync runs inside, and the events made inside are forgotten after it (they belong to
+        the recording; every replay ends with its copies done, in its stream's order)."""
+        if not self.cuda:
+            yield
+            return
+        stream = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(stream)
+        self.back.wait_stream(stream)
+        self._recording = True
+        try:
+            yield
+            stream.wait_stream(self.side)
+            stream.wait_stream(self.back)
+        finally:
+            self._recording = False
+            for unit in self.units:
+                unit.ready = unit.homed = None
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -311,20 +342,18 @@ class WeightStreamer:
             if victim is None:
                 break
             self._evict(victim)
-        # The CPU runs ahead of the GPU: without a limit it would allocate the copies of many units
-        # whose predecessors' buffers the GPU still uses. Wait until all but the newest are free.
-        while len(self._freeing) > 1:
-            self._freeing.popleft().synchronize()
         self._rehome(unit)
-        if unit.homed is not None:  # the home holds the new values only once their copy is done
-            self.side.wait_event(unit.homed)
+        buffers = self._slot(_layout(unit.homes))
+        if self.cuda:
+            # The slot's earlier units are done with once the work queued so far on the compute
+            # stream (their forward or backward) and on the back stream (copies of their stepped
+            # values home, which are also what a unit's home holds only once they are done) is.
+            # The CPU may run ahead of the GPU: the copy waits on the GPU, the host does not.
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self.side.wait_stream(self.back)
             unit.homed = None
-        layout: dict[torch.dtype, int] = {}
-        for h in unit.homes:
-            layout[h.dtype] = layout.get(h.dtype, 0) + h.numel()
         with torch.cuda.stream(self.side) if self.cuda else nullcontext():
-            buffers = {dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in layout.items()}
-            offsets = dict.fromkeys(layout, 0)
+            offsets = dict.fromkeys(buffers, 0)
             views = []
             for h in unit.homes:
                 view = buffers[h.dtype].narrow(0, offsets[h.dtype], h.numel()).view(h.shape)
@@ -342,6 +371,30 @@ class WeightStreamer:
         self._lru.append(unit)
         self.stats.fetched(unit.nbytes)
 
+    def _slot(self, need: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
+        """Device buffers of at least `need` elements per dtype that no unit holds and nothing else
+        reads (autograd keeps a checkpointed block's recomputed weights until its backward is done,
+        all of the block's units when it spans several): the smallest such kept slot, else a new
+        one of exactly `need`. Kept buffers rather than the allocator's: a CUDA graph recording a
+        streamed step (train/graphs.py) bakes in where each copy goes, and memory freed during a
+        recording after another stream used it is memory the allocator reuses only after the
+        recording ends."""
+        held = {id(b) for u in self.units for copy in (u.buffers, u.linger[0] if u.linger else None) if copy
+                for b in copy.values()}
+        free = [slot for slot in self._slots
+                if all(d in slot and slot[d].numel() >= n for d, n in need.items())
+                and all(id(b) not in held and _use_count(b) == self._alone for b in slot.values())]
+        if free:
+            return min(free, key=lambda slot: sum(tensor_bytes(b) for b in slot.values()))
+        slot = {dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in need.items()}
+        self._alone = _use_count(next(iter(slot.values())))  # what a buffer nothing else shares counts
+        self._slots.append(slot)
+        return slot
+
+    def slot_bytes(self) -> int:
+        """Bytes of the device buffers units are copied into (kept between steps)."""
+        return sum(tensor_bytes(b) for slot in self._slots for b in slot.values())
+
     def _rehome(self, unit: _Unit) -> None:
         # Something outside moved or replaced a weight between uses (Module.to, a load with
         # assign): that tensor is the value now; it goes back to CPU memory.
@@ -357,8 +410,6 @@ class WeightStreamer:
             stream = torch.cuda.current_stream(self.device)
             if stream not in unit.streams:
                 stream.wait_event(unit.ready)
-                for buf in unit.buffers.values():
-                    buf.record_stream(stream)
                 unit.streams.add(stream)
 
     def _bind(self, unit: _Unit) -> None:
@@ -392,10 +443,6 @@ class WeightStreamer:
                 self._let_go(other)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
-        if unit.streams:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._freeing.append(done)
         unit.buffers = unit.views = unit.ready = None
         unit.streams = set()
         self._lru.remove(unit)
@@ -589,7 +636,7 @@ class WeightStreamer:
             self._gathering = None
         if unit.buffers is not None:  # a prefetched copy may not have been used (and waited for) yet
             self._await_copy(unit)
-        buffers, views = self._copy_of(unit)
+        _, views = self._copy_of(unit)
         bound = [p.data for p, _ in pairs]
         slots = [unit.slot(p) for p, _ in pairs]
         for (p, _), slot in zip(pairs, slots):
@@ -606,9 +653,6 @@ class WeightStreamer:
                 unit.homed.record(self.back)
         for (p, _), data in zip(pairs, bound):
             p.data = data
-        if self.cuda:
-            for buf in buffers.values():
-                buf.record_stream(self.back)  # not reused before the copies have read it
         if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
             unit.owner.homed = unit.homed
         elif unit.linger is not None and not self._awaits_grads(unit):
@@ -616,7 +660,7 @@ class WeightStreamer:
 
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""
-        if self.cuda:
+        if self.cuda and not self._recording:
             self.side.synchronize()  # no copy may still read a home the optimizer will change
             self.back.synchronize()
         for p, grad in self._stash.items():
@@ -639,6 +683,14 @@ class WeightStreamer:
     def device_copies(self) -> list[torch.Tensor]:
         """The compute-side buffers held now (empty between uses)."""
         return [b for u in self.units if u.buffers for b in u.buffers.values()]
+
+
+def _layout(tensors: list[torch.Tensor]) -> dict[torch.dtype, int]:
+    """Elements of `tensors` by dtype."""
+    found: dict[torch.dtype, int] = {}
+    for t in tensors:
+        found[t.dtype] = found.get(t.dtype, 0) + t.numel()
+    return found
 
 
 def _use_count(t: torch.Tensor) -> int:
