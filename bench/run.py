@@ -117,10 +117,11 @@ LORA_CASES = [
 FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16")]
 LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "base_fp8", "fastest")]
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16",
-                                                            "recipe_compile", "inbwd_compile", "fastest_compile")]
+                                                            "recipe_compile", "inbwd_compile", "fastest_compile",
+                                                            "stream_inbwd")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4", "recipe_compile",
-                             "base_int8_compile", "base_fp8_compile", "fastest_compile")]
+                             "base_int8_compile", "base_fp8_compile", "fastest_compile", "stream")]
 # the planner's share model for a UNet in full bf16 at a quarter of the blocks and at none (planner.py
 # counts the kept activations with bench/count_train_memory.py; these rows check it)
 FULL_CASES += [partly_checkpointed(c, 0.25) for c in FULL_CASES if c.name == "inbwd_graphs"]

@@ -199,8 +199,39 @@ def test_on_the_cpu_the_run_stops_before_any_weight_loads(images, tmp_path, cach
 
 @pytest.mark.parametrize("setting", ["memory.stream_weights=true", "memory.offload_activations=true"])
 def test_settings_a_replay_cannot_hold_are_refused(setting):
+    # (streamed weights of a full fine-tune stepping in CPU memory: the step after backward)
     with pytest.raises(ValueError, match=f"train.cuda_graphs with {setting.split('=')[0]}"):
         load_config(None, ["train.cuda_graphs=true", setting], need_data=False)
+
+
+@pytest.mark.parametrize("sets,ok", [
+    (["train.mode=lora"], True),  # a frozen base streamed: no gradient of it
+    (["train.optimizer=adafactor", "train.optimizer_in_backward=true", "train.grad_accum=1"], True),
+    # AdamW's state is not compact: streamed weights step in CPU memory
+    (["train.optimizer=adamw", "train.optimizer_in_backward=true", "train.grad_accum=1"], False),
+    (["train.optimizer=adafactor", "train.grad_accum=1"], False),
+], ids=["lora", "full-adafactor-inbwd", "full-adamw-inbwd", "full-step-after-backward"])
+def test_streamed_weights_record_where_they_step_on_the_gpu_or_not_at_all(sets, ok):
+    args = ["train.cuda_graphs=true", "memory.stream_weights=true", *sets]
+    if ok:
+        assert load_config(None, args, need_data=False).train.cuda_graphs is True
+    else:
+        with pytest.raises(ValueError, match="memory.stream_weights in a full fine-tune that steps streamed "
+                                             "weights in CPU memory"):
+            load_config(None, args, need_data=False)
+
+
+def test_graphed_streamed_lora_equals_training_without(images, tmp_path, cache_root, recorded):
+    """The graphed denoiser over a streamed base (stand-in recording: the streamer's hooks run at
+    every call here; on a GPU, tests/test_graphs_cuda.py, once, while recording) trains as the
+    streamed run without graphs; the recording's device is the streamer's, not the first weight's."""
+    cache = cache_root / "graphs-sd3"
+    sets = ["train.mode=lora", "train.lr=1e-2", "train.grad_accum=2", "train.steps=3", "memory.stream_weights=true",
+            "train.precision=fp32"]
+    plain = _train(images, tmp_path / "plain", cache, *sets, model="tiny:sd3")
+    graphed = _train(images, tmp_path / "graphed", cache, *sets, "train.cuda_graphs=true", model="tiny:sd3")
+    assert recorded
+    _assert_same(graphed, plain)
 
 
 def test_the_step_inside_backward_records_with_one_micro_batch_only():

@@ -1,8 +1,8 @@
 """train.cuda_graphs with real CUDA recordings (skipped without a GPU): graphed runs through the CLI
 against the same runs without graphs, with several buckets, accumulation (bf16 sums with
 stochastic rounding too), sample grids between steps (which move the weights and force new
-recordings), a quantized LoRA base, and the optimizer step inside backward recorded with the
-backward."""
+recordings), a quantized LoRA base, the optimizer step inside backward recorded with the
+backward, compiled blocks, and streamed weights."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,8 @@ def _train(images, out, cache, model, *extra):
 # a full fine-tune, fp32 weights under bf16 autocast; a sample grid after every second step
 FULL_ADAMW = ["train.precision=mixed_bf16", "train.optimizer=adamw", "train.lr=1e-4"]
 SAMPLES = ["sample.every_steps=2", "sample.prompts=['a red circle']", "sample.steps=2"]
+STREAMED_INBWD = ["train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
+                  "train.optimizer_in_backward=true", "memory.stream_weights=true"]
 
 CASES = {
     "ssd1b-full": ("tiny:ssd1b", FULL_ADAMW),
@@ -68,6 +70,15 @@ CASES = {
     "ssd1b-full-inbwd-compiled-checkpointed": ("tiny:ssd1b", [
         "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.compile=true"]),
+    # streamed weights recorded with their copies into the streamer's slots, their step on those
+    # copies inside backward and the copies of the new values home (memory/offload.py)
+    "sd3-full-streamed-inbwd": ("tiny:sd3", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),
+    # half of the blocks keep their saved weights as references, fetched again in backward; blocks
+    # split into several units; the fit probe records its stand-in's streamed step too
+    "ssd1b-full-streamed-inbwd-half-checkpointed-probed": ("tiny:ssd1b", [
+        *STREAMED_INBWD, "train.gradient_checkpointing=0.5", "memory.stream_unit_mib=0.5", "memory.fit_probe=true"]),
+    # a streamed frozen base under LoRA, two micro-batches a step
+    "sd3-lora-streamed": ("tiny:sd3", ["train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true"]),
 }
 
 

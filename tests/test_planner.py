@@ -324,8 +324,12 @@ def test_on_a_gpu_the_planner_records_cuda_graphs_where_they_fit(ssd1b, monkeypa
     assert at4.train.optimizer_in_backward and at4.train.cuda_graphs
     eager = with_values(at4, {"train.cuda_graphs": False})  # no gradient buffers of the graphs' own
     assert _train_peak(choice.after) == _train_peak(predict(ssd1b, eager))
-    at2, choice = _choose(ssd1b, FULL_1024, 2)  # streamed weights: graphs refused beside them
-    assert at2.memory.stream_weights and not at2.train.cuda_graphs
+    # streamed weights stepping on the GPU inside backward (Adafactor) record with their copies
+    at2, choice = _choose(ssd1b, FULL_1024, 2)
+    assert at2.memory.stream_weights and at2.train.optimizer_in_backward and at2.train.cuda_graphs
+    # ... where they step in CPU memory (AdamW's state is not compact) graphs are refused beside them
+    adamw, choice = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adamw"}}, 2)
+    assert adamw.memory.stream_weights and not adamw.train.cuda_graphs
     assert any(r.startswith("train.cuda_graphs = false: true does not go with") for r in choice.reasons)
     bf16_sums, _ = _choose(ssd1b, {**FULL_1024, "train": {"optimizer": "adafactor", "grad_accum": 8}}, 40)
     assert bf16_sums.train.cuda_graphs  # stochastically rounded bf16 gradient sums record too

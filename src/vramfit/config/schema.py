@@ -188,9 +188,10 @@ class TrainConfig(_Section):
         "fit probe (memory.fit_probe) finds the recorded step too large for the GPU (or for "
         "memory.vram_budget, whose planner may turn them on too) and the step without them fits "
         "(the run's config.toml records which). CUDA only; not with "
-        "memory.stream_weights, "
-        "memory.offload_activations, LoRA dropout, or grad_accum > 1 with "
-        "optimizer_in_backward. A quantized LoRA base records too, and so does accumulation (bf16 "
+        "memory.offload_activations, LoRA dropout, grad_accum > 1 with optimizer_in_backward, or "
+        "memory.stream_weights in a full fine-tune whose streamed weights step in CPU memory (all "
+        "but optimizer_in_backward with Adafactor). Streamed weights record too: their copies to "
+        "the GPU and home are part of the graphs. A quantized LoRA base records too, and so does accumulation (bf16 "
         "sums with stochastic_rounding included), and so do compiled blocks (train.compile: each "
         "bucket shape then runs one step eagerly, which compiles it, and records at its second; so "
         "again after a sample grid). "
@@ -430,7 +431,9 @@ class RunConfig(_Section):
     def graph_clashes(self) -> list[str]:
         """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
         return [name for name, on in (
-            ("memory.stream_weights", self.memory.stream_weights),
+            ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
+             "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
+             self.memory.stream_weights and self.train.mode == "full" and not _streamed_step_on_device(self)),
             ("memory.offload_activations", self.memory.offload_activations),
             ("train.optimizer_in_backward with train.grad_accum > 1",
              self.train.optimizer_in_backward and self.train.grad_accum > 1),
@@ -466,3 +469,9 @@ class RunConfig(_Section):
     @property
     def output_dir(self) -> Path:
         return Path(self.output.dir)
+
+
+def _streamed_step_on_device(cfg: "RunConfig") -> bool:
+    from vramfit.optim.build import streamed_step_on_device
+
+    return streamed_step_on_device(cfg)

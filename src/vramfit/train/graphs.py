@@ -43,13 +43,19 @@ the device and loaded before each replay; the rounding generator; the last pack)
 
 What a replay needs, and how a run provides it:
 - the weights stay where they were recorded: every vramfit optimizer writes parameters in place.
-  Settings whose hooks move weights or saved tensors between devices (memory.stream_weights,
-  memory.offload_activations) and the optimizer step inside backward over several
-  micro-batches (gradient hooks whose host work differs between micro-batches, which a
-  recorded backward would bake in) are refused beside cuda_graphs (config/schema.py). A
-  quantized LoRA base records as it is: widening its weights is GPU work like any other, and
-  replaying it removes the host cost of torchao's tensor subclasses, which otherwise dominates
-  such a step.
+  Streamed weights (memory.stream_weights) record with their copies: the streamer's hooks run
+  while the forward and backward record, so the copies of each unit from its pinned home into
+  the streamer's fixed device buffers, the waits between the copy streams and the compute, the
+  step of the streamed weights on those copies (train.optimizer_in_backward with Adafactor) and
+  the copies of their new values home become nodes of the graphs, and a replay moves the same
+  bytes between the same places (memory/offload.py: the buffers are fixed for that). Settings
+  whose work a replay cannot repeat are refused beside cuda_graphs (config/schema.py):
+  offloaded activations (pinned host memory made per saved tensor), streamed weights stepping
+  in CPU memory (their gradients go home and a CPU step follows the backward), and the
+  optimizer step inside backward over several micro-batches (gradient hooks whose host work
+  differs between micro-batches, which a recorded backward would bake in). A quantized LoRA
+  base records as it is: widening its weights is GPU work like any other, and replaying it
+  removes the host cost of torchao's tensor subclasses, which otherwise dominates such a step.
 - no compiling inside the recording: with compiled blocks (train.compile) each signature's first
   call runs eagerly, so that torch.compile builds and loads that shape's kernels (CUDA cannot
   load a kernel while it records), and its second call records; after recordings are dropped
@@ -72,6 +78,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -79,6 +86,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from vramfit.memory.checkpointing import checkpoint_block
+from vramfit.memory.offload import streamer_of
 
 log = logging.getLogger("vramfit")
 
@@ -141,14 +149,16 @@ class CudaRecording:
     """One signature's forward and backward, recorded as two CUDA graphs on `stream` into `pool`.
 
     `prepare(outs)` runs between the two recordings with the recorded forward's outputs: it puts
-    the owned gradient buffers in place, so that the recorded backward adds into them."""
+    the owned gradient buffers in place, so that the recorded backward adds into them. `around()`
+    is entered inside each recording (streamed weights: memory/offload.py WeightStreamer.recorded)."""
 
-    def __init__(self, flat: _Flat, tensors: tuple[torch.Tensor, ...], prepare: Callable, pool, stream):
+    def __init__(self, flat: _Flat, tensors: tuple[torch.Tensor, ...], prepare: Callable, pool, stream,
+                 around: Callable = nullcontext):
         self.device = stream.device
         self.static_in = [t.detach().clone() for t in tensors]
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
+        with torch.cuda.graph(self.fwd, pool=pool, stream=stream), around():
             outs = flat(*self.static_in)
         self.step = prepare(outs)  # optim/in_backward.py RecordedStep or RecordedSums: hook work recorded; or None
         self.static_grad_out = [torch.zeros_like(o) for o in outs]
@@ -156,7 +166,7 @@ class CudaRecording:
             self.step.begin(self.bwd)
         failed = True
         try:
-            with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
+            with torch.cuda.graph(self.bwd, pool=pool, stream=stream), around():
                 torch.autograd.backward(outs, self.static_grad_out)
                 if self.step is not None:
                     self.step.end()
@@ -218,7 +228,8 @@ class GraphedDenoiser(torch.nn.Module):
         self._warm = False  # the first training call ran (eagerly)
         self._weights_at: Optional[list[int]] = None  # the weights' addresses the recordings use
         self._parts = list(denoiser.modules())  # where those weights are read from (weight_addresses)
-        self.device = next(denoiser.parameters()).device
+        self._streamer = streamer_of(denoiser)  # streamed weights: their copies are recorded too
+        self.device = self._streamer.device if self._streamer else next(denoiser.parameters()).device
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # makes replayed outputs need grad
         _LIVE.add(self)
 
@@ -342,7 +353,8 @@ class GraphedDenoiser(torch.nn.Module):
                     if self._pool is None:
                         release_cublas_workspaces(self)
                         self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-                    recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream)
+                    recording = CudaRecording(flat, tensors, prepare, self._pool, self._stream,
+                                              self._streamer.recorded if self._streamer else nullcontext)
         except torch.OutOfMemoryError:
             raise  # a run that does not fit is the fit probe's and the user's business, not a fallback
         except RuntimeError as err:  # an operation that a graph cannot hold: warn, go on without
