@@ -228,13 +228,13 @@ def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
         loss = micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
                                torch.float32)
         loss.backward()
-        slots.append([b.data_ptr() for slot in streamer._slots for b in slot.values()])
+        slots.append([b.data_ptr() for slot in streamer._slots for b in slot.buffers.values()])
     # from the second step on (the first learns which unit comes next, to copy it ahead) no slot is
     # made and the same ones are used (a checkpointed block spanning several units holds all of
     # them until its backward is done: more than two slots here)
     assert slots[1] == slots[2] and 2 <= len(streamer._slots) < len(streamer.units)
     sizes = {sum(h.numel() for h in u.homes) for u in streamer.units}
-    assert all(b.numel() in sizes for slot in streamer._slots for b in slot.values())  # each made for a unit
+    assert all(b.numel() in sizes for slot in streamer._slots for b in slot.buffers.values())  # each made for a unit
     reference.train()
     reference_bundle = dataclasses.replace(bundle, denoiser=reference)
     loss = micro_step_loss(family, reference_bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,

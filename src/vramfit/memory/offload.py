@@ -118,9 +118,19 @@ class _Unit:
     linger: Optional[tuple] = None  # (buffers, views)
     homed: Optional[object] = None  # CUDA event: the stepped values' copy back home is done
     owner: Optional["_Unit"] = None  # of a one-weight unit fetched again alone (_fetch_alone)
+    slot: Optional[_Slot] = None  # where its copy (fetched, or kept for its gradients) is
 
-    def slot(self, p: nn.Parameter) -> int:
+    def position(self, p: nn.Parameter) -> int:
         return next(i for i, q in enumerate(self.params) if q is p)
+
+
+@dataclass
+class _Slot:
+    """Device buffers (one per dtype) that units are copied into; kept for the streamer's life."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    released: int = -1  # when its last unit let go of it (the streamer's count of releases)
+    read_home: Optional[object] = None  # CUDA event: the copies home of new values out of it are done
 
 
 @dataclass(frozen=True)
@@ -230,7 +240,8 @@ class WeightStreamer:
         self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._delivering = False
         # the device buffers units are copied into (`_slot`), one per dtype each; made as needed, kept
-        self._slots: list[dict[torch.dtype, torch.Tensor]] = []
+        self._slots: list[_Slot] = []
+        self._releases = 0
         self._recording = False  # inside a CUDA graph's recording (train/graphs.py): no host syncs
         self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
@@ -272,6 +283,8 @@ class WeightStreamer:
             self._recording = False
             for unit in self.units:
                 unit.ready = unit.homed = None
+            for slot in self._slots:
+                slot.read_home = None
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -343,15 +356,18 @@ class WeightStreamer:
                 break
             self._evict(victim)
         self._rehome(unit)
-        buffers = self._slot(_layout(unit.homes))
+        slot = self._slot(_layout(unit.homes))
+        buffers = slot.buffers
         if self.cuda:
             # The slot's earlier units are done with once the work queued so far on the compute
-            # stream (their forward or backward) and on the back stream (copies of their stepped
-            # values home, which are also what a unit's home holds only once they are done) is.
-            # The CPU may run ahead of the GPU: the copy waits on the GPU, the host does not.
+            # stream (their forward or backward) and the copies home of their stepped values out
+            # of it are; the unit's home holds its new values once their copy is done. The CPU may
+            # run ahead of the GPU: the copy waits on the GPU, the host does not.
             self.side.wait_stream(torch.cuda.current_stream(self.device))
-            self.side.wait_stream(self.back)
-            unit.homed = None
+            for event in (slot.read_home, unit.homed):
+                if event is not None:
+                    self.side.wait_event(event)
+            slot.read_home = unit.homed = None
         with torch.cuda.stream(self.side) if self.cuda else nullcontext():
             offsets = dict.fromkeys(buffers, 0)
             views = []
@@ -364,36 +380,42 @@ class WeightStreamer:
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self.side)
         self._let_go(unit)  # fetched again: the new copy serves its gradients
-        unit.buffers, unit.views, unit.streams = buffers, views, set()
+        unit.buffers, unit.views, unit.streams, unit.slot = buffers, views, set(), slot
         unit.own_refs = {dtype: _use_count(buf) for dtype, buf in buffers.items()}
         for dtype, buf in buffers.items():
             self._by_storage[buf.untyped_storage().data_ptr()] = (unit, dtype)
         self._lru.append(unit)
         self.stats.fetched(unit.nbytes)
 
-    def _slot(self, need: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
+    def _slot(self, need: dict[torch.dtype, int]) -> _Slot:
         """Device buffers of at least `need` elements per dtype that no unit holds and nothing else
         reads (autograd keeps a checkpointed block's recomputed weights until its backward is done,
         all of the block's units when it spans several): the smallest such kept slot, else a new
         one of exactly `need`. Kept buffers rather than the allocator's: a CUDA graph recording a
         streamed step (train/graphs.py) bakes in where each copy goes, and memory freed during a
         recording after another stream used it is memory the allocator reuses only after the
-        recording ends."""
+        recording ends. Of the smallest free slots the one let go of longest ago is taken; where that
+        is the one just let go of, whose stepped values are still being copied home, and no more
+        than `capacity` slots exist, a new one is made instead, so that the copy in does not wait
+        for that copy out (the backward of a streamed step on the device: copies both ways at once)."""
         held = {id(b) for u in self.units for copy in (u.buffers, u.linger[0] if u.linger else None) if copy
                 for b in copy.values()}
         free = [slot for slot in self._slots
-                if all(d in slot and slot[d].numel() >= n for d, n in need.items())
-                and all(id(b) not in held and _use_count(b) == self._alone for b in slot.values())]
+                if all(d in slot.buffers and slot.buffers[d].numel() >= n for d, n in need.items())
+                and all(id(b) not in held and _use_count(b) == self._alone for b in slot.buffers.values())]
         if free:
-            return min(free, key=lambda slot: sum(tensor_bytes(b) for b in slot.values()))
-        slot = {dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in need.items()}
-        self._alone = _use_count(next(iter(slot.values())))  # what a buffer nothing else shares counts
+            best = min(free, key=lambda slot: (sum(tensor_bytes(b) for b in slot.buffers.values()), slot.released))
+            copying_home = best.read_home is not None and best.released == self._releases - 1
+            if not (copying_home and len(self._slots) <= self.capacity):
+                return best
+        slot = _Slot({dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in need.items()})
+        self._alone = _use_count(next(iter(slot.buffers.values())))  # what a buffer nothing else shares counts
         self._slots.append(slot)
         return slot
 
     def slot_bytes(self) -> int:
         """Bytes of the device buffers units are copied into (kept between steps)."""
-        return sum(tensor_bytes(b) for slot in self._slots for b in slot.values())
+        return sum(tensor_bytes(b) for slot in self._slots for b in slot.buffers.values())
 
     def _rehome(self, unit: _Unit) -> None:
         # Something outside moved or replaced a weight between uses (Module.to, a load with
@@ -443,6 +465,8 @@ class WeightStreamer:
                 self._let_go(other)
         for buf in unit.buffers.values():
             self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
+        if unit.linger is None:
+            self._release_slot(unit)
         unit.buffers = unit.views = unit.ready = None
         unit.streams = set()
         self._lru.remove(unit)
@@ -465,11 +489,20 @@ class WeightStreamer:
         if unit.linger is not None:
             unit.linger = None
             self._lingering.remove(unit)
+            self._release_slot(unit)
 
     def _drop_lingering(self) -> None:
         for unit in self._lingering:
             unit.linger = None
+            self._release_slot(unit)
         self._lingering.clear()
+
+    def _release_slot(self, unit: _Unit) -> None:
+        """The unit's slot is no longer its own (`_slot` takes it once nothing else reads it)."""
+        if unit.slot is not None:
+            unit.slot.released = self._releases
+            self._releases += 1
+            unit.slot = None
 
     # ---- forward and backward boundaries -----------------------------------------------------
 
@@ -602,7 +635,7 @@ class WeightStreamer:
 
     def _fetch_alone(self, unit: _Unit, p: nn.Parameter) -> _Unit:
         """A one-weight unit holding a new compute copy of `p` (whose own unit holds none now)."""
-        home = unit.homes[unit.slot(p)]
+        home = unit.homes[unit.position(p)]
         if self.cuda and unit.homed is not None:
             torch.cuda.current_stream(self.device).wait_event(unit.homed)
         copy = home.to(self.device, non_blocking=True) if self.cuda else home.clone()
@@ -638,19 +671,27 @@ class WeightStreamer:
             self._await_copy(unit)
         _, views = self._copy_of(unit)
         bound = [p.data for p, _ in pairs]
-        slots = [unit.slot(p) for p, _ in pairs]
+        slots = [unit.position(p) for p, _ in pairs]
         for (p, _), slot in zip(pairs, slots):
             p.data = views[slot]  # already so while the unit is bound
         self.steps.step_now(pairs)
         self.stats.stepped_on_device += len(pairs)
+        # A copy of one weight fetched alone is the allocator's memory, which the compute stream
+        # reuses as soon as it is dropped: its copy home runs on the compute stream, so that no
+        # later kernel overwrites it first (a small copy, for that weight only). A slot is not
+        # reused before the copy-home stream is done with it (`_fetch`): the rest go there.
+        home_stream = None
         if self.cuda:
-            self.back.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.back) if self.cuda else nullcontext():
+            home_stream = self.back if unit.owner is None else torch.cuda.current_stream(self.device)
+            home_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(home_stream) if self.cuda else nullcontext():
             for (p, _), slot in zip(pairs, slots):
                 unit.homes[slot].copy_(p.data, non_blocking=self.cuda)
             if self.cuda:
                 unit.homed = torch.cuda.Event()
-                unit.homed.record(self.back)
+                unit.homed.record(home_stream)
+        if unit.slot is not None:  # the slot is not copied into again before these copies are done
+            unit.slot.read_home = unit.homed
         for (p, _), data in zip(pairs, bound):
             p.data = data
         if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
