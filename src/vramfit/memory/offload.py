@@ -274,6 +274,9 @@ class WeightStreamer:
         stream = torch.cuda.current_stream(self.device)
         self.side.wait_stream(stream)
         self.back.wait_stream(stream)
+        # a recording may wait only on events it made: those of the eager steps before are done (a
+        # recording starts after a device synchronization, and a replay runs after it)
+        self._forget_events()
         self._recording = True
         try:
             yield
@@ -281,10 +284,13 @@ class WeightStreamer:
             stream.wait_stream(self.back)
         finally:
             self._recording = False
-            for unit in self.units:
-                unit.ready = unit.homed = None
-            for slot in self._slots:
-                slot.read_home = None
+            self._forget_events()
+
+    def _forget_events(self) -> None:
+        for unit in self.units:
+            unit.ready = unit.homed = None
+        for slot in self._slots:
+            slot.read_home = None
 
     # ---- placement ---------------------------------------------------------------------------
 
