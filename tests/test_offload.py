@@ -235,11 +235,16 @@ def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
     assert slots[1] == slots[2] and 2 <= len(streamer._slots) < len(streamer.units)
     sizes = {sum(h.numel() for h in u.homes) for u in streamer.units}
     assert all(b.numel() in sizes for slot in streamer._slots for b in slot.buffers.values())  # each made for a unit
+    streamer.free_slots()  # after training (train/loop.py): the save phase holds none; a later step makes them again
+    assert streamer.slot_bytes() == 0
+    micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                    torch.float32).backward()
+    assert streamer.slot_bytes() > 0
     reference.train()
     reference_bundle = dataclasses.replace(bundle, denoiser=reference)
     loss = micro_step_loss(family, reference_bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
                            torch.float32)
-    (3 * loss).backward()  # the streamed weights' gradients summed over the three steps above
+    (4 * loss).backward()  # the streamed weights' gradients summed over the four steps above
     streamed = dict(bundle.denoiser.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(streamed[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

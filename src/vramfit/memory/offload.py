@@ -419,6 +419,12 @@ class WeightStreamer:
         self._slots.append(slot)
         return slot
 
+    def free_slots(self) -> None:
+        """Let the slots go (after training: the save phase does not hold them). Only once no
+        CUDA graph that copies into them will be replayed again; the next use makes new ones."""
+        self.release_all()
+        self._slots.clear()
+
     def slot_bytes(self) -> int:
         """Bytes of the device buffers units are copied into (kept between steps)."""
         return sum(tensor_bytes(b) for slot in self._slots for b in slot.buffers.values())

@@ -229,6 +229,8 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
             grad_hooks.remove()
         if streamer is not None:
             streamer.step_on_device(None)
+            # the recordings that copy into the slots (train.cuda_graphs) end with this loop
+            streamer.free_slots()
     return result
 
 
