@@ -88,7 +88,7 @@ def test_optimizer_state_bytes_of_large_tensors(optimizer):
     assert state_bytes(optimizer_) == sum(predicted_state(optimizer, p.numel(), tuple(p.shape), 2) for p in params)
 
 
-def test_streamed_weights_leave_one_unit_on_the_device():
+def test_streamed_weights_leave_the_slots_of_the_two_largest_units_on_the_device():
     cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE},
                memory={"stream_weights": True, "stream_unit_mib": 0.05})
     predicted = device_terms(read_facts(cfg), cfg)
@@ -96,7 +96,8 @@ def test_streamed_weights_leave_one_unit_on_the_device():
     units = sorted(u.nbytes for u in streamer.units)
     assert len(units) > 2  # the small unit size split the blocks
     resident = _held_bytes(bundle.denoiser) - streamer.streamed_bytes()
-    assert predicted["weights"] == resident and predicted["stream unit"] == units[-1]
+    # the slots units are copied into (memory/offload.py) take the largest units' sizes
+    assert predicted["weights"] == resident and predicted["stream unit"] == units[-1] + units[-2]
     full = device_terms(read_facts(cfg), _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}))
     assert predicted["weights"] < full["weights"] and predicted["gradients"] < full["gradients"]
 
@@ -156,7 +157,10 @@ def test_streamed_weights_stepped_on_the_device_bring_their_state_and_a_unit_of_
     _, _, streamer = _placed(inside)
     streamed_state = sum(predicted_state("adafactor", p.numel(), tuple(p.shape), 2) for p in streamer.trainable)
     assert here["optimizer state"] == after["optimizer state"] + streamed_state
-    assert here["stream unit"] == after["stream unit"] + int(STREAM_GRAD_SHARE * after["stream unit"])
+    units = sorted(u.nbytes for u in streamer.units)
+    # one more slot (copies home run in backward) and a share of the largest unit's gradients
+    assert after["stream unit"] == sum(units[-2:])
+    assert here["stream unit"] == sum(units[-3:]) + int(STREAM_GRAD_SHARE * units[-1])
     assert here["gradients"] == after["gradients"]
     adamw = _cfg(**sets, train={"optimizer": "adamw", "optimizer_in_backward": True})  # its state stays home
     assert device_terms(read_facts(adamw), adamw)["stream unit"] == after["stream unit"]
@@ -241,6 +245,8 @@ def test_predictions_are_within_ten_percent_of_the_measured_bench_reports():
                     continue  # reused cache: no measurement
                 if phase == "save" and meas < 0.5 * GIB:
                     continue  # a streamed run's save holds a few hundred MiB: 10% of it is noise
+                if plan_check.superseded(run, phase):
+                    continue  # measured before a change of what such runs hold
                 assert abs(pred - meas) <= 0.10 * meas, (name, phase, pred / GIB, meas / GIB)
                 checked += phase == "train"
     assert checked >= 10

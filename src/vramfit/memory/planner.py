@@ -8,7 +8,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   stored per model.t5_precision; memory.stream_encoders: its rest and two layers) + its widened
   largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
-  streamed: what is outside the blocks, plus the largest stream unit while training), optimizer state S and
+  streamed: what is outside the blocks, plus the slots units are copied into while training, as
+  large as the STREAM_SLOTS largest units), optimizer state S and
   gradients G (exact per trained tensor; a streamed full fine-tune stepping in backward with Adafactor
   steps its streamed weights on the device: their state counts in S, STREAM_GRAD_SHARE of a unit of
   their gradients beside the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
@@ -89,6 +90,14 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
 - STREAM_GRAD_SHARE 0.25: the streamed full fine-tunes stepping on the device in backward (SSD-1B
   0.97, SDXL 1.15, SD3-M 1.21 GiB, `adfd9bf`): a whole unit of gradients put them at +20%, +12%
   and +5%, none at -8% to +3%; a quarter puts them within 7.4% (a fit to those three runs).
+- STREAM_SLOTS 3 where streamed weights step on the device, else 2: since `ca544c6` units are
+  copied into slots kept while training (memory/offload.py), one more where copies home run in
+  backward. The save phases of `50cd769` (machine AO) held them: SD3-M 0.49 GiB (three units of
+  0.157), SSD-1B 0.39 GiB (its three largest units: 0.161, 0.112 and 0.104). Training, step in
+  backward and graphs: SD3-M 1.37 GiB predicted +6.6%, SSD-1B 1.17 GiB +7.3%, SD3-M with half
+  the blocks checkpointed 4.27 GiB +4.2% (the largest unit three times put SSD-1B at +16%). The
+  streamed rows measured before the slots (allocator buffers freed as soon as a unit was done)
+  are predicted 19% to 30% over.
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
 (the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
@@ -124,6 +133,9 @@ TEXT_CHUNK = 64  # captions per encode call (train/data.py)
 STEP_TEMP_BYTES = {"adafactor": 15, "adamw": 24, "adamw8bit": 24}
 IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
 STREAM_GRAD_SHARE = 0.25  # of a stream unit: its gradients waiting to step on the device, at the peak
+# the device buffers streamed units are copied into, kept while training (memory/offload.py `_slot`):
+# as large as this many of the largest units, by whether streamed weights step on the device
+STREAM_SLOTS = {False: 2, True: 3}
 WORKSPACE = 64 * MIB
 SAVE_WORKSPACE = 100 * MIB
 SAVE_WORKSPACE_STREAMED = 83 * MIB
@@ -269,14 +281,9 @@ def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
     return out
 
 
-def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], int, int]:
-    """The denoiser's tensors as the run places them and the bytes of the largest stream unit.
-
-    Streaming keeps at most three units' copies on the device (memory/offload.py), but the
-    measured peaks sit one unit above what stays resident: SD3-M LoRA 512 batch 4 at 1.09 GiB
-    and SSD-1B full at 0.90 GiB (docs/bench, H200), where two units and a unit of gradients
-    on their way to the host over-predicted by 19% and 37%; the peak comes in a block's
-    backward, when the prefetch is not running and its gradients have already left."""
+def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
+    """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
+    first (the slots of memory/offload.py take the largest units' sizes: STREAM_SLOTS)."""
     from vramfit.memory.offload import block_modules, split_units
 
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
@@ -310,7 +317,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
             tensors.append(_Tensor(name, tuple(b.shape), b.numel(), dtype_bytes, False))
     if lora:
         tensors += _lora_tensors(facts, cfg)
-    return tensors, max(unit_sizes, default=0)
+    return tensors, sorted(unit_sizes, reverse=True)
 
 
 @dataclass
@@ -412,7 +419,8 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """Bytes on the device while training, exact where vramfit allocates them itself: weights
     (incl. buffers, LoRA, quantized linears; the stream unit apart), optimizer state, all
     gradients, the bf16 copies autocast makes, and the largest trained tensor (bytes, elements)."""
-    tensors, unit = _denoiser_tensors(facts, cfg)
+    tensors, units = _denoiser_tensors(facts, cfg)
+    unit = units[0] if units else 0
     on_device = [x for x in tensors if not x.streamed]
     # streamed weights that step on the device inside backward keep their state there too, and
     # their unit's gradients wait there until it steps (memory/offload.py)
@@ -423,7 +431,7 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     stepped = max(trained, key=lambda x: x.numel, default=none)
     return {"weights": sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
             # on the device only while a streamed block runs; stepped here, a share of a unit's gradients too
-            "stream unit": unit + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
+            "stream unit": sum(units[:STREAM_SLOTS[stepped_here]]) + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
             "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
@@ -543,7 +551,7 @@ class Knob:
     5.61 GiB for checkpointing alone without graphs, docs/benchmarks.md), then both; then the same
     without graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same
     other settings); + streamed weights: a rung is taken only when no mix of the earlier ones fits.
-    A combination the config's own checks refuse (graphs beside streamed weights, say) is
+    A combination the config's own checks refuse (graphs beside offloaded activations, say) is
     skipped."""
 
     key: str  # section.name
@@ -603,7 +611,7 @@ def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
 
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
     # some memory-saving option must pass the config's own checks beside the user's settings
-    # (train.cuda_graphs refuses streamed weights, for one) and compose with the launched processes
+    # (train.cuda_graphs refuses offloaded activations, for one) and compose with the launched processes
     if not any(_valid(cfg, {knob.key: option}) for option in knob.options[1:]):
         return False
     if knob.key == "lora.base_quantization":
