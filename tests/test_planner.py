@@ -427,3 +427,20 @@ def test_the_samples_phase_counts_the_grid_in_the_dtype_the_grid_runs_in(mode, p
                lora={"base_quantization": base})
     _, bundle, _ = _placed(cfg)
     assert grid_item_bytes(cfg) == torch.empty((), dtype=grid_dtype(bundle.denoiser)).element_size()
+
+
+def test_a_full_fine_tune_streams_with_graphs_before_anything_without_them(sd3m, monkeypatch):
+    """SD3-M full at 4.95 GiB (4.46 usable): the step in backward with graphs (4.71 GiB predicted)
+    does not fit; offloaded activations without graphs (4.41) would, but streamed weights stepping
+    on the GPU record with graphs and run faster (docs/benchmarks.md: 0.230 s against 0.795 s)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sections = {"model": {"path": "tiny:sd3"}, "data": {"resolution": 1024}, "train": {"optimizer": "adafactor"}}
+    at5, _ = _choose(sd3m, sections, 4.95)
+    assert at5.memory.stream_weights and at5.train.cuda_graphs and at5.train.optimizer_in_backward
+    assert not at5.memory.offload_activations
+    # AdamW's moments fit only in CPU memory, streamed: its streamed weights step there, without graphs
+    adamw, _ = _choose(sd3m, {**sections, "train": {"optimizer": "adamw8bit"}}, 4.95)
+    assert adamw.memory.stream_weights and not adamw.train.cuda_graphs
+    monkeypatch.setattr("vramfit.memory.planner.STREAMED_FULL_COST", 64)  # the ladder before
+    before, _ = _choose(sd3m, sections, 4.95)
+    assert before.memory.offload_activations and not before.train.cuda_graphs and not before.memory.stream_weights

@@ -107,7 +107,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -580,6 +580,24 @@ KNOBS = (
 )
 
 
+# A full fine-tune's streamed weights record with CUDA graphs where they step on the GPU (the step
+# in backward with Adafactor; train/graphs.py), and a recorded streamed step is faster than any step
+# without graphs: SD3-M 0.230 s streamed with graphs against 0.795 s with offloaded activations and
+# 0.268 s with the step in backward alone, SSD-1B 0.238 s against 0.339 s (docs/benchmarks.md,
+# machines AO, V and AG). So there they rank after every rung with graphs and before the first
+# without (8). A LoRA base keeps its place after quantization: its streamed step was not measured
+# with graphs.
+STREAMED_FULL_COST = 7.5
+
+
+def ladder(cfg: RunConfig) -> tuple[Knob, ...]:
+    """KNOBS as ranked for `cfg`'s run (STREAMED_FULL_COST)."""
+    if cfg.train.mode != "full":
+        return KNOBS
+    return tuple(replace(k, costs=(0, STREAMED_FULL_COST)) if k.key == "memory.stream_weights" else k
+                 for k in KNOBS)
+
+
 class PlanError(ValueError):
     """No combination of the free settings fits the budget; the message says what would."""
 
@@ -644,7 +662,7 @@ def _valid(cfg: RunConfig, combo: dict[str, object]) -> bool:
 
 def free_knobs(cfg: RunConfig, facts: ModelFacts) -> list[Knob]:
     """The knobs the user did not set (pydantic's model_fields_set of each section)."""
-    return [k for k in KNOBS if _applies(k, cfg, facts)
+    return [k for k in ladder(cfg) if _applies(k, cfg, facts)
             and k.key.split(".")[1] not in getattr(cfg, k.key.split(".")[0]).model_fields_set]
 
 
@@ -741,7 +759,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         lines = [f"nothing fits in {budget / GIB:.2f} GiB ({usable / GIB:.2f} GiB after the {MARGIN:.0%} margin): "
                  f"the smallest prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)}; "
                  f"it needs a budget of at least {need / GIB:.2f} GiB"]
-        fixed = [k for k in KNOBS if _applies(k, cfg, facts) and k not in knobs]
+        fixed = [k for k in ladder(cfg) if _applies(k, cfg, facts) and k not in knobs]
         if fixed:
             freed, _ = _search(cfg, facts, knobs + fixed, usable, captions)
             if freed is not None:
@@ -770,7 +788,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
         reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {over.name} "
                        f"phase is predicted at {over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
-    for knob in KNOBS:
+    for knob in ladder(cfg):
         if _applies(knob, cfg, facts) and knob not in knobs:
             reasons.append(f"{knob.key} = {json.dumps(setting(cfg, knob.key))}: set by you, kept")
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
