@@ -421,7 +421,13 @@ class WeightStreamer:
 
     def free_slots(self) -> None:
         """Let the slots go (after training: the save phase does not hold them). Only once no
-        CUDA graph that copies into them will be replayed again; the next use makes new ones."""
+        CUDA graph that copies into them will be replayed again; the next use makes new ones.
+        Gradients gathered by a backward that did not finish (an error) are dropped, not stepped."""
+        for unit in self.units:
+            unit.to_step.clear()
+        self._drop_lingering()
+        self._stepped.clear()
+        self._gathering = None
         self.release_all()
         self._slots.clear()
 
@@ -683,9 +689,9 @@ class WeightStreamer:
             self._await_copy(unit)
         _, views = self._copy_of(unit)
         bound = [p.data for p, _ in pairs]
-        slots = [unit.position(p) for p, _ in pairs]
-        for (p, _), slot in zip(pairs, slots):
-            p.data = views[slot]  # already so while the unit is bound
+        positions = [unit.position(p) for p, _ in pairs]
+        for (p, _), i in zip(pairs, positions):
+            p.data = views[i]  # already so while the unit is bound
         self.steps.step_now(pairs)
         self.stats.stepped_on_device += len(pairs)
         # A copy of one weight fetched alone is the allocator's memory, which the compute stream
@@ -697,8 +703,8 @@ class WeightStreamer:
             home_stream = self.back if unit.owner is None else torch.cuda.current_stream(self.device)
             home_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(home_stream) if self.cuda else nullcontext():
-            for (p, _), slot in zip(pairs, slots):
-                unit.homes[slot].copy_(p.data, non_blocking=self.cuda)
+            for (p, _), i in zip(pairs, positions):
+                unit.homes[i].copy_(p.data, non_blocking=self.cuda)
             if self.cuda:
                 unit.homed = torch.cuda.Event()
                 unit.homed.record(home_stream)
