@@ -355,3 +355,38 @@ def test_a_backward_that_fails_midway_leaves_no_device_step_behind(images, tmp_p
     steps.finish()
     assert streamer.stats.stepped_on_device == stepped + len(streamer.trainable)  # each once, none stale
     assert all(not u.to_step and u.linger is None for u in streamer.units)
+
+
+def test_a_slot_still_being_copied_home_from_is_not_copied_into_at_once():
+    """The slot choice (memory/offload.py `_slot`): the smallest free slot that fits, the one let go
+    of longest ago among equals; the one just let go of while its stepped values are still being
+    copied home is passed over for a new slot while no more than `capacity` exist, so that in
+    backward a unit's copy in does not wait for the previous unit's copy out."""
+    model = torch.nn.Module()
+    model.transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    streamer = WeightStreamer(model, torch.device("cpu"), stream=True, stream_trainable=True,
+                              max_unit_bytes=2**20, offload_activations=False)
+    need = {torch.float32: 8 * 8 + 8}
+
+    def let_go(slot, copying_home):
+        slot.released, streamer._releases = streamer._releases, streamer._releases + 1
+        slot.read_home = object() if copying_home else None
+
+    first = streamer._slot(need)
+    assert streamer._slot(need) is first  # free: nothing made
+    let_go(first, copying_home=True)
+    second = streamer._slot(need)  # the only free one is being copied home from: a new one
+    assert second is not first and len(streamer._slots) == 2
+    let_go(second, copying_home=True)
+    assert streamer._slot(need) is first  # let go of longer ago (its copies home are older)
+    let_go(first, copying_home=True)
+    assert streamer._slot(need) is second
+    streamer.units[0].buffers = second.buffers  # held by a unit: not free
+    third = streamer._slot(need)  # again only the slot just let go of is free: a third one
+    assert third not in (first, second) and len(streamer._slots) == 3
+    streamer.units[1].buffers = third.buffers
+    let_go(first, copying_home=True)
+    assert streamer._slot(need) is first  # more than `capacity` (2) slots: it waits for the copy instead
+    larger = streamer._slot({torch.float32: 1000})  # fits none: a new one of its size
+    assert larger.buffers[torch.float32].numel() == 1000 and len(streamer._slots) == 4
+    assert streamer._slot({torch.float32: 10}) is first  # the smallest free one that fits

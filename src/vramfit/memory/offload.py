@@ -124,7 +124,7 @@ class _Unit:
         return next(i for i, q in enumerate(self.params) if q is p)
 
 
-@dataclass
+@dataclass(eq=False)  # one slot is itself, not any slot of equal contents
 class _Slot:
     """Device buffers (one per dtype) that units are copied into; kept for the streamer's life."""
 
