@@ -381,10 +381,10 @@ def test_a_slot_still_being_copied_home_from_is_not_copied_into_at_once():
     assert streamer._slot(need) is first  # let go of longer ago (its copies home are older)
     let_go(first, copying_home=True)
     assert streamer._slot(need) is second
-    streamer.units[0].buffers = second.buffers  # held by a unit: not free
+    streamer.units[0].slot = second  # held by a unit: not free
     third = streamer._slot(need)  # again only the slot just let go of is free: a third one
     assert third not in (first, second) and len(streamer._slots) == 3
-    streamer.units[1].buffers = third.buffers
+    streamer.units[1].slot = third
     let_go(first, copying_home=True)
     assert streamer._slot(need) is first  # more than `capacity` (2) slots: it waits for the copy instead
     larger = streamer._slot({torch.float32: 1000})  # fits none: a new one of its size

@@ -430,10 +430,12 @@ class RunConfig(_Section):
 
     def graph_clashes(self) -> list[str]:
         """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
+        from vramfit.optim.build import streamed_step_on_device
+
         return [name for name, on in (
             ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
              "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
-             self.memory.stream_weights and self.train.mode == "full" and not _streamed_step_on_device(self)),
+             self.memory.stream_weights and self.train.mode == "full" and not streamed_step_on_device(self)),
             ("memory.offload_activations", self.memory.offload_activations),
             ("train.optimizer_in_backward with train.grad_accum > 1",
              self.train.optimizer_in_backward and self.train.grad_accum > 1),
@@ -469,9 +471,3 @@ class RunConfig(_Section):
     @property
     def output_dir(self) -> Path:
         return Path(self.output.dir)
-
-
-def _streamed_step_on_device(cfg: "RunConfig") -> bool:
-    from vramfit.optim.build import streamed_step_on_device
-
-    return streamed_step_on_device(cfg)

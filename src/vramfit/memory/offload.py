@@ -404,11 +404,10 @@ class WeightStreamer:
         is the one just let go of, whose stepped values are still being copied home, and no more
         than `capacity` slots exist, a new one is made instead, so that the copy in does not wait
         for that copy out (the backward of a streamed step on the device: copies both ways at once)."""
-        held = {id(b) for u in self.units for copy in (u.buffers, u.linger[0] if u.linger else None) if copy
-                for b in copy.values()}
+        held = {id(u.slot) for u in self.units if u.slot is not None}  # fetched, or kept for gradients
         free = [slot for slot in self._slots
-                if all(d in slot.buffers and slot.buffers[d].numel() >= n for d, n in need.items())
-                and all(id(b) not in held and _use_count(b) == self._alone for b in slot.buffers.values())]
+                if id(slot) not in held and all(d in slot.buffers and slot.buffers[d].numel() >= n for d, n in need.items())
+                and all(_use_count(b) == self._alone for b in slot.buffers.values())]
         if free:
             best = min(free, key=lambda slot: (sum(tensor_bytes(b) for b in slot.buffers.values()), slot.released))
             copying_home = best.read_home is not None and best.released == self._releases - 1
