@@ -76,8 +76,11 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   9.83 and 11.42 GiB) are predicted at +1.3% to +7.0%; SD3-M LoRA 1024 with 0.25 and 0.5 over a
   quantized base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put
   the UNet rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
-- SD3 saved 2.0 (the bf16 block inputs), work 66: SD3-M LoRA train at 512 batch 4 (4.655 GiB) and
-  1024 batch 1 (4.604 GiB); lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
+- SD3 saved 2.0 (the bf16 block inputs), work 45: refitted at `40ba957` (machine AP) to the
+  checkpointed SD3-M rows of docs/bench, LoRA and full: 66, fitted to the LoRA runs of the shared
+  reference (4.655 GiB at 512 batch 4, 4.604 GiB at 1024 batch 1), put every such row of today's
+  code over, by 0.1 to 0.2 GiB, and the streamed LoRA at 512 batch 4 (1.12 GiB, where that is
+  18%) at +18.4%; with 45 the SD3-M train rows are within -5.0% and +5.8%. lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
   batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
   layer's input, which memory/lora_compute.py no longer makes). all_block 43 (a full fine-tune,
   where every linear also saves its input): the streamed SD3-M full fine-tune stepping in
@@ -155,7 +158,7 @@ class ActivationConstants:
 
 _CONSTANTS = {
     "sdxl": ActivationConstants(saved=0.77, work=38.7, all_resnet=22.7, all_block=62.7, bf16_resnet=9.6, bf16_block=60.4),
-    "sd3": ActivationConstants(saved=2.0, work=66.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
+    "sd3": ActivationConstants(saved=2.0, work=45.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
 }
 
 
