@@ -118,7 +118,7 @@ FULL_CASES += [compiled(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", 
 LORA_CASES += [compiled(c) for c in LORA_CASES if c.name in ("recipe", "base_int8", "base_fp8", "fastest")]
 FULL_CASES += [graphed(c) for c in FULL_CASES if c.name in ("recipe", "inbwd", "fastest", "fastest_bf16",
                                                             "recipe_compile", "inbwd_compile", "fastest_compile",
-                                                            "stream_inbwd")]
+                                                            "stream_inbwd", "inbwd_offload")]
 LORA_CASES += [graphed(c) for c in LORA_CASES
                if c.name in ("recipe", "inbwd", "fastest", "base_int8", "base_fp8", "base_nf4", "recipe_compile",
                              "base_int8_compile", "base_fp8_compile", "fastest_compile", "stream")]

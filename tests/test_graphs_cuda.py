@@ -2,7 +2,7 @@
 against the same runs without graphs, with several buckets, accumulation (bf16 sums with
 stochastic rounding too), sample grids between steps (which move the weights and force new
 recordings), a quantized LoRA base, the optimizer step inside backward recorded with the
-backward, compiled blocks, and streamed weights."""
+backward, compiled blocks, streamed weights and offloaded activations."""
 from __future__ import annotations
 
 import json
@@ -79,6 +79,15 @@ CASES = {
         *STREAMED_INBWD, "train.gradient_checkpointing=0.5", "memory.stream_unit_mib=0.5", "memory.fit_probe=true"]),
     # a streamed frozen base under LoRA, two micro-batches a step
     "sd3-lora-streamed": ("tiny:sd3", ["train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true"]),
+    # offloaded activations recorded with their copies to the streamer's kept pinned buffers and back
+    # (each bucket shape runs once eagerly first, which makes them): every activation of the blocks
+    # that do not recompute, under accumulation; with the step in backward; beside a streamed base
+    "ssd1b-full-offloaded-half-checkpointed": ("tiny:ssd1b", [
+        *FULL_ADAMW, "train.gradient_checkpointing=0.5", "memory.offload_activations=true"]),
+    "sd3-full-offloaded-inbwd": ("tiny:sd3", [
+        *STREAMED_INBWD[:-1], "train.gradient_checkpointing=true", "memory.offload_activations=true"]),
+    "sd3-lora-streamed-offloaded": ("tiny:sd3", [
+        "train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true", "memory.offload_activations=true"]),
 }
 
 

@@ -209,13 +209,12 @@ def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, m
     assert all(p.grad is not None and p.grad.data_ptr() != 0 for p in trainable)
 
 
-def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
-    """Every copy goes into one of the streamer's slots (each made the size of a unit), the same
-    ones step after step, which is what a CUDA graph recording needs;
-    gradients equal the unstreamed step's (so no slot was overwritten while autograd still read
-    it: on the CPU a copy lands at once)."""
-    args = train_args(images, tmp_path / "out", cache_root / "off", *STREAM, "memory.stream_unit_mib=0.05",
-                      "train.precision=fp32", "train.gradient_checkpointing=0.5", model="tiny:sd3")
+def _half_checkpointed_sd3(images, tmp_path, cache_root, *sets: str):
+    """tiny:sd3 in fp32, half of its blocks checkpointed, placed on the CPU with `sets` (in train
+    mode), an unplaced copy to compare with, and one batch: (cfg, family, bundle, reference,
+    streamer, batch)."""
+    args = train_args(images, tmp_path / "out", cache_root / "off", *sets, "train.precision=fp32",
+                      "train.gradient_checkpointing=0.5", model="tiny:sd3")
     cfg = load_config(None, args[3::2])
     device = torch.device("cpu")
     family, bundle, data, _ = prepare(cfg, MemoryTracker(device), device, False)
@@ -223,6 +222,17 @@ def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
     streamer = place_denoiser(bundle, cfg, device)
     batch = data.batch(next(data.batches(1, torch.Generator().manual_seed(0), False)))
     bundle.denoiser.train()
+    return cfg, family, bundle, reference, streamer, batch
+
+
+def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
+    """Every copy goes into one of the streamer's slots (each made the size of a unit), the same
+    ones step after step, which is what a CUDA graph recording needs;
+    gradients equal the unstreamed step's (so no slot was overwritten while autograd still read
+    it: on the CPU a copy lands at once)."""
+    cfg, family, bundle, reference, streamer, batch = _half_checkpointed_sd3(
+        images, tmp_path, cache_root, *STREAM, "memory.stream_unit_mib=0.05")
+    device = torch.device("cpu")
     slots = []
     for _ in range(3):
         loss = micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
@@ -248,6 +258,49 @@ def test_units_are_copied_into_a_few_fixed_slots(images, tmp_path, cache_root):
     streamed = dict(bundle.denoiser.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(streamed[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_offloaded_activations_live_in_kept_buffers_the_same_every_step(images, tmp_path, cache_root):
+    """Saved tensors are copied into pinned buffers the streamer keeps: made in the first step,
+    the same ones in the same order in every later step (what a CUDA graph recording needs), all
+    free again once backward is done; a save while recording that no buffer fits is an error (a
+    recording cannot make pinned memory); gradients equal those of a run that keeps them."""
+    cfg, family, bundle, reference, streamer, batch = _half_checkpointed_sd3(images, tmp_path, cache_root, *OFFLOAD)
+    device = torch.device("cpu")
+    seen, taken = [], []
+    original = streamer._host_buffer
+
+    def spy(dtype, numel):
+        buffer = original(dtype, numel)
+        taken[-1].append(buffer.data.data_ptr())
+        return buffer
+
+    streamer._host_buffer = spy
+    for _ in range(3):
+        taken.append([])
+        loss = micro_step_loss(family, bundle, batch, cfg.train, torch.Generator().manual_seed(1), device,
+                               torch.float32)
+        assert any(b.busy for b in streamer._host_buffers)  # held from forward to backward
+        loss.backward()
+        del loss
+        assert not any(b.busy for b in streamer._host_buffers)
+        seen.append([b.data.data_ptr() for b in streamer._host_buffers])
+    assert taken[0] and taken[0] == taken[1] == taken[2] and seen[0] == seen[1] == seen[2]
+    assert 0 < streamer.host_bytes() <= streamer.stats.offloaded_bytes / 3  # (three steps' worth offloaded)
+    # a save that no free buffer fits, while recording: refused, not allocated
+    streamer._recording = True
+    with pytest.raises(RuntimeError, match="saved only while recording has no pinned buffer"):
+        streamer._host_buffer(torch.float32, 1 + max(b.data.numel() for b in streamer._host_buffers))
+    streamer._recording = False
+    streamer.free_slots()  # after training: the save phase holds no pinned buffer either
+    assert streamer.host_bytes() == 0
+    reference.train()
+    loss = micro_step_loss(family, dataclasses.replace(bundle, denoiser=reference), batch, cfg.train,
+                           torch.Generator().manual_seed(1), device, torch.float32)
+    (3 * loss).backward()
+    offloaded = dict(bundle.denoiser.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(offloaded[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _one_cuda_step(images, out, cache, *sets: str):

@@ -187,11 +187,11 @@ class TrainConfig(_Section):
         "GPU in one process and nothing below refuses them, off otherwise, and off again when the "
         "fit probe (memory.fit_probe) finds the recorded step too large for the GPU (or for "
         "memory.vram_budget, whose planner may turn them on too) and the step without them fits "
-        "(the run's config.toml records which). CUDA only; not with "
-        "memory.offload_activations, LoRA dropout, grad_accum > 1 with optimizer_in_backward, or "
+        "(the run's config.toml records which). CUDA only; not with LoRA dropout, grad_accum > 1 with optimizer_in_backward, or "
         "memory.stream_weights in a full fine-tune whose streamed weights step in CPU memory (all "
         "but optimizer_in_backward with Adafactor). Streamed weights record too: their copies to "
-        "the GPU and home are part of the graphs. A quantized LoRA base records too, and so does accumulation (bf16 "
+        "the GPU and home are part of the graphs; so do offloaded activations (each bucket shape "
+        "then runs one step eagerly first, which makes their pinned buffers). A quantized LoRA base records too, and so does accumulation (bf16 "
         "sums with stochastic_rounding included), and so do compiled blocks (train.compile: each "
         "bucket shape then runs one step eagerly, which compiles it, and records at its second; so "
         "again after a sample grid). "
@@ -436,7 +436,6 @@ class RunConfig(_Section):
             ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
              "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
              self.memory.stream_weights and self.train.mode == "full" and not streamed_step_on_device(self)),
-            ("memory.offload_activations", self.memory.offload_activations),
             ("train.optimizer_in_backward with train.grad_accum > 1",
              self.train.optimizer_in_backward and self.train.grad_accum > 1),
             ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]

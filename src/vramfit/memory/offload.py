@@ -57,8 +57,10 @@ again alone once more); the CPU step's seconds become milliseconds of GPU work.
 
 Activation offload (`offload_activations`): every other tensor saved for backward in the
 denoiser's forward (under gradient checkpointing that is the checkpointed blocks' inputs) is
-copied to pinned CPU memory and back when backward needs it; a tensor saved by several ops is
-copied once.
+copied to pinned CPU memory and back when backward needs it, both on the compute stream; a
+tensor saved by several ops is copied once. The pinned buffers are kept from step to step (each
+save takes the smallest free one it fits), so a step allocates no pinned memory after the first
+and a CUDA graph can record the copies (`_host_buffer`).
 
 Costs: per step the streamed weights cross PCIe about twice (forward, and backward's recompute
 under checkpointing or its re-fetch of saved weights without), and for a full fine-tune their
@@ -142,10 +144,22 @@ class _WeightRef:
     stride: tuple
 
 
-@dataclass
+@dataclass(eq=False)
 class _Offloaded:
     host: torch.Tensor
     device: torch.device
+
+
+@dataclass(eq=False)
+class _HostBuffer:
+    """Pinned CPU memory that saved tensors are offloaded into, kept while training (`_host_buffer`)."""
+
+    data: torch.Tensor  # flat
+    busy: bool = False  # a saved tensor that autograd still holds lives in it
+
+
+def _set_free(buffer: _HostBuffer) -> None:
+    buffer.busy = False
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -236,6 +250,7 @@ class WeightStreamer:
         self._task: Optional[int] = None  # autograd graph task whose end is awaited
         self._saving = None  # the saved-tensor hooks of a running forward
         self._offloaded: dict[tuple, tuple] = {}
+        self._host_buffers: list[_HostBuffer] = []  # where saved tensors are offloaded to, kept
         self._stash: dict[nn.Parameter, Optional[torch.Tensor]] = {}
         self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._delivering = False
@@ -419,8 +434,9 @@ class WeightStreamer:
         return slot
 
     def free_slots(self) -> None:
-        """Let the slots go (after training: the save phase does not hold them). Only once no
-        CUDA graph that copies into them will be replayed again; the next use makes new ones.
+        """Let the slots and the pinned buffers of offloaded activations go (after training: the
+        save phase does not hold them). Only once no CUDA graph that copies into them will be
+        replayed again; the next use makes new ones.
         Gradients gathered by a backward that did not finish (an error) are dropped, not stepped."""
         for unit in self.units:
             unit.to_step.clear()
@@ -429,6 +445,7 @@ class WeightStreamer:
         self._gathering = None
         self.release_all()
         self._slots.clear()
+        self._host_buffers.clear()
 
     def slot_bytes(self) -> int:
         """Bytes of the device buffers units are copied into (kept between steps)."""
@@ -600,12 +617,38 @@ class WeightStreamer:
         hit = self._offloaded.get(key)
         if hit is not None and hit[0]() is not None:
             return hit[1]
-        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.cuda)
+        buffer = self._host_buffer(t.dtype, t.numel())
+        host = buffer.data[:t.numel()].view(t.size())
         host.copy_(t, non_blocking=self.cuda)  # on the compute stream: ordered before any reuse of t
         packed = _Offloaded(host, t.device)
+        buffer.busy = True
+        weakref.finalize(packed, _set_free, buffer)  # autograd let go of it: its backward is done
         self._offloaded[key] = (weakref.ref(t), packed)
         self.stats.offloaded_bytes += tensor_bytes(host)
         return packed
+
+    def _host_buffer(self, dtype: torch.dtype, numel: int) -> _HostBuffer:
+        """A kept pinned buffer of `dtype` with room for `numel` values that no saved tensor lives in:
+        the smallest, the first made of those; else a new one. Kept rather than the pinned allocator's
+        per tensor: the same saves come in the same order every step, so a step finds its buffers
+        free and in the same places, which is what lets a CUDA graph record the copies (train/graphs.py:
+        a replay copies to the addresses the recording saw). A buffer is written in forward and read
+        in backward on the compute stream, so its next step's write is ordered after that read."""
+        free = [b for b in self._host_buffers if not b.busy and b.data.dtype == dtype and b.data.numel() >= numel]
+        if free:
+            return min(free, key=lambda b: b.data.numel())  # min keeps the first of equals
+        if self._recording:
+            # pinned memory is not made while CUDA records; an eager call of this signature comes first
+            # (train/graphs.py), so this is a save that call did not make
+            raise RuntimeError(f"offloaded activations: a {dtype} tensor of {numel} values saved only "
+                               "while recording has no pinned buffer")
+        buffer = _HostBuffer(torch.empty(numel, dtype=dtype, pin_memory=self.cuda))
+        self._host_buffers.append(buffer)
+        return buffer
+
+    def host_bytes(self) -> int:
+        """Bytes of the pinned buffers that saved tensors are offloaded into."""
+        return sum(tensor_bytes(b.data) for b in self._host_buffers)
 
     def _unpack(self, packed):
         if isinstance(packed, _WeightRef):

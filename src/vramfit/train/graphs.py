@@ -48,10 +48,12 @@ What a replay needs, and how a run provides it:
   the streamer's fixed device buffers, the waits between the copy streams and the compute, the
   step of the streamed weights on those copies (train.optimizer_in_backward with Adafactor) and
   the copies of their new values home become nodes of the graphs, and a replay moves the same
-  bytes between the same places (memory/offload.py: the buffers are fixed for that). Settings
+  bytes between the same places (memory/offload.py: the buffers are fixed for that). Offloaded
+  activations (memory.offload_activations) record alike: their copies to the streamer's kept
+  pinned buffers in forward and back in backward are nodes too; as with compiled blocks, each
+  signature runs once eagerly first, which makes the pinned buffers of its saves. Settings
   whose work a replay cannot repeat are refused beside cuda_graphs (config/schema.py):
-  offloaded activations (pinned host memory made per saved tensor), streamed weights stepping
-  in CPU memory (their gradients go home and a CPU step follows the backward), and the
+  streamed weights stepping in CPU memory (their gradients go home and a CPU step follows the backward), and the
   optimizer step inside backward over several micro-batches (gradient hooks whose host work
   differs between micro-batches, which a recorded backward would bake in). A quantized LoRA
   base records as it is: widening its weights is GPU work like any other, and replaying it
@@ -215,7 +217,10 @@ class GraphedDenoiser(torch.nn.Module):
         self._recorder = recorder
         # compiled blocks (train.compile): each signature runs once eagerly before it records, since
         # compiling for a new shape loads kernels, which CUDA refuses while it records
-        self._warm_each = warm_each
+        self._streamer = streamer_of(denoiser)  # streamed weights: their copies are recorded too
+        # offloaded activations: the same for the pinned buffers a shape's saved tensors are copied
+        # into, which are not made while CUDA records (memory/offload.py `_host_buffer`)
+        self._warm_each = warm_each or bool(self._streamer and self._streamer.offload_activations)
         self._eager_keys: set = set()  # the signatures that ran eagerly (with warm_each only)
         self._steps = steps  # optim/in_backward.py BackwardSteps when the step runs inside backward
         self._sums = sums  # the same when its hooks sum bf16 gradients of several micro-batches
@@ -228,7 +233,6 @@ class GraphedDenoiser(torch.nn.Module):
         self._warm = False  # the first training call ran (eagerly)
         self._weights_at: Optional[list[int]] = None  # the weights' addresses the recordings use
         self._parts = list(denoiser.modules())  # where those weights are read from (weight_addresses)
-        self._streamer = streamer_of(denoiser)  # streamed weights: their copies are recorded too
         self.device = self._streamer.device if self._streamer else next(denoiser.parameters()).device
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # makes replayed outputs need grad
         _LIVE.add(self)
