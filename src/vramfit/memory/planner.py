@@ -554,8 +554,8 @@ class Knob:
     5.61 GiB for checkpointing alone without graphs, docs/benchmarks.md), then both; then the same
     without graphs, + offloaded activations; + quantized base (LoRA; int8, then nf4 with the same
     other settings); + streamed weights: a rung is taken only when no mix of the earlier ones fits.
-    A combination the config's own checks refuse (graphs beside offloaded activations, say) is
-    skipped."""
+    A combination the config's own checks refuse (graphs beside streamed weights that step in
+    CPU memory, say) is skipped."""
 
     key: str  # section.name
     options: tuple
@@ -568,7 +568,8 @@ KNOBS = (
     Knob("train.gradient_checkpointing", (False, 0.25, 0.5, 0.75, True), (0, 0.25, 0.5, 0.75, 1), "train"),
     # the step in backward records with the backward (train/graphs.py): cheap beside graphs
     Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
-    Knob("memory.offload_activations", (False, True), (0, 4), "train"),  # never beside graphs
+    # its copies record with graphs (memory/offload.py keeps the pinned buffers)
+    Knob("memory.offload_activations", (False, True), (0, 4), "train"),
     # without graphs every step is bound by the host: slower than any recorded rung
     Knob("train.cuda_graphs", (True, False), (0, 8), "train"),
     # nf4 just after int8: a step over either is about as fast (SD3-M LoRA 512 batch 4, machine I,
@@ -631,9 +632,12 @@ def with_values(cfg: RunConfig, values: dict[str, object]) -> RunConfig:
 
 
 def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
-    # some memory-saving option must pass the config's own checks beside the user's settings
-    # (train.cuda_graphs refuses offloaded activations, for one) and compose with the launched processes
-    if not any(_valid(cfg, {knob.key: option}) for option in knob.options[1:]):
+    # some memory-saving option must pass the config's own checks beside the user's settings and
+    # compose with the launched processes: alone, or with the step in backward where that is free
+    # too (train.cuda_graphs = true records a full fine-tune's streamed weights only where they step
+    # in backward); `choose` checks each combination it tries again
+    partners = [{}] if "optimizer_in_backward" in cfg.train.model_fields_set else [{}, {"train.optimizer_in_backward": True}]
+    if not any(_valid(cfg, {**extra, knob.key: option}) for option in knob.options[1:] for extra in partners):
         return False
     if knob.key == "lora.base_quantization":
         return cfg.train.mode == "lora"
