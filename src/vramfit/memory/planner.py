@@ -586,11 +586,12 @@ KNOBS = (
 
 # A full fine-tune's streamed weights record with CUDA graphs where they step on the GPU (the step
 # in backward with Adafactor; train/graphs.py), and a recorded streamed step is faster than any step
-# without graphs: SD3-M 0.230 s streamed with graphs against 0.795 s with offloaded activations and
-# 0.268 s with the step in backward alone, SSD-1B 0.238 s against 0.339 s (docs/benchmarks.md,
-# machines AO, V and AG). So there they rank after every rung with graphs and before the first
-# without (8). A LoRA base keeps its place after quantization: its streamed step was not measured
-# with graphs.
+# without graphs: SD3-M 0.230 s streamed with graphs against 0.268 s with the step in backward alone,
+# SSD-1B 0.238 s against 0.339 s (docs/benchmarks.md, machines AO and AG). So there they rank after
+# every rung with graphs (offloaded activations recorded: SD3-M 0.161 s, AQ) and before the first
+# without (8). A LoRA base keeps its place after quantization: with graphs a streamed base is
+# faster than an int8 one at 512 batch 4 and slower at 1024 (0.160 against 0.193 s, 0.162 against
+# 0.126 s: machines AP, I and AR), and it needs the least memory of all.
 STREAMED_FULL_COST = 7.5
 
 
