@@ -443,3 +443,27 @@ def test_a_slot_still_being_copied_home_from_is_not_copied_into_at_once():
     larger = streamer._slot({torch.float32: 1000})  # fits none: a new one of its size
     assert larger.buffers[torch.float32].numel() == 1000 and len(streamer._slots) == 4
     assert streamer._slot({torch.float32: 10}) is first  # the smallest free one that fits
+
+
+@pytest.mark.parametrize("sets,needs", [
+    (["train.optimizer=adafactor"], ["optimizer_in_backward"]),
+    (["train.optimizer=adamw", "train.optimizer_in_backward=true"], ["optimizer = \"adafactor\""]),
+    (["train.optimizer=adamw8bit"], ["optimizer = \"adafactor\"", "optimizer_in_backward"]),
+    (["train.optimizer=adafactor", "train.optimizer_in_backward=true"], None),  # steps on the GPU
+    (["train.mode=lora"], None),  # a frozen base: nothing steps
+])
+def test_a_streamed_full_fine_tune_stepping_in_cpu_memory_is_told_what_steps_it_on_the_gpu(sets, needs):
+    from vramfit.train.setup import streamed_step_hint
+
+    hint = streamed_step_hint(load_config(None, ["memory.stream_weights=true", *sets], need_data=False))
+    if needs is None:
+        assert hint is None
+    else:
+        assert hint.startswith("memory.stream_weights: the streamed weights step in CPU memory")
+        assert [n for n in ("optimizer = \"adafactor\"", "optimizer_in_backward") if n in hint] == needs
+
+
+def test_the_cli_warns_of_a_streamed_step_in_cpu_memory(images, tmp_path, cache_root, caplog):
+    with caplog.at_level("WARNING", logger="vramfit"):
+        assert main(train_args(images, tmp_path / "out", cache_root / "off", *STREAM, "train.steps=1")) == 0
+    assert "the streamed weights step in CPU memory" in caplog.text
