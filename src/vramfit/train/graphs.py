@@ -282,6 +282,11 @@ class GraphedDenoiser(torch.nn.Module):
         if self._sums is not None:
             self._sums.release_sums()
 
+    def forget_eager_calls(self) -> None:
+        """With warm_each: every signature runs eagerly once more before it records (what ran in
+        between, a sample grid, may have compiled its blocks anew)."""
+        self._eager_keys.clear()
+
     def _warmed_up(self) -> bool:
         """Whether a training call has run eagerly. With the step inside backward, one whose step
         ran too: the optimizer's kernels (Triton's among them) must have been loaded before a
@@ -325,7 +330,7 @@ class GraphedDenoiser(torch.nn.Module):
         since (a sample grid's, other shapes') may have had torch.compile build kernels for any
         size, which a signature's next call would then use, and load, for the first time."""
         self._recordings.clear()
-        self._eager_keys.clear()
+        self.forget_eager_calls()
         self._used.clear()
         self._adopted.clear()
         self._summed.clear()
@@ -384,7 +389,7 @@ def release_recordings() -> int:
     for d in holding:
         d.release()
     for d in live:
-        d._eager_keys.clear()
+        d.forget_eager_calls()
     return len(holding)
 
 
