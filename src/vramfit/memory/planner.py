@@ -637,7 +637,9 @@ def _applies(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> bool:
     # compose with the launched processes: alone, or with the step in backward where that is free
     # too (train.cuda_graphs = true records a full fine-tune's streamed weights only where they step
     # in backward); `choose` checks each combination it tries again
-    partners = [{}] if "optimizer_in_backward" in cfg.train.model_fields_set else [{}, {"train.optimizer_in_backward": True}]
+    partners: list[dict] = [{}]
+    if "optimizer_in_backward" not in cfg.train.model_fields_set:
+        partners.append({"train.optimizer_in_backward": True})
     if not any(_valid(cfg, {**extra, knob.key: option}) for option in knob.options[1:] for extra in partners):
         return False
     if knob.key == "lora.base_quantization":
