@@ -59,6 +59,15 @@ def _continue_on_one_process(images: Path, root: Path, state: Path, out: Path, r
     _close(_weights(reference, 3), _weights(out, 3), WEIGHT_ATOL)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stacks_on_crash():
+    """A rank that dies of a signal prints every thread's Python stack (faulthandler), so that a
+    native crash in a launched process says where it happened."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONFAULTHANDLER", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One full fine-tune on 2 processes (fresh cache, TensorBoard on), shared by the tests below."""
