@@ -431,12 +431,12 @@ class RunConfig(_Section):
 
     def graph_clashes(self) -> list[str]:
         """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
-        from vramfit.optim.build import streamed_step_on_device
+        from vramfit.optim.build import streamed_step_in_cpu_memory
 
         return [name for name, on in (
             ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
              "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
-             self.memory.stream_weights and self.train.mode == "full" and not streamed_step_on_device(self)),
+             streamed_step_in_cpu_memory(self)),
             ("train.optimizer_in_backward with train.grad_accum > 1",
              self.train.optimizer_in_backward and self.train.grad_accum > 1),
             ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]

@@ -11,11 +11,11 @@ tensor (a plain CPU tensor on CPU-only runs). So `state_dict()`, checkpoint and 
 `lora_state` and the optimizer all see the real, current weights with no context to enter, and
 an optimizer updates a streamed weight where it lives. When a module of a unit is called (its
 forward pre-hook; also when gradient checkpointing recomputes it in backward), the unit's
-weights are copied into a *slot* (device buffers, one per dtype) and `.data` points into it; the copy of the unit that usually
-comes next (learned from the previous pass, forward and backward separately) is started at once
-on a side CUDA stream, so it overlaps the current unit's compute. At most `capacity` units (2:
-the current one and the one prefetched) are on the device; the least recently used goes first,
-and after every forward and every backward all of them go. A slot is reused once no unit holds
+weights are copied into a *slot* (device buffers, one per dtype) and `.data` points into it; the
+copy of the unit that usually comes next (learned from the previous pass, forward and backward
+separately) is started at once on a side CUDA stream, so it overlaps the current unit's compute.
+At most `capacity` units (2: the current one and the one prefetched) are on the device; the
+least recently used goes first, and after every forward and every backward all of them go. A slot is reused once no unit holds
 it and autograd keeps nothing of it (a checkpointed block's recomputed weights, until its
 backward is done; a block split into several units holds all of them then); the smallest free
 slot the unit fits in is taken, else one of the unit's size is made, and slots are kept. The
@@ -421,7 +421,8 @@ class WeightStreamer:
         for that copy out (the backward of a streamed step on the device: copies both ways at once)."""
         held = {id(u.slot) for u in self.units if u.slot is not None}  # fetched, or kept for gradients
         free = [slot for slot in self._slots
-                if id(slot) not in held and all(d in slot.buffers and slot.buffers[d].numel() >= n for d, n in need.items())
+                if id(slot) not in held
+                and all(d in slot.buffers and slot.buffers[d].numel() >= n for d, n in need.items())
                 and all(_use_count(b) == self._alone for b in slot.buffers.values())]
         if free:
             best = min(free, key=lambda slot: (sum(tensor_bytes(b) for b in slot.buffers.values()), slot.released))

@@ -77,11 +77,11 @@ reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the erro
   quantized base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put
   the UNet rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
 - SD3 saved 2.0 (the bf16 block inputs), work 45: refitted at `40ba957` (machine AP) to the
-  checkpointed SD3-M rows of docs/bench, LoRA and full: 66, fitted to the LoRA runs of the shared
-  reference (4.655 GiB at 512 batch 4, 4.604 GiB at 1024 batch 1), put every such row of today's
-  code over, by 0.1 to 0.2 GiB, and the streamed LoRA at 512 batch 4 (1.12 GiB, where that is
-  18%) at +18.4%; with 45 the SD3-M train rows are within -5.0% and +5.8%. lora_block 24.5: vramfit's SD3-M LoRA without checkpointing at 512
-  batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
+  checkpointed SD3-M rows of docs/bench, LoRA and full. The earlier 66, fitted to the LoRA runs of
+  the shared reference (4.655 GiB at 512 batch 4, 4.604 GiB at 1024 batch 1), put every such row
+  of today's code 0.1 to 0.2 GiB over: +18.4% for the streamed LoRA at 512 batch 4 (1.12 GiB).
+  With 45 the SD3-M train rows are within -5.0% and +5.8%. lora_block 24.5: vramfit's SD3-M LoRA
+  without checkpointing at 512 batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
   layer's input, which memory/lora_compute.py no longer makes). all_block 43 (a full fine-tune,
   where every linear also saves its input): the streamed SD3-M full fine-tune stepping in
   backward without checkpointing (6.74 GiB, `dfd312a`, machine Y, docs/bench/sd3_full_budget_y.json),
@@ -434,7 +434,8 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     stepped = max(trained, key=lambda x: x.numel, default=none)
     return {"weights": sum(x.numel * x.dtype_bytes for x in on_device),  # quantized: numel = bytes
             # on the device only while a streamed block runs; stepped here, a share of a unit's gradients too
-            "stream unit": sum(units[:STREAM_SLOTS[stepped_here]]) + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
+            "stream unit": sum(units[:STREAM_SLOTS[stepped_here]])
+            + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
             "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)

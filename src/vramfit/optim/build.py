@@ -43,6 +43,12 @@ def streamed_step_on_device(cfg) -> bool:
                                     optimizer_class(cfg.train.optimizer))
 
 
+def streamed_step_in_cpu_memory(cfg) -> bool:
+    """Whether a run of RunConfig `cfg` is a full fine-tune whose streamed weights step in CPU memory
+    (after backward: a step CUDA graphs cannot record, bound by the host's optimizer pass)."""
+    return cfg.memory.stream_weights and cfg.train.mode == "full" and not streamed_step_on_device(cfg)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> ParamOptimizer:
     params = [p for p in params if p.requires_grad]
     if not params:

@@ -53,8 +53,8 @@ What a replay needs, and how a run provides it:
   pinned buffers in forward and back in backward are nodes too; as with compiled blocks, each
   signature runs once eagerly first, which makes the pinned buffers of its saves. Settings
   whose work a replay cannot repeat are refused beside cuda_graphs (config/schema.py):
-  streamed weights stepping in CPU memory (their gradients go home and a CPU step follows the backward), and the
-  optimizer step inside backward over several micro-batches (gradient hooks whose host work
+  streamed weights stepping in CPU memory (their gradients go home and a CPU step follows the
+  backward), and the optimizer step inside backward over several micro-batches (gradient hooks whose host work
   differs between micro-batches, which a recorded backward would bake in). A quantized LoRA
   base records as it is: widening its weights is GPU work like any other, and replaying it
   removes the host cost of torchao's tensor subclasses, which otherwise dominates such a step.

@@ -185,12 +185,12 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
 def streamed_step_hint(cfg: RunConfig) -> Optional[str]:
     """What to change, when a full fine-tune's streamed weights step in CPU memory (a step bound by
     the host's optimizer pass over every streamed weight), or None."""
-    from vramfit.optim.build import streamed_step_on_device
+    from vramfit.optim.build import optimizer_class, streamed_step_in_cpu_memory
 
-    if not (cfg.memory.stream_weights and cfg.train.mode == "full") or streamed_step_on_device(cfg):
+    if not streamed_step_in_cpu_memory(cfg):
         return None
     needed = []
-    if cfg.train.optimizer != "adafactor":
+    if not optimizer_class(cfg.train.optimizer).compact_state:
         needed.append(f"train.optimizer = \"adafactor\" (the state of {cfg.train.optimizer!r} is as large as the "
                       "weights and stays in CPU memory)")
     if not cfg.train.optimizer_in_backward:
