@@ -347,7 +347,7 @@ def test_synthetic_dataset_is_deterministic_and_scans_clean(tmp_path):
     assert [p.read_bytes() for p in paths] != [p.read_bytes() for p in other]
 
     result = scan_dataset(tmp_path / "a", min_size=128)
-    assert result.problems == []
+    assert result.problems == [] and result.ignored == []
     assert len(result.items) == 16
     shapes = {(i.width > i.height) - (i.width < i.height) for i in result.items}
     assert shapes == {-1, 0, 1}  # tall, square and wide

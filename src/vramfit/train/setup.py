@@ -67,9 +67,10 @@ def scan(cfg: RunConfig) -> ScanResult:
                           max_pixels=cfg.data.max_pixels, instance_prompt=cfg.data.instance_prompt)
     for p in result.problems:
         log.warning("skipping %s: %s", p.path, p.reason)
+    for p in result.ignored:
+        log.warning("ignored: %s: %s", p.path, p.reason)
     if not result.items:
-        raise ValueError(f"data.path: no usable images in {cfg.data.path} "
-                         f"({len(result.problems)} skipped; see the warnings above)")
+        raise ValueError(f"data.path: {result.nothing_usable(cfg.data.path)}")
     return result
 
 
@@ -452,6 +453,7 @@ def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, 
     write_text_atomic(out / "run.json", json.dumps(
         {"versions": _versions(), "seed": cfg.train.seed, "world_size": world, "items": len(scanned.items),
          "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
+         "ignored": [{"path": p.path, "reason": p.reason} for p in scanned.ignored],
          "cache": cache_stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
          "interrupted": result.interrupted, "losses": result.losses,
