@@ -1,18 +1,23 @@
-"""Render bench/run.py's JSON as a markdown table (seed recipes and vramfit side by side, each
-row's distance from its target) and a PNG plot; optionally put the table into docs/benchmarks.md
-between the markers `<!-- bench:begin -->` and `<!-- bench:end -->`, leaving the rest of the file
-(the earlier measured sections) as it is.
+"""Render bench/run.py's JSON as markdown and a PNG plot: a short summary table per workload (seed
+recipes and the configurations a user runs: peak allocated memory and step time, each against the
+reference measured on the same machine, and the command that measures them) for docs/benchmarks.md,
+and the full tables (reserved memory, images/s, MFU, each row's distance from its target, commit and
+run) for the log, docs/bench/log.md. Each goes between the markers `<!-- bench:begin -->` and
+`<!-- bench:end -->` of its file; the rest of the file (hand-written text, the measured history of
+the log) stays as it is.
 
-Targets (issue 5): every memory-saving configuration's median step time <= 0.5x the seed
-recipe's for the same workload at equal or lower peak allocated memory; the fastest
-configuration <= 0.7x the stock "fast" configuration's step time.
+Targets: every memory-saving configuration's median step time <= 0.5x the seed recipe's for the
+same workload at equal or lower peak allocated memory; the fastest configuration <= 0.7x the stock
+"fast" configuration's step time.
 
-usage: python bench/report.py DIR_OR_JSON... [--md docs/benchmarks.md] [--plot docs/bench/benchmarks.png]
+usage: python bench/report.py DIR_OR_JSON... [--md docs/benchmarks.md] [--log docs/bench/log.md]
+           [--plot docs/bench/benchmarks.png] [--merge-into docs/bench]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -159,13 +164,68 @@ def render_tables(groups: list[dict]) -> str:
             "percentages are 1.25x these). Peaks: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
             "over the training phase (vramfit: its memory report's train phase; seeds: after the model and "
             "optimizer are built). Each case ran in a fresh process, produced by `python bench/run.py GROUP --out DIR`.")
-    targets = (f"Targets (issue 5): each memory-saving configuration's median step <= {MEMORY_TARGET}x the seed "
+    targets = (f"Targets: each memory-saving configuration's median step <= {MEMORY_TARGET}x the seed "
                "recipe's at equal or lower peak allocated memory (\"peak\": its peak minus the seed's); the fastest "
                f"configuration <= {FAST_TARGET}x the stock fast step. The reference is the one measured on the same lent "
                "machine (its step time is named where it is not the table's); a row without one on its machine is "
                "marked \"not comparable\": machines of the same GPU differ in host speed, and steps bound by kernel "
                "launches follow the host.")
     return "\n\n".join([head, targets] + [render_group(g) for g in groups])
+
+
+SUMMARY_ORDER = ["ssd1b", "sdxl", "sd3_full", "sd3_lora512", "sd3_lora1024"]
+SUMMARY_HEAD = (
+    "Peak: `torch.cuda.max_memory_allocated` over the training phase, GiB (2^30 bytes). Step: the "
+    "median of the steps after the first, in seconds; each case runs in a fresh process. \"vs\": the "
+    "step against the seed recipe's (for the fastest configurations, the stock fast one's) measured "
+    "on the same machine, whose step is named: the H200 machines the bench ran on differ in host "
+    "speed, and a step bound by kernel launches follows the host; \"-\" where that machine ran no "
+    "reference. On one GPU vramfit records CUDA graphs by default, so a configuration measured both "
+    "ways is shown with them (the log has both); a row without \"CUDA graphs\" in its name ran with "
+    "`train.cuda_graphs=false`. Each table's command runs all its rows' cases; the log names the "
+    "commit and run each row came from.")
+
+
+def summary_rows(group: dict) -> list[dict]:
+    """The rows a user compares: the seed cases, then vramfit's configurations as a run gets them (a
+    configuration measured with CUDA graphs, on by default, stands for its run without them), by peak."""
+    ok = [r for r in group["rows"] if r.get("status") == "ok"]
+    cases = {r["case"] for r in ok if r["side"] == "vramfit"}
+    seeds = [r for r in ok if r["side"] == "seed"]
+    own = [r for r in ok if r["side"] == "vramfit" and f"{r['case']}_graphs" not in cases]
+    return seeds + sorted(own, key=lambda r: (r.get("peak_allocated") or 0, r["step_s"]))
+
+
+def versus(row: dict, group: dict) -> str:
+    """The row's step against the reference measured on its own machine, or "-" without one."""
+    role = "fast_ref" if row.get("role") == "fastest" else "seed_ref"
+    if row.get("role") == role:
+        return ""
+    ref = reference(group, role, run_of(row))
+    if not ref or run_of(ref) != run_of(row):
+        return "-"
+    name = "stock fast" if role == "fast_ref" else "seed"
+    return f"{row['step_s'] / ref['step_s']:.2f}x {name} ({ref['step_s']:.3f} s)"
+
+
+def render_summary(groups: list[dict]) -> str:
+    """One short table per workload for docs/benchmarks.md, with the command that measures its rows."""
+    parts = [SUMMARY_HEAD]
+    order = {w: i for i, w in enumerate(SUMMARY_ORDER)}
+    for group in sorted(groups, key=lambda g: order.get(g["workload"], 99)):
+        rows = summary_rows(group)
+        steps = str(group.get("steps", 6)).split()[0]
+        where = group.get("gpu") or "CPU, tiny models (not a measurement of speed)"
+        command = (f"python bench/run.py {group['workload']} --out OUT --steps {steps} "
+                   f"--cases {','.join(dict.fromkeys(r['case'] for r in rows))}")
+        lines = [f"### {group['title']}", "", f"{where}, torch {group.get('torch', '?')}: `{command}`", "",
+                 "| configuration | case | peak GiB | step s | vs |", "|---|---|---|---|---|"]
+        for row in rows:
+            label = row["label"] if row["side"] == "vramfit" else f"**{row['label']}**"
+            lines.append(f"| {label} | `{row['case']}` | {gib(row.get('peak_allocated'))} | "
+                         f"{fmt(row.get('step_s'), '.3f')} | {versus(row, group)} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def plot(groups: list[dict], path: Path) -> bool:
@@ -209,28 +269,29 @@ def plot(groups: list[dict], path: Path) -> bool:
     return True
 
 
-def update_markdown(md: Path, body: str, image: Optional[Path]) -> None:
+def update_markdown(md: Path, body: str, image: Optional[Path], title: str) -> None:
     """Replace the text between the markers (or put it after the first paragraph after the title)."""
-    text = md.read_text() if md.exists() else "# Benchmarks\n"
+    text = md.read_text() if md.exists() else f"# {title}\n"
     if image is not None:
-        rel = image.resolve().relative_to(md.resolve().parent) if image.resolve().is_relative_to(md.resolve().parent) \
-            else image
-        body += f"\n\n![step time and peak memory per configuration]({rel.as_posix()})"
-    block = f"{BEGIN}\n## Seed recipes and vramfit, side by side (bench/run.py)\n\n{body}\n{END}"
+        rel = os.path.relpath(image.resolve(), md.resolve().parent)
+        body += f"\n\n![step time and peak memory per configuration]({Path(rel).as_posix()})"
+    block = f"{BEGIN}\n## {title}\n\n{body}\n{END}"
     if BEGIN in text and END in text:
         start, end = text.index(BEGIN), text.index(END) + len(END)
         text = text[:start] + block + text[end:]
     else:
         head, sep, rest = text.partition("\n## ")
         text = head.rstrip("\n") + "\n\n" + block + "\n\n" + (sep.lstrip("\n") + rest if sep else "")
+    md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text.rstrip("\n") + "\n")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("inputs", type=Path, nargs="+", help="folders of bench/run.py JSON, or JSON files")
-    ap.add_argument("--md", type=Path, help="markdown file to put the table into (between the bench markers)")
-    ap.add_argument("--plot", type=Path, help="PNG to draw (needs matplotlib)")
+    ap.add_argument("--md", type=Path, help="markdown file for the summary tables (between the markers)")
+    ap.add_argument("--log", type=Path, help="markdown file for the full tables (between the markers)")
+    ap.add_argument("--plot", type=Path, help="PNG to draw (needs matplotlib) and link from both files")
     ap.add_argument("--merge-into", type=Path, help="write each merged workload to FOLDER/<workload>.json")
     args = ap.parse_args(argv)
     groups = load(args.inputs)
@@ -240,13 +301,17 @@ def main(argv=None) -> None:
         args.merge_into.mkdir(parents=True, exist_ok=True)
         for g in groups:
             (args.merge_into / f"{g['workload']}.json").write_text(json.dumps(g, indent=2))
-    body = render_tables(groups)
     drew = plot(groups, args.plot) if args.plot else False
+    image = args.plot if args.plot and (drew or args.plot.exists()) else None  # an earlier plot still holds
     if args.md:
-        update_markdown(args.md, body, args.plot if drew else None)
-        print(f"wrote the table into {args.md}")
-    else:
-        print(body)
+        update_markdown(args.md, render_summary(groups), image, "Seed recipes and vramfit, side by side")
+        print(f"wrote the summary tables into {args.md}")
+    if args.log:
+        title = "Seed recipes and vramfit, side by side (bench/run.py)"
+        update_markdown(args.log, render_tables(groups), image, title)
+        print(f"wrote the full tables into {args.log}")
+    if not args.md and not args.log:
+        print(render_summary(groups) + "\n\n" + render_tables(groups))
 
 
 if __name__ == "__main__":
