@@ -81,7 +81,7 @@ def test_resume_while_streamed(images, tmp_path, cache_root, inside):
     args = train_args(images, part, cache_root / "off", *sets, model="tiny:sd3")
     assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
     ref = json.loads((full / "run.json").read_text())["losses"]
-    assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
+    assert json.loads((part / "run.json").read_text())["losses"] == ref
     a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

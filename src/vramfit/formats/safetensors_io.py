@@ -1,27 +1,56 @@
 """Reading and writing .safetensors files safely.
 
-Reads check the header before any tensor is touched, so a truncated or foreign file fails with a
-message naming the file instead of a bare parser error. Writes go to a temporary file in the
-same folder, are fsynced, then renamed over the target: an interrupted save leaves the previous
-file intact (rename is atomic on POSIX and NTFS).
+Reads check the header's structure and sizes before any tensor is touched, so a truncated or
+foreign file fails with a message naming the file and the bad key instead of a bare parser error.
+Writes go to a temporary file in the same folder (`.NAME.tmp-PID`), are fsynced, then renamed over
+the target: an interrupted save leaves the previous file intact (rename is atomic on POSIX and
+NTFS). Removals rename away first (`.NAME.deleting-PID`), so a kill mid-delete never leaves half a
+folder under its final name. Temporaries whose writer is gone are cleaned at the next start
+(`clean_stale_temps`). A full disk met by safetensors (its own SafetensorError) is raised as the
+OSError it carries, so every caller handles it like any other write error.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import math
 import os
+import re
+import shutil
 import struct
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+log = logging.getLogger("vramfit")
+# Write errors that mean "no room here" rather than a bug: disk full, quota, file size limit, read-only.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+# `.NAME.tmp-PID`, `.NAME.old-PID`, `.NAME.deleting-PID`: what this module leaves while it works.
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<pid>\d+)$")
 
 
 class CheckpointError(ValueError):
     """A model file that cannot be read; the message names the file and what to do."""
 
 
+class OutputWriteError(OSError):
+    """An output (checkpoint, training state) could not be written: disk full, quota, read-only.
+    The message names what and where, what is kept and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+# Bits per element of every dtype safetensors knows (sub-byte ones pack several into a byte).
+_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
+         "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "C64": 64, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2": 8,
+         "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -52,13 +81,59 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: malformed safetensors header: __metadata__ is not an object of "
+                              "strings; the file is damaged or was not written by a safetensors writer")
+    end = _check_tensors(path, header)
     if 8 + n + end > size:
         raise CheckpointError(
             f"{path}: truncated ({size} bytes, the header describes {8 + n + end}); "
             "download or copy it again"
         )
+    if 8 + n + end < size:
+        raise CheckpointError(f"{path}: {size - 8 - n - end} bytes follow the last tensor the header "
+                              "describes; the file is damaged: download or copy it again")
     return header, metadata
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_tensors(path: Path, header: dict) -> int:
+    """Check every tensor entry's structure and that the entries tile the data; returns its length."""
+    spans = []
+    for key, entry in header.items():
+        bad = f"{path}: malformed safetensors header: tensor {key!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{bad} is {json.dumps(entry)[:60]}, not an object with dtype, shape "
+                                  "and data_offsets")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in entry:
+                raise CheckpointError(f"{bad} has no {field}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _BITS:
+            raise CheckpointError(f"{bad} has the unknown dtype {json.dumps(dtype)[:40]}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{bad}: shape {json.dumps(shape)[:60]} is not a list of non-negative "
+                                  "integers")
+        pair = isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)
+        if not pair or offsets[0] > offsets[1]:
+            raise CheckpointError(f"{bad}: data_offsets {json.dumps(offsets)[:60]} is not two integers "
+                                  "[begin, end] with begin <= end")
+        need = (math.prod(shape) * _BITS[dtype] + 7) // 8
+        if offsets[1] - offsets[0] != need:
+            raise CheckpointError(f"{bad}: shape {shape} of {dtype} takes {need} bytes but data_offsets "
+                                  f"{offsets} hold {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise CheckpointError(f"{path}: malformed safetensors header: tensor {key!r} starts at byte "
+                                  f"{begin} of the data, where the previous tensor ends at {end} (tensors "
+                                  "must follow each other without gaps or overlaps)")
+        end = stop
+    return end
 
 
 def meta_tensors(header: dict[str, dict], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -82,21 +157,62 @@ def load_prefixed(path: Path, prefix: str, dtype: torch.dtype | None = None,
     return out
 
 
+def os_error_of(exc: BaseException, path: Optional[Path] = None) -> Optional[OSError]:
+    """The OSError a safetensors error reports ("... No space left on device (os error 28)"), or None."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), *([str(path)] if path is not None else []))
+
+
+@contextmanager
+def os_errors(path: Optional[Path] = None) -> Iterator[None]:
+    """Raise a SafetensorError that carries an OS error (disk full, say) as that OSError."""
+    try:
+        yield
+    except SafetensorError as exc:
+        err = os_error_of(exc, path)
+        if err is None:
+            raise
+        raise err from None
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary sibling a write of `path` goes to before it is renamed into place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 def save_atomic(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file so that the target is either the old file or the complete new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        with _no_room_names(path):
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextmanager
+def _no_room_names(path: Path) -> Iterator[None]:
+    """A write that finds no room (disk full, quota, read-only) raises an OSError naming `path`,
+    the file being written, rather than its temporary or nothing."""
+    try:
+        with os_errors():
+            yield
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS or type(exc) is not OSError:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def _umask() -> int:
@@ -106,14 +222,36 @@ def _umask() -> int:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file so that the target is either the old file or the complete new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        with _no_room_names(path), open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextmanager
+def writing(what: str, folder: Path, kept: Callable[[], str]) -> Iterator[None]:
+    """Writes of `what` into `folder`: a full or read-only disk becomes an OutputWriteError saying
+    where and (`kept()`) what is kept and what to do; this process's temporaries there are removed."""
+    try:
+        with os_errors():
+            yield
+    except OutputWriteError:
+        raise
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        clean_temps(folder, own=True)
+        message = f"cannot write {what} in {folder}: {exc.strerror}. {kept()}"
+        raise OutputWriteError(exc.errno, message) from None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -131,9 +269,7 @@ def _fsync_dir(folder: Path) -> None:
 
 def begin_folder(folder: Path) -> Path:
     """A fresh temporary sibling of `folder` to write a multi-file save into."""
-    import shutil
-
-    tmp = Path(folder).with_name(f".{Path(folder).name}.tmp-{os.getpid()}")
+    tmp = temp_path(folder)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -141,16 +277,16 @@ def begin_folder(folder: Path) -> Path:
 
 
 def commit_folder(tmp: Path, folder: Path) -> None:
-    """Put a completed temporary folder in place of `folder`; the old one goes only after."""
-    import shutil
-
+    """Put a completed temporary folder in place of `folder`; the old one goes only after (a kill in
+    between leaves `.NAME.old-PID`, which the next start's `clean_stale_temps` puts back)."""
     folder = Path(folder)
     old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
+        _remove(old)
         folder.rename(old)
     tmp.rename(folder)
-    if old.exists():
-        shutil.rmtree(old)
+    _fsync_dir(folder.parent)
+    _remove(old)
 
 
 def save_model_folder(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
@@ -159,3 +295,84 @@ def save_model_folder(model: torch.nn.Module, folder: Path, dtype: torch.dtype) 
     model.save_config(folder)
     save_atomic({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()},
                 folder / "diffusion_pytorch_model.safetensors")
+
+
+def discard(path: Path) -> None:
+    """Delete a file or folder so that no part of it stays under its name: rename it away to
+    `.NAME.deleting-PID` first (atomic), then delete that (a kill mid-delete leaves only the
+    hidden name, which `clean_stale_temps` removes)."""
+    path = Path(path)
+    away = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    _remove(away)
+    path.rename(away)
+    _remove(away)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs (one we may not signal runs too)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError, OSError):
+        return False
+    return True
+
+
+def clean_temps(folder: Path, own: bool = False, min_age: float = 0.0) -> list[str]:
+    """Remove the temporaries in `folder` (not below it) whose writer is gone, or with `own` this
+    process's. A `.NAME.old-PID` whose NAME is missing is the only copy (a kill during a folder
+    swap) and is renamed back instead. `min_age` (seconds since the last change) spares a writer
+    on another machine sharing the folder. Returns what was done, one phrase per entry."""
+    folder = Path(folder)
+    done: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # no folder (yet), or unreadable: nothing to clean
+        return done
+    now = time.time()
+    for entry in entries:
+        found = _TEMP.match(entry.name)
+        if found is None:
+            continue
+        pid = int(found.group("pid"))
+        if (pid == os.getpid()) != own or (not own and _alive(pid)):
+            continue
+        path = Path(entry.path)
+        try:
+            if min_age and now - entry.stat(follow_symlinks=False).st_mtime < min_age:
+                continue
+            final = folder / found.group("name")
+            if found.group("kind") == "old" and not os.path.lexists(final):
+                path.rename(final)
+                done.append(f"{entry.name} (put back as {final.name})")
+            else:
+                _remove(path)
+                done.append(entry.name)
+        except FileNotFoundError:  # another process cleaned it first
+            continue
+    return done
+
+
+def clean_stale_temps(folders: Iterable[Path], min_age: float = 0.0) -> list[str]:
+    """`clean_temps` over `folders`, with one log line per folder that had any."""
+    removed = []
+    for folder in folders:
+        done = clean_temps(folder, min_age=min_age)
+        if done:
+            shown = ", ".join(done[:8]) + (f" and {len(done) - 8} more" if len(done) > 8 else "")
+            log.info("cleaned up %d temporary file(s) left in %s by stopped runs: %s", len(done), folder,
+                     shown)
+        removed += done
+    return removed

@@ -21,7 +21,7 @@ from vramfit.models.adapter import Family, ModelBundle
 from vramfit.memory.offload import streamer_of
 from vramfit.optim.build import steps_streamed_on_device
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
-from vramfit.train.data import Record, TrainingData
+from vramfit.train.data import CacheEntriesLost, Record, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
 from vramfit.train.state import Progress
 
@@ -119,9 +119,12 @@ class Feeder:
             return
         before, after = self._position(), None
         try:
-            index, group = next(self.batches)
-            after = self._position()
-            inputs = self.family.loss_inputs(self.bundle, self.data.batch(group), self.cfg,
+            batch = None
+            while batch is None:  # None: a micro-batch with an unusable cache entry, skipped (train/data.py)
+                index, group = next(self.batches)
+                after = self._position()
+                batch = self.data.batch(group)
+            inputs = self.family.loss_inputs(self.bundle, batch, self.cfg,
                                              micro_batch_generator(self.cfg.seed, index), self.dtype)
             if self.device.type == "cuda":
                 inputs = {k: v.pin_memory() for k, v in inputs.items()}
@@ -208,11 +211,21 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     try:
         while progress.step < cfg.steps:
             t0 = time.perf_counter()
-            if cfg.optimizer_in_backward:
-                value = _step_in_backward(forward, feed, optimizer, grad_hooks, cfg, progress, device)
-            else:
-                value = _step_after_backward(forward, feed, optimizer, params, grad_hooks, cfg, progress, device,
-                                             ranks)
+            at = (progress.epoch, progress.batch_in_epoch, progress.micro_batches)
+            try:
+                if cfg.optimizer_in_backward:
+                    value = _step_in_backward(forward, feed, optimizer, grad_hooks, cfg, progress, device)
+                else:
+                    value = _step_after_backward(forward, feed, optimizer, params, grad_hooks, cfg, progress,
+                                                 device, ranks)
+            except CacheEntriesLost as exc:  # the step did not happen: save the state of the last one
+                progress.epoch, progress.batch_in_epoch, progress.micro_batches = at
+                if hooks.on_state is None:
+                    raise
+                hooks.on_state(progress)
+                saved = f"The training state at step {progress.step} is saved"
+                raise CacheEntriesLost(f"{exc}. {saved}: run again with --resume latest, which rebuilds the "
+                                       "entries first") from None
             schedule.step()
             progress.step += 1
             if device.type == "cuda":

@@ -3,25 +3,32 @@
 A state is a folder `output/state/step-NNNNNN/` holding the trainable weights (safetensors, in
 the training precision), the optimizer and schedule (torch.save, read back with
 weights_only=True), the random generators, the step, epoch and data position counters and the
-config it was made with. It is written to a temporary folder, every file fsynced, then renamed
-into place, and only then does `output/state/latest` name it: a crash at any point leaves the
-previous state whole and `latest` pointing at it.
+config it was made with, and the losses of the steps so far. It is written to a temporary folder,
+every file fsynced, then renamed into place, and only then does `output/state/latest` name it: a
+crash or a full disk at any point leaves the previous state whole and `latest` pointing at it. Old
+states are renamed away before they are deleted, and a state missing any of its files is never
+resumed from.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 from safetensors.torch import load_file
 
-from vramfit.formats.safetensors_io import save_atomic, write_text_atomic
+from vramfit.formats.safetensors_io import (commit_folder, discard, save_atomic, temp_path, write_text_atomic,
+                                            writing)
+
+log = logging.getLogger("vramfit")
 
 STATE_VERSION = 1
+STATE_FILES = ("weights.safetensors", "optimizer.pt", "schedule.pt", "rng.safetensors", "trainer.json")
 # Settings that must match for a resumed run to continue the same run. Steps may grow.
 _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"), ("data", "random_crop"),
                ("train", "batch_size"), ("train", "grad_accum"), ("train", "optimizer"),
@@ -44,6 +51,7 @@ class Progress:
     nonfinite_skipped: int = 0
     resumed_from: Optional[str] = None
     resumes: int = 0
+    losses: list[float] = field(default_factory=list)  # of every step so far, resumed runs' included
 
 
 def state_root(output_dir: Path) -> Path:
@@ -52,70 +60,132 @@ def state_root(output_dir: Path) -> Path:
 
 def save_state(output_dir: Path, model: torch.nn.Module, optimizer, schedule, generator: torch.Generator,
                progress: Progress, config: dict, keep_last: int) -> Path:
+    """Write the state of `progress.step`; a full disk raises OutputWriteError saying what is kept."""
     root = state_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step-{progress.step:06d}"
-    tmp = root / f".{name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    weights = {n: p.detach().to("cpu") for n, p in model.named_parameters() if p.requires_grad}
-    save_atomic(weights, tmp / "weights.safetensors")
-    rng = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"cuda{i}"] = s
-    save_atomic(rng, tmp / "rng.safetensors")
-    _save_torch(tmp / "optimizer.pt", optimizer.state_dict())
-    _save_torch(tmp / "schedule.pt", schedule.state_dict())
-    meta = {"version": STATE_VERSION, "progress": asdict(progress), "config": config}
-    write_text_atomic(tmp / "trainer.json", json.dumps(meta, indent=2))
-    final = root / name
-    if final.exists():  # a state of the same step from an earlier attempt: replace it whole
-        old = root / f".{name}.old-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-    write_text_atomic(root / "latest", name + "\n")
+    with writing(f"the training state {name}", root, lambda: kept_note(output_dir)):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(root / name)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            weights = {n: p.detach().to("cpu") for n, p in model.named_parameters() if p.requires_grad}
+            save_atomic(weights, tmp / "weights.safetensors")
+            rng = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                    rng[f"cuda{i}"] = s
+            save_atomic(rng, tmp / "rng.safetensors")
+            _save_torch(tmp / "optimizer.pt", optimizer.state_dict())
+            _save_torch(tmp / "schedule.pt", schedule.state_dict())
+            meta = {"version": STATE_VERSION, "progress": asdict(progress), "config": config}
+            write_text_atomic(tmp / "trainer.json", json.dumps(meta, indent=2))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        final = root / name
+        commit_folder(tmp, final)  # a state of the same step from an earlier attempt is replaced whole
+        write_text_atomic(root / "latest", name + "\n")
     prune(root, "step-", keep_last)
     return final
 
 
+class _KeepError:
+    """A file wrapper that keeps the OSError of a failed write: torch.save reports a full disk as
+    a RuntimeError about zip positions."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def _save_torch(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            out = _KeepError(fh)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is not None:
+                    raise out.error from None
+                raise
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def prune(folder: Path, prefix: str, keep: int) -> None:
-    """Delete all but the newest `keep` entries named prefix + zero-padded step."""
+    """Delete all but the newest `keep` entries named prefix + zero-padded step (each renamed away
+    first, so a kill mid-delete leaves no half state under a state's name)."""
     entries = sorted(p for p in folder.iterdir() if p.name.startswith(prefix))
     for old in entries[:-keep] if keep else []:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        discard(old)
+
+
+def missing_parts(path: Path) -> list[str]:
+    """The files a state folder lacks (a save or a removal cut short); empty when it is complete."""
+    return [f for f in STATE_FILES if not (Path(path) / f).is_file()]
+
+
+def kept_note(output_dir: Path) -> str:
+    """After a failed save: what a run can continue from, and what to do."""
+    try:
+        state = find_state(output_dir, "latest")
+    except ResumeError:
+        return ("No training state was saved before; free space (or set output.dir to another disk) and "
+                "run again")
+    return (f"The training state {state.name} is kept (state/latest names it); free space, then continue "
+            "from it with --resume latest")
+
+
+_warned: set[str] = set()  # incomplete states already named, so a second look says nothing new
 
 
 def find_state(output_dir: Path, which: str) -> Path:
-    """The state folder for `--resume latest` or `--resume PATH`."""
+    """The state folder for `--resume latest` or `--resume PATH`; an incomplete one is refused, and
+    `latest` passes over it (with a warning) to the newest complete one."""
     if which != "latest":
         path = Path(which).expanduser()
-        if (path / "trainer.json").is_file():
-            return path
-        raise ResumeError(f"--resume {which}: not a vramfit state folder (no trainer.json in it)")
+        missing = missing_parts(path)
+        if len(missing) == len(STATE_FILES):
+            raise ResumeError(f"--resume {which}: not a vramfit state folder (no trainer.json in it)")
+        if missing:
+            raise ResumeError(f"--resume {which}: the state is incomplete ({', '.join(missing)} missing: a "
+                              "save or a removal was cut short); resume from another state or start without "
+                              "--resume")
+        return path
     root = state_root(output_dir)
     pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "trainer.json").is_file():
-            return candidate
-    states = sorted(p for p in root.glob("step-*") if (p / "trainer.json").is_file()) if root.is_dir() else []
-    if states:
-        return states[-1]
-    raise ResumeError(f"--resume latest: no saved state in {root}; start the run without --resume")
+    states = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    if named.startswith("step-") and (root / named).is_dir() and not missing_parts(root / named):
+        return root / named
+    complete = [p for p in states if not missing_parts(p)]
+    chosen = complete[-1] if complete else None
+    for p in states:  # the incomplete ones newer than what is taken: say why they are passed over
+        if (chosen is None or p.name > chosen.name) and str(p) not in _warned:
+            _warned.add(str(p))
+            log.warning("skipping the incomplete training state %s (%s missing: a save or a removal was cut "
+                        "short)%s", p, ", ".join(missing_parts(p)),
+                        f"; resuming from {chosen.name}" if chosen is not None else "")
+    if chosen is not None:
+        return chosen
+    raise ResumeError(f"--resume latest: no saved state in {root}{' that is complete' if states else ''}; "
+                      "start the run without --resume")
 
 
 def read_meta(path: Path) -> dict:
