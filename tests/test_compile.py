@@ -46,5 +46,5 @@ def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, mon
 
 def test_compile_refuses_hooks_that_move_weights(images):
     for key in ("memory.stream_weights", "memory.offload_activations"):
-        with pytest.raises(Exception, match=f"train.compile with {key}"):
+        with pytest.raises(Exception, match=f"train.compile: cannot be used with {key}"):
             load_config(None, [f"data.path={images}", "train.compile=true", f"{key}=true"])

@@ -135,7 +135,7 @@ def test_class_images_of_another_prompt_are_refused(images, tmp_path, cache_root
 def test_switched_off_or_impossible_prior_and_sample_settings_are_refused(images, tmp_path, cache_root, capsys):
     out = tmp_path / "run"
     assert main(train_args(images, out, cache_root / "x", "prior.num_images=3", model="tiny:ssd1b")) != 0
-    assert "prior.num_images given without prior.class_prompt" in capsys.readouterr().err
+    assert "prior.num_images: given without prior.class_prompt" in capsys.readouterr().err
     assert main(train_args(images, out, cache_root / "x", "sample.every_steps=1", "sample.prompts=['x']",
                            "memory.stream_weights=true", model="tiny:ssd1b")) != 0
     assert "memory.stream_weights" in capsys.readouterr().err

@@ -199,7 +199,7 @@ def test_on_the_cpu_the_run_stops_before_any_weight_loads(images, tmp_path, cach
 
 def test_settings_a_replay_cannot_hold_are_refused():
     # streamed weights of a full fine-tune stepping in CPU memory (the step after backward)
-    with pytest.raises(ValueError, match="train.cuda_graphs with memory.stream_weights"):
+    with pytest.raises(ValueError, match="train.cuda_graphs: cannot be used with memory.stream_weights"):
         load_config(None, ["train.cuda_graphs=true", "memory.stream_weights=true"], need_data=False)
     # offloaded activations record: their copies go to pinned buffers kept from step to step
     offloaded = load_config(None, ["train.cuda_graphs=true", "memory.offload_activations=true"], need_data=False)
@@ -381,7 +381,7 @@ def test_graphs_the_user_asked_for_that_do_not_fit_stop_the_run(images, tmp_path
 
 
 def test_lora_dropout_is_refused_and_a_plain_or_quantized_base_passes():
-    with pytest.raises(ValueError, match="train.cuda_graphs with lora.dropout"):
+    with pytest.raises(ValueError, match="train.cuda_graphs: cannot be used with lora.dropout"):
         load_config(None, ["train.cuda_graphs=true", "train.mode=lora", "lora.dropout=0.1"], need_data=False)
     for base in ("none", "int8", "nf4"):
         load_config(None, ["train.cuda_graphs=true", "train.mode=lora", f"lora.base_quantization={base}"],

@@ -1,20 +1,24 @@
 """Build a RunConfig from a TOML file and `--set key=value` overrides, checked once.
 
-Every problem (type errors, unknown keys, missing files, impossible combinations) is collected
-and raised together as one ConfigError before any weights are loaded, each line naming its key
-path and, for unknown keys, the closest valid key.
+Every problem (type errors, unknown keys, missing files, folders that cannot be written,
+impossible combinations) is collected and raised together as one ConfigError before any weights
+are loaded, each line naming its key path and, for unknown keys, the closest valid key.
 """
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from vramfit.config.schema import RunConfig
+from vramfit.config.schema import KeyProblems, RunConfig
+from vramfit.models.tiny_names import TINY_MODELS, unknown_tiny
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,17 +77,53 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(err: dict) -> str:
-    loc = tuple(err["loc"])
-    path = ".".join(str(p) for p in loc) or "(top level)"
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _key_path(loc: tuple) -> tuple:
+    """The config key of an error location: section and key names and list positions, without
+    the names pydantic gives the members of a union (train.gradient_checkpointing.bool)."""
+    model: Any = RunConfig
+    path = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(part)
+        elif model is not None and part in model.model_fields:
+            path.append(part)
+            ann = model.model_fields[part].annotation
+            model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        elif model is not None:  # an unknown key: reported as such
+            path.append(part)
+    return tuple(path)
+
+
+def _describe_all(errors: list[dict]) -> list[str]:
+    """The lines of a ValidationError; the members of a union that all failed share one line."""
+    lines: dict[str, tuple[list[str], str]] = {}
+    for err in errors:
+        for path, text, shown in _describe(err):
+            lines.setdefault(path, ([], shown))[0].append(text)
+    return [f"{path}: {'; or '.join(texts)}{shown}" for path, (texts, shown) in lines.items()]
+
+
+def _describe(err: dict) -> list[tuple[str, str, str]]:
+    """(key path, what is wrong, the value given) of each problem of a pydantic error."""
+    loc = tuple(str(p) for p in _key_path(tuple(err["loc"])))
+    error = (err.get("ctx") or {}).get("error")
+    if isinstance(error, KeyProblems):  # a check across keys names its keys, relative to its section
+        return [(".".join([*loc, key]), text, "") for key, text in error.problems]
+    path = ".".join(loc) or "(top level)"
     if err["type"] == "extra_forbidden":
         known = _known_keys(RunConfig, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
-        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
-        return f"{path}: unknown key{hint} (valid here: {', '.join(known)})"
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
+        hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else ""
+        return [(path, f"unknown key{hint} (valid here: {', '.join(known)})", "")]
+    msg = err["msg"]
+    for prefix in _PYDANTIC_PREFIXES:
+        msg = msg.removeprefix(prefix)
     given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
-    return f"{path}: {err['msg']}{shown}"
+    shown = "" if isinstance(given, dict) or repr(given) in msg else f" (got {given!r})"
+    return [(path, msg, shown)]
 
 
 def _looks_local(path: str) -> bool:
@@ -93,7 +133,7 @@ def _looks_local(path: str) -> bool:
 def _merged(data: dict) -> dict:
     """The defaults with the user's values laid over them, for checks that run even when the
     schema rejected something else (so path problems are listed together with type problems)."""
-    merged = RunConfig().model_dump()
+    merged = RunConfig.model_construct().model_dump()  # the defaults, not resolved (no torch)
     for section, values in data.items():
         if isinstance(values, dict) and isinstance(merged.get(section), dict):
             merged[section].update(values)
@@ -104,12 +144,46 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def check_paths(data: dict, *, need_data: bool) -> list[str]:
-    """Problems that pydantic cannot see: files that do not exist, missing optional packages."""
+def folder_problem(key: str, text: str) -> Optional[str]:
+    """Why folder `text` (config key `key`) cannot be created and written to, or None. Tried for
+    real: a file is made and removed in the folder, or in its nearest existing ancestor."""
+    path = Path(text).expanduser().absolute()
+    probe = path
+    try:
+        while not probe.exists() and not probe.is_symlink():
+            probe = probe.parent
+        if probe.is_symlink() and not probe.exists():
+            return f"{key}: {probe} is a link to nothing; remove it or choose another folder"
+        if not probe.is_dir():
+            where = f"{text} is" if probe == path else f"{text} lies under {probe}, which is"
+            return f"{key}: {where} a file, not a folder; choose another folder"
+        handle, name = tempfile.mkstemp(dir=probe, prefix=".vramfit-write-check-")
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        where = text if probe == path else f"{probe} (where {text} would be made)"
+        return f"{key}: cannot write in {where}: {exc.strerror or exc}; choose a folder you can write to"
+    return None
+
+
+def default_cache_root() -> Path:
+    """Where the latent and text cache and the tiny models live unless cache.dir says otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vramfit"
+
+
+def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list[str]:
+    """Problems that pydantic cannot see: files that do not exist, folders that cannot be written,
+    missing optional packages, GPUs that are not there.
+    `need_model=False` (planning a named architecture) leaves the model's files unchecked."""
     v = _merged(data)
     model, dat, log, train = v["model"], v["data"], v["logging"], v["train"]
     problems = []
+    if not need_model:
+        model = {}  # a named architecture stands in for every model file
     mp = _text(model.get("path"))
+    if mp and mp.startswith("tiny:") and unknown_tiny(mp):
+        problems.append(f"model.path: {unknown_tiny(mp)}")
     if mp and not mp.startswith("tiny:"):
         p = Path(mp).expanduser()
         if _looks_local(mp) or p.exists():
@@ -118,7 +192,7 @@ def check_paths(data: dict, *, need_data: bool) -> list[str]:
         elif mp.count("/") != 1:
             problems.append(
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
-                "like org/name (or tiny:sdxl, tiny:ssd1b, tiny:sd3)"
+                f"like org/name (or a tiny model: {', '.join(f'tiny:{n}' for n in TINY_MODELS)})"
             )
     for part in ("clip_l", "clip_g", "t5"):
         enc = _text(model.get(part))
@@ -141,34 +215,79 @@ def check_paths(data: dict, *, need_data: bool) -> list[str]:
     if isinstance(device, str) and device.startswith("cuda"):
         import torch
 
+        index, count = device.partition(":")[2], torch.cuda.device_count()
         if not torch.cuda.is_available():
             problems.append(f"train.device: {device} asked for but no CUDA GPU is visible")
+        elif index.isdigit() and int(index) >= count:
+            problems.append(f"train.device: {device} asked for but this machine shows {count} GPU(s), "
+                            f"cuda:0 to cuda:{count - 1}")
+    given_cache = _text(v["cache"].get("dir"))
+    folders = [("cache.dir" if given_cache else "cache.dir (not set: the default folder)",
+                given_cache or str(default_cache_root()))]
+    if need_data:  # the commands that train write the output folder (class images go there by default)
+        folders += [("output.dir", _text(v["output"].get("dir"))),
+                    ("prior.class_dir", _text(v["prior"].get("class_dir")))]
+    for key, text in folders:
+        problem = folder_problem(key, text) if text else None
+        if problem:
+            problems.append(problem)
     return problems
 
 
+def _family_problems(cfg: RunConfig) -> list[str]:
+    """Image sides the family cannot take (its resolution_multiple), where the config names the
+    family: an explicit model.family, or a tiny model. Otherwise, and for the family's other
+    checks, family.config_problems runs once the file is read, before any weight loads."""
+    from vramfit.models.adapter import resolution_problems
+    from vramfit.models.registry import FAMILIES  # here: the families import the schema
+
+    name = cfg.model.family
+    if name == "auto" and cfg.model.path.startswith("tiny:"):
+        name = TINY_MODELS.get(cfg.model.path.split(":", 1)[1], "auto")
+    return [] if name == "auto" else resolution_problems(FAMILIES[name], cfg)
+
+
 def load_config(
-    path: Path | None, overrides: Iterable[str] = (), *, need_data: bool = True
+    path: Path | None, overrides: Iterable[str] = (), *, need_data: bool = True, need_model: bool = True
 ) -> RunConfig:
-    """Read, override, validate and check a run config; raise ConfigError listing every problem."""
+    """Read, override, validate and check a run config; raise ConfigError listing every problem.
+    `need_model=False`: the model's files need not exist (`vramfit plan --model NAME`)."""
     source = str(path) if path else "config"
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError([f"config file {path} does not exist"], source) from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError([f"not valid TOML: {exc}"], source) from None
+    data = _read(Path(path), source) if path is not None else {}
     problems = apply_overrides(data, overrides)
     cfg = None
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
-        problems += [_describe(e) for e in exc.errors()]
-    problems += check_paths(data, need_data=need_data)
+        problems += _describe_all(exc.errors())
+    problems += check_paths(data, need_data=need_data, need_model=need_model)
+    if cfg is not None and not problems and need_model:
+        problems += _family_problems(cfg)
     if problems or cfg is None:
         raise ConfigError(problems, source)
+    for note in cfg.start_warnings():
+        logging.getLogger("vramfit").warning("%s", note)
     return cfg
+
+
+def _read(path: Path, source: str) -> dict:
+    """The TOML file's contents; a path that is no readable UTF-8 TOML file is a ConfigError."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problem = f"config file {path} does not exist"
+    except IsADirectoryError:
+        inside = sorted(p.name for p in path.glob("*.toml"))
+        problem = (f"config file {path} is a folder; give the .toml file itself"
+                   + (f" (here: {', '.join(inside[:5])})" if inside else ""))
+    except UnicodeDecodeError as exc:
+        problem = (f"config file {path} is not UTF-8 text (byte {exc.start} is "
+                   f"{exc.object[exc.start]:#04x}); save it as UTF-8")
+    except OSError as exc:
+        problem = f"config file {path} cannot be read: {exc.strerror or exc}"
+    except tomllib.TOMLDecodeError as exc:
+        problem = f"not valid TOML: {exc}"
+    raise ConfigError([problem], source)
 
 
 def dump_config(cfg: RunConfig) -> str:

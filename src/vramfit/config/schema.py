@@ -1,17 +1,20 @@
 """The typed run configuration: every key a user can set, its type, default and meaning.
 
 Defaults live here and nowhere else. Unknown keys are rejected (extra="forbid") so a typo
-never silently falls back to a default; `load.py` turns pydantic's errors into one message
-that lists every problem with its key path and a "did you mean".
+never silently falls back to a default, and no number may be inf or nan; `load.py` turns
+pydantic's errors into one message that lists every problem with its key path and a "did you
+mean". Checks across several keys raise KeyProblems, which names the key each problem concerns.
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal, Optional
-
+import math
 import re
+from pathlib import Path
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from vramfit.models.tiny_names import TINY_MODELS
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -30,15 +33,37 @@ def parse_size(text) -> int:
     return size
 
 
+# Seeds reach torch.Generator.manual_seed through sums and products (train/loop.py: seed times a
+# million plus the epoch; prior and sample seeds plus an index), which must stay within 64 bits.
+MAX_SEED = 2**32 - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+# SD3's "mode" timestep density maps [0, 1] onto itself monotonically only for scales in this range.
+MODE_SCALE_MAX = 2 / (math.pi - 2)
+
+
+class KeyProblems(ValueError):
+    """Problems found by a check across several keys, each as (key, what is wrong). Keys are
+    relative to the section whose validator raises it (absolute in RunConfig's)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{key}: {text}" for key, text in problems))
+
+
+def _raise_any(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise KeyProblems(problems)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
     path: str = Field(
         "tiny:ssd1b",
-        description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, "
-        "or tiny:sdxl / tiny:ssd1b / tiny:sd3.",
+        description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, or "
+        + " / ".join(f"tiny:{name}" for name in TINY_MODELS) + ".",
     )
     family: Literal["auto", "sdxl", "sd3"] = Field(
         "auto", description="Model family; auto reads it from the checkpoint."
@@ -72,33 +97,43 @@ class DataConfig(_Section):
         description="kohya metadata .json or Hugging Face metadata.jsonl; default: "
         "<path>/metadata.jsonl when present, else same-name caption files.",
     )
-    caption_extension: str = ".txt"
+    caption_extension: str = Field(".txt", description="Suffix of the caption file beside each image "
+                                   "(the leading dot is optional).")
     instance_prompt: Optional[str] = Field(
         None, min_length=1, description="DreamBooth: use this prompt for every image (caption "
         "files are then not needed), e.g. \"a photo of sks dog\".")
     resolution: int = Field(1024, ge=64, le=4096, description="Base bucket side in pixels.")
     bucket_step: int = Field(64, ge=8, le=512)
     max_aspect: float = Field(4.0, ge=1.0, le=8.0)
-    min_size: int = Field(256, ge=1, description="Images with a shorter side are skipped.")
-    max_pixels: int = Field(178_956_970, ge=1, description="Larger images are skipped unopened "
+    min_size: int = Field(256, ge=1, le=65536, description="Images with a shorter side are skipped.")
+    max_pixels: int = Field(178_956_970, ge=1, le=2**40, description="Larger images are skipped unopened "
                             "(decompression-bomb guard; PIL's own default limit).")
     random_crop: bool = False
     shuffle: bool = True
 
-    @model_validator(mode="after")
-    def _one_caption_source(self) -> "DataConfig":
-        if self.instance_prompt is not None and self.metadata is not None:
-            raise ValueError("instance_prompt and metadata both give captions; use one")
-        return self
+    @field_validator("caption_extension")
+    @classmethod
+    def _a_suffix(cls, value: str) -> str:
+        bare = value[1:] if value.startswith(".") else value
+        if not bare or bare.strip(".") == "":
+            raise ValueError(f"{value!r} is no file suffix; write e.g. .txt or .caption")
+        if any(c in bare for c in "/\\") or not bare.isprintable():
+            raise ValueError(f"{value!r} holds a path separator or a control character; write a suffix "
+                             "such as .txt")
+        return value
 
     @model_validator(mode="after")
-    def _step_divides(self) -> "DataConfig":
+    def _consistent(self) -> "DataConfig":
+        problems = []
+        if self.instance_prompt is not None and self.metadata is not None:
+            problems.append(("instance_prompt", "data.metadata gives captions too; use one of them"))
         if self.bucket_step % 8:
-            raise ValueError("bucket_step must be a multiple of 8 (the VAE downsamples by 8)")
-        if self.resolution % self.bucket_step:
-            raise ValueError(
-                f"resolution {self.resolution} is not a multiple of bucket_step {self.bucket_step}"
-            )
+            problems.append(("bucket_step", f"{self.bucket_step} is not a multiple of 8 (the VAE "
+                             "downsamples by 8)"))
+        elif self.resolution % self.bucket_step:
+            problems.append(("resolution", f"{self.resolution} is not a multiple of data.bucket_step "
+                             f"({self.bucket_step})"))
+        _raise_any(problems)
         return self
 
 
@@ -117,7 +152,8 @@ class CacheConfig(_Section):
 
 class LoraSettings(_Section):
     rank: int = Field(4, ge=1, le=1024)
-    alpha: Optional[float] = Field(None, gt=0, description="Scale numerator; default: the rank (scale 1).")
+    alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator; default: the rank "
+                                   "(scale 1).")
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[str] = Field(
         ["to_q", "to_k", "to_v", "to_out.0"],
@@ -135,18 +171,19 @@ class LoraSettings(_Section):
 
 class TrainConfig(_Section):
     mode: Literal["full", "lora"] = Field("full", description="Train all denoiser weights, or a LoRA.")
-    steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(1, ge=1)
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    lr: float = Field(1e-5, gt=0)
+    steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps.")
+    batch_size: int = Field(1, ge=1, le=4096)
+    grad_accum: int = Field(1, ge=1, le=10**6, description="Micro-batches per optimizer step.")
+    lr: float = Field(1e-5, gt=0, le=1.0)
     optimizer: Literal["adafactor", "adamw", "adamw8bit"] = Field(
         "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
         "(a quarter of AdamW's state; the write-up's --use_8bit_adam).")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0, le=10.0)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, le=1.0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=10**9)
     precision: Literal["full_bf16", "mixed_bf16", "fp32"] = Field(
         "full_bf16",
         description="full_bf16: weights and grads in bf16 (the optimizer computes each update in "
@@ -160,7 +197,7 @@ class TrainConfig(_Section):
         "their activations): memory between false and true, recomputation that share of true's. "
         "memory/checkpointing.py.")
     max_grad_norm: float = Field(
-        1.0, ge=0, description="Gradient clipping; 0 disables. Global norm, except with "
+        1.0, ge=0, le=1e6, description="Gradient clipping; 0 disables. Global norm, except with "
         "optimizer_in_backward: each tensor is clipped alone to max_grad_norm * "
         "sqrt(numel / numel of all trainable tensors), its share of the global budget.")
     stochastic_rounding: bool = Field(
@@ -199,15 +236,22 @@ class TrainConfig(_Section):
         "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
         "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
         "their activations in a memory pool of their own: the memory report shows the peak.")
-    noise_offset: float = Field(0.0, ge=0, description="SDXL family only.")
-    min_snr_gamma: float = Field(0.0, ge=0, description="min-SNR loss weighting (SDXL family); 0 disables.")
+    noise_offset: float = Field(0.0, ge=0, le=1.0, description="SDXL family only.")
+    min_snr_gamma: float = Field(0.0, ge=0, le=1000.0, description="min-SNR loss weighting (SDXL family); "
+                                 "0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
         "logit_normal", description="SD3 flow matching: timestep density (and cosmap's loss weight).")
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
-    mode_scale: float = 1.29
-    seed: int = 42
+    logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
+    logit_std: float = Field(1.0, gt=0, le=10.0)
+    mode_scale: float = Field(1.29, ge=-1.0, le=MODE_SCALE_MAX, description="SD3's mode density; "
+                              f"between -1 and 2/(pi-2) = {MODE_SCALE_MAX:.4f}, where it stays a density.")
+    seed: Seed = 42
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    cpu_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        "auto", description="Threads torch computes with when the run (or its caching) is on the CPU. "
+        "auto: OMP_NUM_THREADS where it is set, else half the physical cores, 1 to 4: more threads "
+        "make a small model's steps hardly faster, and much slower where other processes load the "
+        "machine. No effect on a GPU run.")
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under `accelerate launch` or `vramfit train --gpus N` (several processes): "
         "ddp keeps a whole model on every GPU and averages gradients (LoRA and full fine-tune); fsdp "
@@ -229,12 +273,19 @@ class TrainConfig(_Section):
                              f"(every block) or false (none)")
         return True if value == 1.0 else False if value == 0.0 else float(value)
 
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError(f"{value!r} is not a device vramfit trains on; use auto, cpu, cuda or cuda:N "
+                             "(N: a GPU index, e.g. cuda:1)")
+        return value
+
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
         if self.warmup_steps >= self.steps and self.warmup_steps > 0:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})"
-            )
+            raise KeyProblems([("warmup_steps", f"{self.warmup_steps} must be smaller than train.steps "
+                                                f"({self.steps})")])
         return self
 
 
@@ -243,18 +294,22 @@ LORA_FORMATS = ("lora", "lora_kohya")
 
 
 class SaveConfig(_Section):
-    every_steps: int = Field(0, ge=0, description="Also save every N steps; 0 saves at the end only.")
+    every_steps: int = Field(0, ge=0, description="Also save every N steps; 0 saves at the end only "
+                             "(as does a value above train.steps, with a warning at the start).")
     formats: Optional[list[Literal["single_file", "diffusers", "lora", "lora_kohya"]]] = Field(
         None, min_length=1,
         description="full: single_file (ComfyUI/A1111 checkpoint) and/or diffusers (folder); "
         "lora: lora (diffusers/PEFT file; ComfyUI reads it for SD3) and/or lora_kohya (SDXL family, "
-        "kohya/A1111/ComfyUI). Default: single_file, or lora for a LoRA run.")
+        "kohya/A1111/ComfyUI). Default: single_file; for a LoRA run, every LoRA format the family "
+        "writes, its primary one as <name>.safetensors (SDXL family: lora_kohya, with lora as "
+        "<name>-diffusers.safetensors; SD3: lora).")
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     state_every_steps: int = Field(
         0, ge=0, description="Save a resumable training state every N steps (also written at "
         "the end and on Ctrl-C/SIGTERM); 0: every_steps when set, else only end and interrupt.")
-    keep_last: int = Field(3, ge=1, description="Intermediate checkpoints and states kept (newest).")
+    keep_last: int = Field(3, ge=1, le=10**6, description="Intermediate checkpoints and states kept "
+                           "(newest).")
 
 
 class OutputConfig(_Section):
@@ -275,7 +330,7 @@ class MemoryConfig(_Section):
         "home; otherwise the gradients go home and the streamed weights step on the CPU, seconds "
         "a step (their optimizer state in CPU memory). LoRA matrices stay on the GPU.")
     stream_unit_mib: float = Field(
-        256.0, gt=0, description="With stream_weights: a block holding more than this many MiB of "
+        256.0, gt=0, le=2**20, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "
         "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
     stream_encoders: bool = Field(
@@ -314,7 +369,7 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "vramfit"
-    progress: bool = True
+    progress: bool = Field(True, description="Progress bars on stderr; --no-progress turns them off too.")
 
 
 class PriorConfig(_Section):
@@ -326,37 +381,44 @@ class PriorConfig(_Section):
     class_dir: Optional[str] = Field(
         None, description="Folder of class images; missing ones are generated there with the base "
         "model. Default: <output.dir>/class_images.")
-    num_images: int = Field(100, ge=1, description="Class images wanted; only the missing ones are generated.")
-    loss_weight: float = Field(1.0, ge=0, description="Weight of the class images' loss (diffusers: "
-                               "prior_loss_weight).")
-    steps: int = Field(25, ge=1, description="Sampling steps per generated class image.")
-    guidance: Optional[float] = Field(None, ge=0, description="Guidance scale; default: the family's.")
+    num_images: int = Field(100, ge=1, le=10**6, description="Class images wanted; only the missing ones "
+                            "are generated.")
+    loss_weight: float = Field(1.0, ge=0, le=1000.0, description="Weight of the class images' loss "
+                               "(diffusers: prior_loss_weight).")
+    steps: int = Field(25, ge=1, le=1000, description="Sampling steps per generated class image.")
+    guidance: Optional[float] = Field(None, ge=0, le=100.0, description="Guidance scale; default: the "
+                                      "family's.")
     negative_prompt: Optional[str] = None
-    seed: int = Field(0, description="Seed of the first generated class image (the next ones count up).")
+    seed: Seed = Field(0, description="Seed of the first generated class image (the next ones count up).")
 
 
 class SampleConfig(_Section):
     """Sample grids during training: fixed prompts x fixed seeds, every N steps."""
 
     prompts: list[str] = Field(default_factory=list, description="One grid row per prompt.")
-    seeds: list[int] = Field(default_factory=lambda: [0], description="One grid column per seed.")
+    seeds: list[Seed] = Field(default_factory=lambda: [0], description="One grid column per seed.")
     every_steps: int = Field(0, ge=0, description="Render a grid every N optimizer steps and at the "
-                             "end; 0 turns samples off.")
-    steps: int = Field(20, ge=1, description="Sampling steps.")
-    guidance: Optional[float] = Field(None, ge=0, description="Guidance scale; default: the family's.")
+                             "end; 0 turns samples off (above train.steps: at the end only, with a warning).")
+    steps: int = Field(20, ge=1, le=1000, description="Sampling steps.")
+    guidance: Optional[float] = Field(None, ge=0, le=100.0, description="Guidance scale; default: the "
+                                      "family's.")
     negative_prompt: Optional[str] = None
-    width: Optional[int] = Field(None, ge=8, description="Default: data.resolution.")
-    height: Optional[int] = Field(None, ge=8, description="Default: data.resolution.")
+    width: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
+    height: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
 
     @model_validator(mode="after")
     def _prompts_when_on(self) -> "SampleConfig":
+        problems = []
         if self.every_steps and not self.prompts:
-            raise ValueError("every_steps is set but prompts is empty; give sample.prompts")
+            problems.append(("prompts", "empty while sample.every_steps is set; give sample.prompts, or set "
+                             "sample.every_steps = 0"))
         if not self.seeds:
-            raise ValueError("seeds is empty; give at least one seed")
+            problems.append(("seeds", "empty; give at least one seed"))
         for side in ("width", "height"):
             if getattr(self, side) is not None and getattr(self, side) % 8:
-                raise ValueError(f"{side} must be a multiple of 8 (the VAE downsamples by 8)")
+                problems.append((side, f"{getattr(self, side)} is not a multiple of 8 (the VAE "
+                                 "downsamples by 8)"))
+        _raise_any(problems)
         return self
 
 
@@ -375,17 +437,18 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _formats_fit_the_mode(self) -> "RunConfig":
+        problems = []
         allowed = FULL_FORMATS if self.train.mode == "full" else LORA_FORMATS
         wrong = [f for f in self.save.formats or [] if f not in allowed]
         if wrong:
-            raise ValueError(f"save.formats {wrong} do not apply to train.mode = {self.train.mode!r} "
-                             f"(use {list(allowed)})")
+            problems.append(("save.formats", f"{wrong} do not apply to train.mode = {self.train.mode!r} "
+                             f"(use {list(allowed)})"))
         # Values, not the keys given: a resolved config.toml lists every key at its value.
         default = LoraSettings()
-        given = [f"lora.{k}" for k in LoraSettings.model_fields if getattr(self.lora, k) != getattr(default, k)]
-        if self.train.mode == "full" and given:
-            raise ValueError(f"[lora] settings ({', '.join(given)}) are given but train.mode is 'full'; "
-                             "set train.mode = 'lora'")
+        if self.train.mode == "full":
+            problems += [(f"lora.{k}", "given but train.mode is 'full'; set train.mode = 'lora'")
+                         for k in LoraSettings.model_fields if getattr(self.lora, k) != getattr(default, k)]
+        _raise_any(problems)
         return self
 
     @property
@@ -395,17 +458,17 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _switched_on_settings(self) -> "RunConfig":
+        problems = []
         default = PriorConfig()
-        given = [f"prior.{k}" for k in PriorConfig.model_fields
-                 if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)]
-        if given and not self.prior.class_prompt:
-            raise ValueError(f"{', '.join(given)} given without prior.class_prompt, which turns prior "
-                             "preservation on; set it, or leave the [prior] settings out")
+        if not self.prior.class_prompt:
+            problems += [(f"prior.{k}", "given without prior.class_prompt, which turns prior preservation "
+                          "on; set it, or leave the [prior] settings out") for k in PriorConfig.model_fields
+                         if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)]
         moving = [k for k in ("stream_weights", "offload_activations") if getattr(self.memory, k)]
         if self.train.compile and moving:
-            raise ValueError(f"train.compile with memory.{' and memory.'.join(moving)}: their hooks move "
-                             "weights and saved tensors between devices around each block, which a "
-                             "compiled block cannot contain; turn one of them off")
+            problems.append(("train.compile", f"cannot be used with memory.{' and memory.'.join(moving)}: "
+                             "their hooks move weights and saved tensors between devices around each block, "
+                             "which a compiled block cannot contain; turn one of them off"))
         if self.train.cuda_graphs == "auto":
             # decided here, on the machine that loads the config; still unset for the planner
             # (memory.vram_budget), which is free to choose a setting the user did not write. On a
@@ -418,15 +481,17 @@ class RunConfig(_Section):
         if self.train.cuda_graphs:
             clash = self.graph_clashes()
             if clash:
-                raise ValueError(f"train.cuda_graphs with {' and '.join(clash)}: a recorded forward and "
-                                 "backward replay the same weights at the same places, and the same "
-                                 "gradient-hook work at every call, with no host work between their "
-                                 "kernels, which these settings need (moving weights, hooks that act "
-                                 "differently from one micro-batch to the next, dropout masks); turn one of them off")
+                problems.append(("train.cuda_graphs", f"cannot be used with {' and '.join(clash)}: a "
+                                 "recorded forward and backward replay the same weights at the same places, "
+                                 "and the same gradient-hook work at every call, with no host work between "
+                                 "their kernels, which these settings need (moving weights, hooks that act "
+                                 "differently from one micro-batch to the next, dropout masks); turn one of "
+                                 "them off"))
         if self.sample.every_steps and self.memory.stream_weights:
-            raise ValueError("sample.every_steps with memory.stream_weights: sample grids would put the "
-                             "whole denoiser on the GPU while they render; render them after training "
-                             "with vramfit generate, or turn streaming off")
+            problems.append(("sample.every_steps", "cannot be used with memory.stream_weights: sample "
+                             "grids would put the whole denoiser on the GPU while they render; render them "
+                             "after training with vramfit generate, or turn streaming off"))
+        _raise_any(problems)
         return self
 
     def graph_clashes(self) -> list[str]:
@@ -457,16 +522,21 @@ class RunConfig(_Section):
     def save_formats(self) -> list[str]:
         if self.save.formats:
             return list(self.save.formats)
-        return ["single_file"] if self.train.mode == "full" else ["lora"]
+        # a LoRA run's default: what the family writes of these (models/*.py lora_formats)
+        return ["single_file"] if self.train.mode == "full" else list(LORA_FORMATS)
 
-    @model_validator(mode="after")
-    def _saves_can_happen(self) -> "RunConfig":
-        for key in ("every_steps", "state_every_steps"):
-            value = getattr(self.save, key)
+    def start_warnings(self) -> list[str]:
+        """What a run of this config will not do although a key seems to ask for it: intervals
+        longer than the run (the end still saves and renders, as always)."""
+        notes = []
+        for key, value, what in (
+                ("save.every_steps", self.save.every_steps, "intermediate checkpoint"),
+                ("save.state_every_steps", self.save.state_every_steps, "intermediate training state"),
+                ("sample.every_steps", self.sample.every_steps, "intermediate sample grid")):
             if value > self.train.steps:
-                raise ValueError(f"save.{key} ({value}) is larger than train.steps "
-                                 f"({self.train.steps}), so it would never save")
-        return self
+                notes.append(f"{key} ({value}) is larger than train.steps ({self.train.steps}): no {what} "
+                             "is written; the end of the run writes one as always")
+        return notes
 
     @property
     def output_dir(self) -> Path:

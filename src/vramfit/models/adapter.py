@@ -50,6 +50,9 @@ class ModelBundle:
 
 class Family(Protocol):
     name: str
+    # Image sides (data.resolution, data.bucket_step) must be multiples of this: the VAE's
+    # downsampling factor, times the denoiser's patch size where it has one.
+    resolution_multiple: int
 
     def detect_single_file(self, keys: set[str]) -> bool: ...
 
@@ -103,3 +106,13 @@ class Family(Protocol):
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None: ...
 
     def describe(self, source: Source) -> dict: ...
+
+
+def resolution_problems(family: Family, cfg: Any) -> list[str]:
+    """data.resolution and data.bucket_step that are not multiples of the family's
+    resolution_multiple: every bucket side is a multiple of the step, the base side of both."""
+    multiple = family.resolution_multiple
+    return [f"data.{key}: {value} is not a multiple of {multiple}, which the {family.name} family needs "
+            f"(every bucket side must be); use e.g. {max(multiple, value // multiple * multiple)}"
+            for key, value in (("resolution", cfg.data.resolution), ("bucket_step", cfg.data.bucket_step))
+            if value % multiple]

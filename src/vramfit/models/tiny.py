@@ -18,8 +18,9 @@ from vramfit.formats.clip import hf_to_openclip, to_sgm_clip_keys
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic, write_text_atomic
 from vramfit.formats.sgm_unet import diffusers_to_sgm_unet
+from vramfit.models.tiny_names import TINY_MODELS
 
-TINY_NAMES = ("sdxl", "ssd1b")
+TINY_NAMES = tuple(name for name, family in TINY_MODELS.items() if family == "sdxl")
 _FORMAT = "1"  # bump when the tiny architectures or the way they are written change
 _MERGES = ["t h", "th e</w>", "o n</w>", "a n", "r e", "e d</w>"]  # 512 bytes + 6 merges + 2 specials = 520, the tiny encoders' vocab_size
 
@@ -91,8 +92,7 @@ def build_tiny_sgm_state(name: str) -> dict[str, torch.Tensor]:
 def materialize(name: str, root: Path) -> Path:
     """Return the tiny model's single file under `root`, writing it (and tokenizers) if needed."""
     if name not in TINY_NAMES:
-        raise ValueError(f"unknown tiny model tiny:{name}; choose one of "
-                         + ", ".join(f"tiny:{n}" for n in TINY_NAMES))
+        raise ValueError(unknown_tiny(f"tiny:{name}") or f"tiny:{name} is built by tiny_sd3.py, not here")
     folder = Path(root) / f"tiny-{name}-v{_FORMAT}"
     path = folder / f"tiny-{name}.safetensors"
     if path.exists() and (folder / "tokenizer_2" / "tokenizer_config.json").exists():
