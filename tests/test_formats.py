@@ -27,6 +27,7 @@ from vramfit.formats.clip import (
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae, ldm_to_diffusers_vae, vae_config_from_ldm, vae_key_map
 from vramfit.formats.sgm_unet import (
     UnmappedKeysError,
+    check_text_time,
     diffusers_to_sgm_unet,
     sgm_to_diffusers_unet,
     unet_config_from_sgm,
@@ -246,6 +247,43 @@ def test_unet_errors_name_the_problem():
     assert "conv_out.weight" not in sgm_to_diffusers_unet(partial, TINY_SDXL_UNET, strict=False)
     with pytest.raises(ValueError, match="class_embed_type"):
         unet_key_map(dict(TINY_SDXL_UNET, class_embed_type="timestep"))
+
+
+def _meta_sgm(config: dict) -> dict:
+    with torch.device("meta"):
+        return diffusers_to_sgm_unet(UNet2DConditionModel(**config).state_dict(), config)
+
+
+def test_size_embedding_width_gives_addition_time_embed_dim_or_is_refused():
+    """label_emb.0.0's inputs = pooled text embedding + 6 x addition_time_embed_dim: read when the
+    pooled width is known; SDXL's 256 otherwise; no whole width is an error naming the key."""
+    sgm = _meta_sgm(TINY_SDXL_UNET)  # 32 + 6 x 256 inputs
+    assert unet_config_from_sgm(sgm)["addition_time_embed_dim"] == 256
+    assert unet_config_from_sgm(sgm, pooled_dim=32)["addition_time_embed_dim"] == 256
+    wider = dict(sgm, **{"label_emb.0.0.weight": torch.empty(128, 32 + 6 * 320, device="meta")})
+    config = unet_config_from_sgm(wider, pooled_dim=32)
+    assert (config["addition_time_embed_dim"], config["projection_class_embeddings_input_dim"]) == (320, 1952)
+    with torch.device("meta"):  # and the model built from it takes SDXL's conditioning
+        assert UNet2DConditionModel(**config).add_embedding.linear_1.weight.shape[1] == 32 + 6 * 320
+    for width, pooled in ((32 + 6 * 256 + 3, 32), (32 + 6 * 256, 64 + 6 * 256)):
+        odd = dict(sgm, **{"label_emb.0.0.weight": torch.empty(128, width, device="meta")})
+        with pytest.raises(ValueError, match=f"label_emb.0.0.weight takes {width} inputs"):
+            unet_config_from_sgm(odd, pooled_dim=pooled)
+    check_text_time(TINY_SDXL_UNET, 32)
+    with pytest.raises(ValueError, match="addition_time_embed_dim 200"):
+        check_text_time(dict(TINY_SDXL_UNET, addition_time_embed_dim=200), 32)
+
+
+def test_channels_the_group_norms_do_not_divide_are_refused():
+    """A UNet built with 16 groups over 48-channel blocks: its file does not say 16, and SDXL's 32
+    does not divide 48, so reading it is refused naming the first such norm (not a diffusers error
+    or a wrong model later)."""
+    config = dict(TINY_SDXL_UNET, block_out_channels=[48, 96, 192], norm_num_groups=16)
+    with pytest.raises(ValueError, match=r"input_blocks.1.0.in_layers.0.weight normalises 48 channels.*32 "):
+        unet_config_from_sgm(_meta_sgm(config))
+    # where 32 divides every count, the file reads as SDXL's 32 groups (assumed; inspect says so)
+    divisible = _meta_sgm(dict(config, block_out_channels=[64, 96, 192]))
+    assert unet_config_from_sgm(divisible)["norm_num_groups"] == 32
 
 
 # ----------------------------------------------------------------------------- VAE

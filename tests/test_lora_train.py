@@ -19,26 +19,6 @@ def _keys(path) -> list[str]:
         return list(fh.keys())
 
 
-def test_sdxl_lora_saves_diffusers_and_kohya_files(images, tmp_path, cache_root):
-    out = tmp_path / "run"
-    assert main(train_args(images, out, cache_root / "l1", *LORA, "save.formats=['lora','lora_kohya']",
-                           model="tiny:ssd1b")) == 0
-    diffusers_keys = _keys(out / "m.safetensors")
-    assert diffusers_keys and all(k.startswith("unet.") and "lora" in k for k in diffusers_keys)
-    kohya = load_file(str(out / "m.kohya.safetensors"))
-    assert any(k.startswith("lora_unet_input_blocks_") and k.endswith(".lora_down.weight") for k in kohya)
-    assert all(float(v) == 4.0 for k, v in kohya.items() if k.endswith(".alpha"))
-    with safe_open(str(out / "m.safetensors"), "pt") as fh:
-        assert fh.metadata()["vramfit.lora_rank"] == "4"
-    from vramfit.formats.lora import load_lora
-
-    state, alphas, family = load_lora(out / "m.kohya.safetensors")
-    assert family == "sdxl" and state and set(alphas.values()) == {4.0}  # read back to peft names
-    # the training state holds only the LoRA tensors: the frozen base is not duplicated
-    state = load_file(str(out / "state" / "step-000002" / "weights.safetensors"))
-    assert state and all("lora_" in k for k in state)
-
-
 def test_lora_changes_only_the_adapter(images, tmp_path, cache_root):
     out = tmp_path / "run"
     assert main(train_args(images, out, cache_root / "l2", *LORA, "save.state_every_steps=1",
@@ -60,7 +40,7 @@ def test_sd3_lora_and_resume(images, tmp_path, cache_root):
     args = train_args(images, part, cache_root / "l3", *sets, model="tiny:sd3")
     assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
     ref = json.loads((full / "run.json").read_text())["losses"]
-    assert json.loads((part / "run.json").read_text())["losses"] == ref[2:]
+    assert json.loads((part / "run.json").read_text())["losses"] == ref
     a, b = load_file(str(full / "m.safetensors")), load_file(str(part / "m.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

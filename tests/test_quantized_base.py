@@ -204,7 +204,7 @@ def _keys_and_shapes(path) -> dict:
 
 
 @pytest.mark.parametrize("model,method,formats", [
-    ("tiny:ssd1b", "int8", ("m.safetensors", "m.kohya.safetensors")),
+    ("tiny:ssd1b", "int8", ("m.safetensors", "m-diffusers.safetensors")),
     ("tiny:sd3", "nf4", ("m.safetensors",)),
 ])
 def test_cli_run_over_a_quantized_base(images, tmp_path, cache_root, caplog, model, method, formats):

@@ -2,6 +2,8 @@
 training and saving, with the tiny SD3 single file (real classes, SAI layout) on the CPU."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -16,7 +18,7 @@ from vramfit.config.schema import TrainConfig
 from vramfit.formats.safetensors_io import load_prefixed, save_atomic
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
 from vramfit.models.adapter import Source
-from vramfit.models.sd3 import CLIP_G, T5, TRANSFORMER, SD3Family, layout_name
+from vramfit.models.sd3 import CLIP_G, T5, T5_EMBED, TRANSFORMER, SD3Family, layout_name
 from vramfit.models.sdxl import SDXLFamily
 from vramfit.models.tiny import shipped_config
 from vramfit.models.tiny_sd3 import materialize_sd3
@@ -337,7 +339,12 @@ def test_save_single_file_round_trip_is_exact(loaded, tiny_file, tmp_path):
     family, bundle = loaded
     out = tmp_path / "saved.safetensors"
     family.save_single_file(bundle, out, torch.float32, {"k": "v"})
-    _assert_same(load_file(str(out)), load_file(str(tiny_file)))
+    saved, original = load_file(str(out)), load_file(str(tiny_file))
+    # the tied T5 embedding under both of its names, as Stability's files carry it (also where the
+    # source has it once); the rest byte for byte
+    assert set(saved) == set(original) | {T5 + T5_EMBED}
+    assert torch.equal(saved[T5 + T5_EMBED], saved[T5 + "shared.weight"])
+    _assert_same({k: saved[k] for k in original}, original)
     with safe_open(str(out), "pt") as fh:
         meta = fh.metadata()
     assert meta["k"] == "v" and meta["modelspec.architecture"] == "stable-diffusion-3"
@@ -369,6 +376,48 @@ def test_save_diffusers_loads_back_and_as_a_pipeline(loaded, tiny_file, tmp_path
     saved = tmp_path / "from-diffusers.safetensors"
     family.save_single_file(again, saved, torch.float32, {})
     ours, original = load_file(str(saved)), load_file(str(tiny_file))
-    assert set(ours) == set(original)
+    assert set(ours) == set(original) | {T5 + T5_EMBED}
     for k in original:
         assert torch.equal(ours[k].float(), original[k].float()), k
+
+
+def _no_meta(pipe) -> None:
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        module = getattr(pipe, name)
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        left = [n for n, t in tensors if t.device.type == "meta"]
+        assert not left, (name, left)
+
+
+def test_exports_load_in_diffusers_from_single_file_with_the_source_dtypes(loaded, tiny_file, tmp_path):
+    """A single file written from tiny:sd3 and one written from an fp16 diffusers folder: diffusers'
+    from_single_file leaves no tensor unset (the tied T5 embedding is in the file under Stability's
+    name), the key set is Stability's, and carried-over weights keep the source's dtypes (T5's `wo`,
+    which transformers keeps in fp32, included)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    family, bundle = loaded
+    folder = tmp_path / "fp16"
+    half = dataclasses.replace(bundle, vae=copy.deepcopy(bundle.vae).half(),  # an fp16 source throughout
+                               text_encoders=[copy.deepcopy(e).half() for e in bundle.text_encoders])
+    family.save_diffusers(half, folder, torch.float16)
+    from_file, from_folder = tmp_path / "from-file.safetensors", tmp_path / "from-folder.safetensors"
+    family.save_single_file(bundle, from_file, torch.float16, {})
+    again = family.load(Source("diffusers", folder, tokenizers=folder))
+    assert again.text_encoders[2].encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    family.save_single_file(again, from_folder, torch.float16, {})
+    keys = set(load_file(str(tiny_file))) | {T5 + T5_EMBED}
+    for path in (from_file, from_folder):
+        saved = load_file(str(path))
+        assert set(saved) == keys
+        pipe = StableDiffusion3Pipeline.from_single_file(str(path), config=str(folder), local_files_only=True)
+        _no_meta(pipe)
+        t5 = pipe.text_encoder_3
+        assert torch.equal(t5.encoder.embed_tokens.weight.float(), saved[T5 + "shared.weight"].float())
+        assert torch.equal(t5.encoder.block[1].layer[1].DenseReluDense.wo.weight.float(),
+                           saved[T5 + "encoder.block.1.layer.1.DenseReluDense.wo.weight"].float())
+    dtypes = {k: v.dtype for k, v in load_file(str(from_folder)).items() if not k.startswith(TRANSFORMER)}
+    assert {d for d in dtypes.values() if d.is_floating_point} == {torch.float16}, dtypes
+    original = load_file(str(tiny_file))  # fp32, with T5 in fp8; save.dtype applies to the transformer only
+    assert all(original[k].dtype == v.dtype for k, v in load_file(str(from_file)).items()
+               if k in original and not k.startswith(TRANSFORMER))

@@ -24,6 +24,8 @@ Three layouts are written or read (keys shown for one module):
 ``.processor.to_q_lora`` spellings and kohya files with diffusers-path names as written by
 diffusers' ``convert_state_dict_to_kohya``) and returns peft keys, per-module alphas and a guess
 of the model family. :func:`lora_config_kwargs` turns those into ``LoraConfig`` arguments.
+:func:`describe_lora` is what ``vramfit inspect`` says of a LoRA file (from its header and alphas);
+:func:`lora_file_name` names the files a run writes (its family's primary format plain).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vramfit.formats.safetensors_io import read_header, save_atomic
@@ -291,6 +294,19 @@ def save_lora(path: Union[str, Path], state: Mapping[str, torch.Tensor],
     save_atomic(tensors, Path(path), metadata=meta or None)
 
 
+# File name endings of the save.formats LoRA entries other than a family's primary one, whose file
+# is plain <name>.safetensors (what people drop into ComfyUI's or A1111's LoRA folder).
+LORA_FILE_SUFFIXES = {"lora": "-diffusers.safetensors", "lora_kohya": "-kohya.safetensors"}
+
+
+def lora_file_name(name: str, fmt: str, primary: str) -> str:
+    """``<name>.safetensors`` for the family's primary LoRA format, else ``<name>-diffusers`` /
+    ``<name>-kohya`` ``.safetensors`` (one extension, so every loader lists it)."""
+    if fmt not in LORA_FILE_SUFFIXES:
+        raise ValueError(f"LoRA format {fmt!r}: expected one of {sorted(LORA_FILE_SUFFIXES)}")
+    return f"{name}.safetensors" if fmt == primary else name + LORA_FILE_SUFFIXES[fmt]
+
+
 @dataclass
 class LoadedLora:
     """A LoRA read by :func:`load_lora`. Unpacks as ``state, alphas, family``.
@@ -475,3 +491,100 @@ def lora_config_kwargs(state: Mapping[str, torch.Tensor], alphas: Mapping[str, f
         "rank_pattern": {re.escape(m): k for m, k in ranks.items() if k != r},
         "alpha_pattern": {re.escape(m): alphas[m] for m in ranks if alphas[m] != alpha},
     }
+
+
+# ----------------------------------------------------------------------------- inspection
+_ATTN_KIND = re.compile(r"(attn\d?)[._](to_[qkv]|to_out[._]0|add_[qkv]_proj|to_add_out)$")
+_FF_KIND = re.compile(r"(ff(?:_context)?)[._]net[._](0[._]proj|2)$")
+_SD3_WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}
+
+
+def module_kind(module: str, ndim: int) -> str:
+    """'attn1.to_q', 'ff.net.2', 'conv', ... for a LoRA module (dotted or kohya underscored name)."""
+    if m := _ATTN_KIND.search(module):
+        return f"{m[1]}.{m[2].replace('_0', '.0')}"
+    if m := _FF_KIND.search(module):
+        return f"{m[1]}.net.{m[2].replace('_', '.')}"
+    if ndim == 4:
+        return "conv"
+    for name in ("proj_in", "proj_out"):
+        if module.endswith(name):
+            return name
+    return "other"
+
+
+def _sdxl_layouts(names: set[str], kohya: bool) -> str:
+    """Which shipped SDXL-family layouts have every module the LoRA adapts (by name)."""
+    from vramfit.models.tiny import shipped_config
+
+    fits = []
+    for layout, config in (("SDXL", "sdxl_unet"), ("SSD-1B", "ssd1b_unet")):
+        cfg = shipped_config(config)
+        known = set(kohya_unet_names(cfg)) if kohya else set(_module_map(cfg))
+        if names <= known:
+            fits.append(layout)
+    return " and ".join(fits) if fits else "another SDXL-family layout (neither SDXL's nor SSD-1B's blocks)"
+
+
+def describe_lora(path: Union[str, Path]) -> Optional[dict]:
+    """What `vramfit inspect` says about a LoRA file, from its keys, shapes and alphas (no model
+    needed): format, rank and alpha, the modules it adapts by kind, and the denoiser it is for.
+    None when the file is not a LoRA in a format vramfit reads."""
+    path = Path(path)
+    header, meta = read_header(path)
+    fmt = detect_format(header)
+    if fmt == "unknown":
+        return None
+    modules: dict[str, dict] = {}  # "component:module" -> {"rank", "ndim", "width" (inputs), "alpha"}
+    alpha_keys = {}
+    for key, info in header.items():
+        if fmt == "kohya":
+            name, _, part = key.partition(".")
+            comp = next((c for p, c in KOHYA_TE.items() if name.startswith(p)), "denoiser")
+            entry = modules.setdefault(f"{comp}:{name}", {})
+            if part == "alpha":
+                alpha_keys[key] = entry
+            elif part == "lora_down.weight":
+                shape = info["shape"]
+                entry.update(rank=int(shape[0]), ndim=len(shape), width=int(shape[1]))
+            continue
+        comp, rest = key.split(".", 1) if fmt == "diffusers" else ("denoiser", key)
+        comp = "denoiser" if comp in DENOISER_PREFIX.values() else comp
+        if (m := _PEFT_KEY.match(_to_peft_key(rest))) and m["ab"] == "A":
+            shape = info["shape"]
+            modules[f"{comp}:{m['module']}"] = {"rank": int(shape[0]), "ndim": len(shape),
+                                                "width": int(shape[1])}
+    if alpha_keys:
+        with safe_open(str(path), framework="pt") as fh:
+            for key, entry in alpha_keys.items():
+                entry["alpha"] = float(fh.get_tensor(key).item())
+    unet = {m.split(":", 1)[1]: e for m, e in modules.items() if m.startswith("denoiser:") and "rank" in e}
+    ranks = sorted({e["rank"] for e in modules.values() if "rank" in e})
+    out = {"format": fmt, "rank": ranks[0] if len(ranks) == 1 else ranks}
+    if fmt == "kohya":
+        alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e})
+        out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
+    else:  # no alpha tensors: diffusers and ComfyUI apply scale 1 unless diffusers' metadata says otherwise
+        roots = {k.split(".", 1)[0] for k in header} if fmt == "diffusers" else set()
+        prefix = next((r for r in roots if r in DENOISER_PREFIX.values()), None)
+        applied = _diffusers_alphas(meta, prefix, {m: e["rank"] for m, e in unet.items()})
+        alphas = sorted(set(applied.values()))
+        out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
+        trained = meta.get("vramfit.lora_alpha")
+        if trained and float(trained) != float(meta.get("vramfit.lora_rank", 0)):
+            out["alpha"] = f"{out['alpha']} (trained with alpha {trained}, folded into lora_B)"
+    kinds = collections.Counter(module_kind(m, e["ndim"]) for m, e in unet.items())
+    out["targets"] = {"modules": len(unet), "kinds": dict(sorted(kinds.items()))}
+    if any(m.startswith(KOHYA_UNET + "joint_blocks_") or m.startswith(_SD3_ROOTS) for m in unet):
+        q = next((e["width"] for m, e in unet.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        out["for"] = "SD3 MMDiT" + (f" ({q} wide: {_SD3_WIDTHS.get(q, 'a custom width')})" if q else "")
+    elif unet:
+        ctx = next((e["width"] for m, e in unet.items() if module_kind(m, e["ndim"]) == "attn2.to_k"), None)
+        out["for"] = (f"SDXL-family UNet, module names of {_sdxl_layouts(set(unet), fmt == 'kohya')}"
+                      + (f"; text context {ctx} wide (SDXL's is 2048)" if ctx else ""))
+    else:
+        out["for"] = "text encoders only"
+    te = sorted({m.split(":", 1)[0] for m in modules if not m.startswith("denoiser:")})
+    if te:
+        out["text_encoders"] = {c: sum(1 for m in modules if m.startswith(c + ":")) for c in te}
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -172,6 +172,18 @@ def diffusers_to_sai_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
             out[name] = swap_scale_shift(t) if swap else t
     for name, sources in joined.items():
         out[name] = torch.cat([sd[p] for p in sources], dim=0)
+    return out
+
+
+def sai_names(diffusers_keys: Iterable[str]) -> dict[str, str]:
+    """{diffusers key: the SAI key it is read from} for an ``SD3Transformer2DModel``'s keys, to name
+    a file's tensor in messages; a part of a fused q/k/v tensor is named with its rows, e.g.
+    ``joint_blocks.0.x_block.attn.qkv.weight (q rows)``."""
+    pairs, fused, _ = _tables(_diffusers_layout(dict.fromkeys(diffusers_keys)))
+    out = {_leaf(d, leaf): _leaf(s, leaf) for s, d, leaves in pairs for leaf in leaves}
+    for s, ds in fused:
+        for d, part in zip(ds, "qkv"):
+            out.update({f"{d}.{leaf}": f"{s}.{leaf} ({part} rows)" for leaf in _WB})
     return out
 
 

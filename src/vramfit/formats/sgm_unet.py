@@ -325,11 +325,60 @@ def _base_unet_config() -> dict:
     }
 
 
-def unet_config_from_sgm(sd: Mapping[str, torch.Tensor]) -> dict:
+_GROUP_NORM_RE = re.compile(
+    r"^((input|output)_blocks\.\d+\.0\.(in|out)_layers\.0|middle_block\.[02]\.(in|out)_layers\.0"
+    r"|(input_blocks|output_blocks)\.\d+\.1\.norm|middle_block\.1\.norm|out\.0)\.weight$")
+TIME_IDS = 6  # SDXL's size conditioning: original size, crop corner, target size
+
+
+def check_group_norms(sd: Mapping[str, torch.Tensor], groups: int) -> None:
+    """Raise ValueError naming the first GroupNorm whose channel count ``groups`` does not divide.
+
+    The group count is not stored in a single file (a GroupNorm's weights are per channel), so it is
+    taken from the config (SDXL's 32); a file that cannot have been trained with it is refused here
+    rather than failing inside diffusers."""
+    for key in sorted(sd):
+        if _GROUP_NORM_RE.match(key) and int(sd[key].shape[0]) % groups:
+            raise ValueError(
+                f"{key} normalises {int(sd[key].shape[0])} channels, which {groups} group-norm groups "
+                f"(SDXL's count; single files do not store it) do not divide: this UNet was built with "
+                f"another group count, which vramfit cannot read from the file")
+
+
+def text_time_dim(label_width: int, pooled_dim: int) -> int:
+    """``addition_time_embed_dim`` from the size-embedding input width (label_emb.0.0's inputs =
+    pooled text embedding + 6 size numbers x addition_time_embed_dim); ValueError if no whole
+    width fits."""
+    rest = label_width - pooled_dim
+    if rest <= 0 or rest % TIME_IDS:
+        raise ValueError(
+            f"label_emb.0.0.weight takes {label_width} inputs; with the {pooled_dim}-wide pooled text "
+            f"embedding of the second text encoder that leaves {rest} for the {TIME_IDS} size numbers, "
+            f"not a whole positive width for each (SDXL: 2816 = 1280 + 6 x 256)")
+    return rest // TIME_IDS
+
+
+def check_text_time(config: Mapping, pooled_dim: int | None) -> None:
+    """Raise ValueError when a diffusers UNet config's size embedding does not fit SDXL's
+    conditioning: projection_class_embeddings_input_dim = pooled + 6 x addition_time_embed_dim."""
+    if config.get("addition_embed_type") != "text_time" or not isinstance(pooled_dim, int):
+        raise ValueError("not an SDXL-family UNet config (addition_embed_type 'text_time' with a "
+                         "projection_dim on text_encoder_2)")
+    width = config.get("projection_class_embeddings_input_dim")
+    time_dim = config.get("addition_time_embed_dim")
+    if not isinstance(width, int) or text_time_dim(width, pooled_dim) != time_dim:
+        raise ValueError(f"projection_class_embeddings_input_dim {width} is not text_encoder_2's "
+                         f"projection_dim {pooled_dim} + {TIME_IDS} x addition_time_embed_dim {time_dim}")
+
+
+def unet_config_from_sgm(sd: Mapping[str, torch.Tensor], pooled_dim: int | None = None) -> dict:
     """Full ``UNet2DConditionModel`` config read from SGM UNet keys and shapes (prefix stripped).
 
     Reproduces the published SDXL config, the SSD-1B config (asymmetric depths, resnet-only mid
     block) and Segmind-Vega. Raises ``ValueError`` naming a missing key for non-SDXL-family dicts.
+    ``pooled_dim`` (the second text encoder's projection width) gives ``addition_time_embed_dim``
+    from the size-embedding width; without it SDXL's 256 is assumed. The group-norm count is SDXL's
+    32 (not stored in the file), checked against every normalised channel count.
     """
     lay = _layout_from_sgm(sd)
     per_level, reverse = _depth_fields(lay)
@@ -363,4 +412,8 @@ def unet_config_from_sgm(sd: Mapping[str, torch.Tensor]) -> dict:
     time_dim = int(_need(sd, "time_embed.0.weight").shape[0])
     if time_dim != 4 * lay.channels[0]:
         cfg["time_embedding_dim"] = time_dim
+    if pooled_dim is not None:
+        width = cfg["projection_class_embeddings_input_dim"]
+        cfg["addition_time_embed_dim"] = text_time_dim(width, pooled_dim)
+    check_group_norms(sd, cfg["norm_num_groups"])
     return cfg

@@ -22,9 +22,13 @@ from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
-from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
-from vramfit.models.adapter import ModelBundle, Source
-from vramfit.models.sdxl import SDXLFamily, _build, _count, _merge, sample_latent
+from vramfit.formats.sd3_mmdit import (
+    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
+)
+from vramfit.models.adapter import ModelBundle, Source, resolution_problems
+from vramfit.models.sdxl import (
+    SDXLFamily, _build, _count, _merge, as_stored, check_folder_shapes, check_shapes, sample_latent,
+)
 from vramfit.models.sources import require_tokenizers
 from vramfit.train import flow
 from vramfit.train.objectives import weighted_mse
@@ -34,6 +38,7 @@ VAE = "first_stage_model."
 CLIP_L = "text_encoders.clip_l.transformer."
 CLIP_G = "text_encoders.clip_g.transformer."
 T5 = "text_encoders.t5xxl.transformer."
+T5_EMBED = "encoder.embed_tokens.weight"  # tied to shared.weight
 VAE_SCALE = 1.5305
 VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
@@ -47,6 +52,9 @@ _LAYOUTS = {
     (24, 1536, "rms_norm", tuple(range(13))): "sd3.5-medium",
     (38, 2432, "rms_norm", ()): "sd3.5-large",
 }
+# The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
+# configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
+SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
 
@@ -85,6 +93,11 @@ def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
 
 class SD3Family:
     name = "sd3"
+    lora_formats = ("lora",)  # diffusers/PEFT keys, as <name>.safetensors: ComfyUI and diffusers load them
+    # VAE factor 8 x patch size 2: every SD3 and SD3.5 release patches 2x2 latents (the
+    # family is checked before its file is read, so the released value stands here)
+    resolution_multiple = 16
+    shipped_layouts = SHIPPED_LAYOUTS
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -135,7 +148,9 @@ class SD3Family:
             raise CheckpointError(f"{path}: no SD3 transformer found (no {TRANSFORMER}joint_blocks.* keys)")
         config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         state = sai_to_diffusers_mmdit(load_prefixed(path, TRANSFORMER))
-        transformer = _build(SD3Transformer2DModel, config, state, "transformer", path)
+        names = sai_names(state)
+        transformer = _build(SD3Transformer2DModel, config, state, "transformer", path,
+                             lambda k: TRANSFORMER + names.get(k, k))
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
@@ -154,7 +169,9 @@ class SD3Family:
                     "text encoders (e.g. sd3_medium_incl_clips.safetensors) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
-        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE", path)
+        vae_names = ldm_vae.vae_key_map(vae_cfg)
+        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
+                     path, lambda k: VAE + vae_names[k])
 
         def part_state(part: str, prefix: str) -> tuple[dict, Path]:
             own = files.get(part)
@@ -168,10 +185,11 @@ class SD3Family:
         enc2 = _SDXL._clip(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
         if files.get("t5") or any(k.startswith(T5) for k in header):
-            encoders.append(self._t5(*part_state("t5", T5)))
+            state, where = part_state("t5", T5)
+            encoders.append(self._t5(state, where, "" if files.get("t5") else T5))
         return vae, encoders
 
-    def _t5(self, state: dict[str, torch.Tensor], path: Path):
+    def _t5(self, state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
         from accelerate import init_empty_weights
         from transformers import T5Config, T5EncoderModel
 
@@ -183,8 +201,9 @@ class SD3Family:
         state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
         with init_empty_weights():
             model = T5EncoderModel(config)
+        check_shapes(model, state, "T5 encoder", path, lambda k: prefix + k)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()  # encoder.embed_tokens shares shared.weight; files store it once
+        model.tie_weights()  # encoder.embed_tokens shares shared.weight; some files store it once
         missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
         if missing or unexpected:
             raise CheckpointError(f"{path}: T5 encoder weights do not match "
@@ -198,9 +217,14 @@ class SD3Family:
         from diffusers import AutoencoderKL, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        parts = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
+                 "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection}
+        for sub, cls in parts.items():
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
+            check_folder_shapes(cls, folder, sub)
+        if (folder / "text_encoder_3" / "config.json").is_file():
+            check_folder_shapes(T5EncoderModel, folder, "text_encoder_3")
         transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
                                                             low_cpu_mem_usage=True)
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
@@ -308,15 +332,15 @@ class SD3Family:
             problems += [f"model.{key}: separate text encoder files apply to single files; a diffusers "
                          "folder or repo brings its own" for key in ("clip_l", "clip_g", "t5")
                          if getattr(cfg.model, key)]
-        for side in ("width", "height"):
-            value = getattr(cfg.sample, side) or cfg.data.resolution
-            if cfg.sample.every_steps and value % 16:
-                problems.append(f"sample.{side}: {value} is not a multiple of 16, which SD3 needs "
-                                "(VAE factor 8 x patch size 2)")
-        if "lora_kohya" in cfg.save_formats:
+        for side in ("width", "height"):  # unset: data.resolution, which resolution_problems checks
+            value = getattr(cfg.sample, side)
+            if cfg.sample.every_steps and value and value % self.resolution_multiple:
+                problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
+                                "which SD3 needs (VAE factor 8 x patch size 2)")
+        if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
-        return problems
+        return problems + resolution_problems(self, cfg)
 
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -371,17 +395,23 @@ class SD3Family:
             # Everything that is not the transformer is copied byte for byte (T5 stays in fp8).
             state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
         else:
-            vae, encoders = self.load_encoders(src)
-            state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
-            clip_l = clipfmt.to_sgm_clip_keys(encoders[0].state_dict())
+            vae, encoders = self.load_encoders(src)  # written in the dtypes the folder stores
+            subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
+            stored = [as_stored(enc, src.path / sub) for enc, sub in zip(encoders, subs)]
+            vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
+            state.update({VAE + k: v for k, v in vae_state.items()})
+            clip_l = clipfmt.to_sgm_clip_keys(stored[0])
             proj = clip_l.get("text_projection.weight")
             if proj is not None and torch.equal(proj, torch.eye(proj.shape[0], dtype=proj.dtype)):
                 del clip_l["text_projection.weight"]  # Stability's files carry no CLIP-L projection
             state.update({CLIP_L + k: v for k, v in clip_l.items()})
-            state.update({CLIP_G + k: v for k, v in clipfmt.to_sgm_clip_keys(encoders[1].state_dict()).items()})
+            state.update({CLIP_G + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[1]).items()})
             if len(encoders) > 2:
-                t5 = {k: v for k, v in encoders[2].state_dict().items() if k != "encoder.embed_tokens.weight"}
-                state.update({T5 + k: v for k, v in t5.items()})
+                state.update({T5 + k: v for k, v in stored[2].items() if k != T5_EMBED})
+        if T5 + "shared.weight" in state and T5 + T5_EMBED not in state:
+            # Stability's files carry the tied embedding under both names; diffusers' single-file
+            # loader does not tie it and would leave it unset (and A1111 looks for this name).
+            state[T5 + T5_EMBED] = state[T5 + "shared.weight"].clone()
         meta = dict(metadata)
         meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "stable-diffusion-3")
         save_atomic(state, path, meta)

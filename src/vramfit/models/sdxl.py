@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
-from vramfit.models.adapter import ModelBundle, Source
+from vramfit.models.adapter import ModelBundle, Source, resolution_problems
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
 from vramfit.train.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
@@ -29,33 +29,120 @@ VAE = "first_stage_model."
 CLIP_L = "conditioner.embedders.0.transformer."
 CLIP_G = "conditioner.embedders.1.model."
 VAE_SCALE = 0.13025
+# The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
+# configs), for naming a checkpoint's layout and for `vramfit plan --model NAME` without the file
+SHIPPED_LAYOUTS = {"sdxl": ("sdxl_unet", "sdxl_vae", ("clip_l", "clip_g")),
+                 "ssd1b": ("ssd1b_unet", "sdxl_vae", ("clip_l", "clip_g"))}
 
 
 def layout_name(config: dict) -> str:
     """Name a UNet layout by comparing its depths with the known distilled variants."""
     depths = (json.dumps(config.get("transformer_layers_per_block")),
               json.dumps(config.get("reverse_transformer_layers_per_block")), config.get("mid_block_type"))
-    for name in ("sdxl_unet", "ssd1b_unet"):
-        ref = shipped_config(name)
+    for name, (unet_config, _, _) in SHIPPED_LAYOUTS.items():
+        ref = shipped_config(unet_config)
         ref_depths = (json.dumps(ref["transformer_layers_per_block"]),
                       json.dumps(ref["reverse_transformer_layers_per_block"]), ref["mid_block_type"])
         if depths == ref_depths and config["block_out_channels"] == ref["block_out_channels"]:
-            return name.split("_")[0]
+            return name
     return "sdxl-custom"
 
 
-def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path):
+def vae_tile(sample_size) -> int:
+    """The side in pixels of the tiles cache.vae_tiling encodes: half the VAE's sample_size (512 for
+    SDXL's and SD3's VAE). diffusers' default, the whole sample_size, leaves an image of up to
+    1024 px on a side untiled, so tiling would save nothing at SDXL's resolutions."""
+    side = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
+    return int(side) // 2
+
+
+def set_vae_tiling(vae, tiling: bool) -> None:
+    """Tile `vae`'s encoding in tiles of `vae_tile` (overlapping by diffusers' quarter), or not."""
+    if not tiling:
+        vae.disable_tiling()
+        return
+    side = vae_tile(vae.config.sample_size)
+    vae.tile_sample_min_size = side
+    vae.tile_latent_min_size = side // 2 ** (len(vae.config.block_out_channels) - 1)
+    vae.enable_tiling()
+
+
+def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
+           file_key: Optional[Callable[[str], str]] = None):
     """Instantiate without allocating random weights, then take the checkpoint's tensors."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         model = cls(**config)
-    return _assign(model, state, what, path)
+    return _assign(model, state, what, path, file_key)
 
 
-def _assign(model, state: dict[str, torch.Tensor], what: str, path: Path):
+def check_shapes(model, state: Mapping[str, torch.Tensor], what: str, path: Path,
+                 file_key: Optional[Callable[[str], str]] = None) -> None:
+    """Refuse, naming the tensor (as the file names it, via `file_key`) and both shapes, a state
+    whose tensor shapes differ from those of `model` (built on the meta device from the config the
+    file describes), before load_state_dict would fail with a traceback."""
+    expected = model.state_dict()
+    for key, t in state.items():
+        want = expected.get(key)
+        if want is not None and tuple(t.shape) != tuple(want.shape):
+            name = file_key(key) if file_key else key
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(t.shape)}, but the {what} that the file's other "
+                f"tensors describe needs {list(want.shape)}; the file is damaged or mixes two models")
+
+
+def check_folder_shapes(cls, folder: Path, sub: str) -> None:
+    """check_shapes for a diffusers/transformers model folder: its config built on the meta device
+    against the shapes in its safetensors headers (no weights read)."""
+    from accelerate import init_empty_weights
+
+    where = folder / sub
+    try:
+        with init_empty_weights():
+            if hasattr(cls, "config_class"):  # transformers
+                model = cls(cls.config_class.from_pretrained(where))
+            else:
+                model = cls.from_config(cls.load_config(where))
+    except ValueError as exc:  # e.g. channel counts that norm_num_groups does not divide
+        raise CheckpointError(f"{where / 'config.json'}: {exc}") from None
+    keys = set(model.state_dict())
+    for file in _weight_files(where):
+        stored = meta_tensors(read_header(file)[0])
+        check_shapes(model, {_same_key(k, keys): t for k, t in stored.items()}, sub, file)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files from_pretrained loads (variants such as model.fp16.safetensors aside)."""
+    return [f for f in sorted(folder.glob("*.safetensors")) if "." not in f.name[:-len(".safetensors")]]
+
+
+def _same_key(key: str, keys) -> str:
+    """`key` as named among `keys`, with or without the `text_model.` wrapper that CLIP folders
+    of older transformers have and the installed CLIPTextModel may not (formats/clip.py)."""
+    for candidate in (key, key.removeprefix("text_model."), "text_model." + key):
+        if candidate in keys:
+            return candidate
+    return key
+
+
+def as_stored(model, folder: Path) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with each tensor in the dtype its source folder stores it in (loaders
+    widen some: diffusers loads fp32, transformers keeps T5's `wo` in fp32), so that carried-over
+    weights are written back as the source holds them. Variant files (model.fp16.safetensors) are
+    not what from_pretrained loaded and are skipped."""
+    state = model.state_dict()
+    stored: dict[str, torch.dtype] = {}
+    for file in _weight_files(folder):
+        stored.update({_same_key(k, state): t.dtype for k, t in meta_tensors(read_header(file)[0]).items()})
+    return {k: v.to(stored[k]) if k in stored and v.is_floating_point() else v for k, v in state.items()}
+
+
+def _assign(model, state: dict[str, torch.Tensor], what: str, path: Path,
+            file_key: Optional[Callable[[str], str]] = None):
     """Give `model`, made under accelerate's init_empty_weights (parameters on the meta device,
     buffers real), the checkpoint's tensors; a mismatch is a CheckpointError naming the file."""
+    check_shapes(model, state, what, path, file_key)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
@@ -71,6 +158,11 @@ def _assign(model, state: dict[str, torch.Tensor], what: str, path: Path):
 
 class SDXLFamily:
     name = "sdxl"
+    # LoRA files a run writes by default, the primary first (saved as <name>.safetensors): kohya
+    # keys, which ComfyUI and A1111 load; the diffusers/PEFT file goes beside it.
+    lora_formats = ("lora_kohya", "lora")
+    resolution_multiple = 8  # the VAE's factor; the UNet's up blocks follow any latent size
+    shipped_layouts = SHIPPED_LAYOUTS
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -96,7 +188,7 @@ class SDXLFamily:
             if getattr(cfg.model, key):
                 problems.append(f"model.{key}: separate text encoder files are read for SD3 single "
                                 "files only")
-        return problems
+        return problems + resolution_problems(self, cfg)
 
     def prepare_encoders(self, bundle: ModelBundle) -> None:
         """Nothing to do: SDXL's CLIP encoders are small enough to run as stored."""
@@ -128,9 +220,13 @@ class SDXLFamily:
         header, _ = read_header(path)
         if not self.detect_single_file(set(header)):
             raise CheckpointError(f"{path}: no SDXL-family UNet found (no {UNET}label_emb.* keys)")
-        config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET))
+        try:
+            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         state = sgm_unet.sgm_to_diffusers_unet(load_prefixed(path, UNET), config)
-        unet = _build(UNet2DConditionModel, config, state, "UNet", path)
+        to_sgm = sgm_unet.unet_key_map(config)
+        unet = _build(UNet2DConditionModel, config, state, "UNet", path, lambda k: UNET + to_sgm[k])
         vae, encoders = self._single_file_encoders(path, header)
         return unet, vae, encoders
 
@@ -143,7 +239,9 @@ class SDXLFamily:
                     f"{path}: the file has no {what} ({prefix}* keys); vramfit needs a full "
                     "checkpoint (UNet, VAE and both text encoders) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE)
-        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE", path)
+        vae_names = ldm_vae.vae_key_map(vae_cfg)
+        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
+                     path, lambda k: VAE + vae_names[k])
         enc1 = self._clip(load_prefixed(path, CLIP_L), "quick_gelu", False, path)
         enc2 = self._clip(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
         return vae, [enc1, enc2]
@@ -171,9 +269,17 @@ class SDXLFamily:
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        for sub in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        parts = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+                 "text_encoder_2": CLIPTextModelWithProjection}
+        for sub, cls in parts.items():
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
+            check_folder_shapes(cls, folder, sub)
+        try:
+            sgm_unet.check_text_time(json.loads((folder / "unet" / "config.json").read_text()), json.loads(
+                (folder / "text_encoder_2" / "config.json").read_text()).get("projection_dim"))
+        except ValueError as exc:
+            raise CheckpointError(f"{folder / 'unet' / 'config.json'}: {exc}") from None
         unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=True)
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         enc1 = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
@@ -219,10 +325,7 @@ class SDXLFamily:
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
         """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
         vae = bundle.vae
-        if tiling:
-            vae.enable_tiling()
-        else:
-            vae.disable_tiling()
+        set_vae_tiling(vae, tiling)
         vae_dtype = next(vae.parameters()).dtype
         dist = vae.encode(pixels.to(device, vae_dtype)).latent_dist
         return {"mean": dist.mean.float().cpu().to(dtype), "logvar": dist.logvar.float().cpu().to(dtype)}
@@ -279,12 +382,15 @@ class SDXLFamily:
             # Everything that is not the UNet is copied byte for byte from the input file.
             state.update(load_prefixed(src.path, "", exclude=UNET))
         else:
-            vae, (enc1, enc2) = self.load_encoders(src)
-            state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(vae.state_dict()).items()})
-            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(enc1.state_dict()).items()})
+            vae, (enc1, enc2) = self.load_encoders(src)  # written in the dtypes the folder stores
+            vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
+            state.update({VAE + k: v for k, v in vae_state.items()})
+            clip_l = clipfmt.to_sgm_clip_keys(as_stored(enc1, src.path / "text_encoder"))
+            state.update({CLIP_L + k: v for k, v in clip_l.items()})
             # OpenCLIP files carry the contrastive temperature, which text conditioning never
             # uses and diffusers drops; write ln(100), its trained value, so the key set is complete.
-            bigg = clipfmt.hf_to_openclip(enc2.state_dict(), logit_scale=torch.tensor(4.6052))
+            bigg = clipfmt.hf_to_openclip(as_stored(enc2, src.path / "text_encoder_2"),
+                                          logit_scale=torch.tensor(4.6052))
             state.update({CLIP_G + k: v for k, v in bigg.items()})
         save_atomic(state, path, metadata)
 
@@ -322,7 +428,7 @@ class SDXLFamily:
             parts = {"unet": UNET, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
                      "text_encoder_2 (bigG)": CLIP_G}
             comps = {name: _count(header, prefix) for name, prefix in parts.items()}
-            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET))
+            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
         else:
             comps = {}
             for sub in ("unet", "vae", "text_encoder", "text_encoder_2"):
@@ -332,7 +438,18 @@ class SDXLFamily:
         return {"family": self.name, "layout": layout_name(config),
                 "transformer_layers_per_block": config.get("transformer_layers_per_block"),
                 "reverse_transformer_layers_per_block": config.get("reverse_transformer_layers_per_block"),
-                "mid_block_type": config.get("mid_block_type"), "components": comps}
+                "mid_block_type": config.get("mid_block_type"),
+                "addition_time_embed_dim": config.get("addition_time_embed_dim"),
+                "norm_num_groups": config.get("norm_num_groups"),
+                **({"assumed": "norm_num_groups (not stored in single files; SDXL's value, checked to divide "
+                               "every normalised channel count)"} if source.kind == "single_file" else {}),
+                "components": comps}
+
+
+def _pooled_width(header: dict) -> Optional[int]:
+    """The width of the pooled text embedding (bigG's projection, OpenCLIP [width, pooled]), if any."""
+    projection = header.get(CLIP_G + "text_projection")
+    return int(projection["shape"][1]) if projection else None
 
 
 def sample_latent(encoded: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:

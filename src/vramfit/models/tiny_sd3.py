@@ -18,9 +18,10 @@ from vramfit.formats.clip import to_sgm_clip_keys
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit
-from vramfit.models.tiny import shipped_config, write_tiny_tokenizers
+from vramfit.models.tiny import materialize, shipped_config, write_tiny_tokenizers
+from vramfit.models.tiny_names import TINY_MODELS, unknown_tiny
 
-_FORMAT = "1"  # bump when the tiny SD3 architecture or the way it is written changes
+_FORMAT = "2"  # bump when the tiny SD3 architecture or the way it is written changes
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
 CLIP_L = "text_encoders.clip_l.transformer."
@@ -80,9 +81,7 @@ def build_tiny_sd3_state(with_t5: bool = True) -> dict[str, torch.Tensor]:
     state = {k: v.detach().to(torch.float32).contiguous() if v.is_floating_point() else v.contiguous()
              for k, v in state.items()}
     if t5 is not None:
-        for key, t in t5.state_dict().items():
-            if key == "encoder.embed_tokens.weight":  # tied to shared.weight; stored once
-                continue
+        for key, t in t5.state_dict().items():  # the tied embedding under both names, as Stability's files
             state[T5 + key] = t.detach().to(torch.float8_e4m3fn).contiguous()
     return state
 
@@ -99,3 +98,12 @@ def materialize_sd3(root: Path, *, with_t5: bool = True) -> Path:
             "modelspec.architecture": "stable-diffusion-3"}
     save_atomic(build_tiny_sd3_state(with_t5), path, metadata=meta)
     return path
+
+
+def materialize_tiny(path: str, root: Path) -> Path:
+    """The single file of any tiny model (`path`: tiny:<name>) under `root`, written if needed."""
+    problem = unknown_tiny(path)
+    if problem:
+        raise ValueError(f"model.path: {problem}")
+    name = path.split(":", 1)[1]
+    return materialize_sd3(root) if TINY_MODELS[name] == "sd3" else materialize(name, root)
