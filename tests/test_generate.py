@@ -3,19 +3,27 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from PIL import Image
+from safetensors.torch import load_file, save_file
 
+from conftest import train_args
+from vramfit.cli import main
 from vramfit.config.schema import ModelConfig
+from vramfit.data.synth import make_synthetic_dataset
 from vramfit.generate import (
-    add_generate_parser, build_pipeline, compare_grid, generate, parse_lora, run_generate, sample_grid,
+    GenerateError, add_generate_parser, build_pipeline, compare_grid, generate, parse_lora, read_lora,
+    run_generate, sample_grid,
 )
+from vramfit.models.adapter import Source
 from vramfit.models.registry import detect_family
-from vramfit.models.sources import resolve_source
+from vramfit.models.sources import find_tokenizers, resolve_source, write_tokenizers
 
 SIZE = 64
 STEPS = 2
@@ -214,8 +222,6 @@ def test_lora_of_another_family_is_refused(pipes, bundles, tmp_path):
 
 
 def test_broken_lora_files_are_refused_and_removed(pipes, bundles, tmp_path):
-    from safetensors.torch import load_file
-
     pipe = pipes("tiny:sdxl")
     good = make_lora(bundles("tiny:sdxl"), tmp_path / "good.safetensors", seed=1)
     state = load_file(str(good))
@@ -230,8 +236,6 @@ def test_broken_lora_files_are_refused_and_removed(pipes, bundles, tmp_path):
 
 
 def test_compare_grid_layout():
-    from PIL import Image
-
     base = [Image.new("RGB", (32, 48), (255, 0, 0)) for _ in range(3)]
     tuned = [Image.new("RGB", (32, 48), (0, 0, 255)) for _ in range(3)]
     grid = compare_grid(base, tuned)
@@ -284,8 +288,6 @@ def test_cli_writes_pngs_and_compare_grid(bundles, module_cache, tmp_path, capsy
     printed = capsys.readouterr().out.split()
     expected = [out / f"{i}-{40 + i}.png" for i in range(4)] + [out / "compare.png"]
     assert printed == [str(p) for p in expected]
-    from PIL import Image
-
     for p in expected[:4]:
         with Image.open(p) as im:
             assert im.size == (SIZE, SIZE)
@@ -301,9 +303,9 @@ def test_cli_writes_pngs_and_compare_grid(bundles, module_cache, tmp_path, capsy
 
 def test_cli_plain_run_and_errors(module_cache, tmp_path, capsys):
     out = tmp_path / "plain"
-    args = parse(["--model", "tiny:ssd1b", "--prompt", "a square", "--steps", str(STEPS), "--width", str(SIZE),
-                  "--height", str(SIZE), "--seed", "3", "--out", str(out), "--cache-dir", str(module_cache),
-                  "--no-progress"])
+    args = parse(["--model", "tiny:ssd1b", "--prompt", "a square", "--steps", str(STEPS),
+                  "--width", str(SIZE), "--height", str(SIZE), "--seed", "3", "--out", str(out),
+                  "--cache-dir", str(module_cache), "--no-progress"])
     assert run_generate(args) == 0
     assert capsys.readouterr().out.split() == [str(out / "0-3.png")]
     assert sorted(p.name for p in out.iterdir()) == ["0-3.png"]
@@ -316,12 +318,11 @@ def test_cli_plain_run_and_errors(module_cache, tmp_path, capsys):
 
 def test_cli_t5_precision(module_cache, tmp_path, capsys):
     """--t5 int8 stays close to the T5 as loaded; --t5 none (zero T5 tokens) renders differently."""
-    from PIL import Image
-
     def render(mode: str) -> np.ndarray:
         out = tmp_path / mode
-        assert run_generate(parse(["--model", "tiny:sd3", "--prompt", "a cat called Lily", "--steps", str(STEPS),
-                                   "--width", str(SIZE), "--height", str(SIZE), "--t5", mode, "--out", str(out),
+        assert run_generate(parse(["--model", "tiny:sd3", "--prompt", "a cat called Lily",
+                                   "--steps", str(STEPS), "--width", str(SIZE), "--height", str(SIZE),
+                                   "--t5", mode, "--out", str(out),
                                    "--cache-dir", str(module_cache), "--no-progress"])) == 0
         with Image.open(out / "0-0.png") as im:
             return pixels(im)
@@ -347,3 +348,176 @@ def test_casting_keeps_quantized_storage():
     assert model.stored.dtype == torch.float8_e4m3fn
     assert sum(tensor_bytes(p) for p in model.parameters()) <= before
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("bias"))
+
+
+# ---- the command, in process (vramfit.cli.main) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_root):
+    """Full fine-tunes of tiny:ssd1b and tiny:sd3 through `vramfit train`, two steps each with an
+    intermediate save; SD3 trains with T5 left out (model.t5_precision=none), which its file keeps."""
+    root = tmp_path_factory.mktemp("trained")
+    make_synthetic_dataset(root / "images", n=4, size=SIZE, seed=1)
+    runs = {"images": root / "images"}
+    with pytest.MonkeyPatch.context() as mp:  # the per-test cache isolation does not reach here
+        mp.setenv("XDG_CACHE_HOME", str(cache_root / "xdg"))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_HOME", str(cache_root / "hf"))
+        for name, extra in (("ssd1b", ()), ("sd3", ("model.t5_precision=none",))):
+            args = train_args(root / "images", root / name, root / "cache", "save.every_steps=1",
+                              "save.name=m", *extra, model=f"tiny:{name}")
+            assert main(args) == 0
+            runs[name] = root / name
+    return runs
+
+
+def cli(*argv: str) -> int:
+    return main(["generate", "--no-progress", *argv])
+
+
+def size_of(path: Path) -> tuple[int, int]:
+    with Image.open(path) as im:
+        return im.size
+
+
+@pytest.mark.parametrize("name, side", [("ssd1b", 128), ("sd3", 512)])
+def test_a_trained_single_file_works_in_every_command_with_no_flags(name, side, trained, tmp_path, capsys):
+    run = trained[name]
+    # one copy of the tokenizers beside the checkpoints serves the intermediate and the final one;
+    # SD3's T5 tokenizer is kept although training left T5 out (the file still holds T5)
+    subs = ["tokenizer", "tokenizer_2", *(["tokenizer_3"] if name == "sd3" else [])]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("tokenizer")) == subs
+    assert find_tokenizers(run / "m-step000001.safetensors") == run == find_tokenizers(run / "m.safetensors")
+    capsys.readouterr()
+    assert cli("--model", str(run / "m.safetensors"), "--prompt", "a cat", "--steps", "2",
+               "--out", str(tmp_path)) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "0-0.png")]
+    # no size flags: the size of the model it was trained from (recorded in the file), not 1024
+    assert size_of(tmp_path / "0-0.png") == (side, side)
+    assert main(["inspect", str(run / "m.safetensors"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"]["tokenizers"] == str(run)
+
+
+def test_missing_tokenizers_name_each_commands_setting(trained, tmp_path, capsys):
+    alone = tmp_path / "alone" / "m.safetensors"
+    alone.parent.mkdir()
+    shutil.copy(trained["ssd1b"] / "m.safetensors", alone)
+    assert cli("--model", str(alone), "--prompt", "p", "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "--tokenizers" in err and "model.tokenizers" not in err
+    assert main(train_args(trained["images"], tmp_path / "run", tmp_path / "cache", model=str(alone))) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "model.tokenizers" in err and "--tokenizers" not in err
+
+
+def test_tokenizers_of_another_model_are_not_replaced(tmp_path):
+    # A folder whose tokenizers differ (another model's checkpoint saved there before) keeps them:
+    # the new file gets its own <stem>/ folder, which find_tokenizers reads first.
+    def tokenizer_folder(root: Path, text: str) -> Path:
+        for sub in ("tokenizer", "tokenizer_2"):
+            (root / sub).mkdir(parents=True)
+            (root / sub / "vocab.json").write_text(text)
+        return root
+
+    source = tokenizer_folder(tmp_path / "source", "new")
+    out = tokenizer_folder(tmp_path / "out", "old")
+    for name in ("a", "b"):
+        ckpt = out / f"{name}.safetensors"
+        where = write_tokenizers(Source("single_file", ckpt, source), [], ckpt)
+        assert where == out / name == find_tokenizers(ckpt)
+        assert (where / "tokenizer_2" / "vocab.json").read_text() == "new"
+    assert (out / "tokenizer" / "vocab.json").read_text() == "old"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "no staging folder is left"
+    # where the folder holds the same ones, they serve the new file too
+    same_out = tokenizer_folder(tmp_path / "same", "new")
+    assert write_tokenizers(Source("single_file", same_out / "c.safetensors", source), [],
+                            same_out / "c.safetensors") == same_out
+
+
+def test_size_and_steps_default_to_the_model():
+    # the sizes themselves: tiny:ssd1b 128 (test_pickle_lora_...), a tiny:sd3 fine-tune 512
+    # (test_a_trained_single_file_...: its transformer takes at most 32x32 patches of 2x2 latents)
+    args = parse(["--model", "tiny:ssd1b", "--prompt", "p"])
+    assert (args.steps, args.width, args.height) == (30, None, None)
+
+
+def test_compare_a_full_fine_tune_with_its_base(trained, pipes, tmp_path, capsys):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["generate", "--model", str(trained["ssd1b"] / "m.safetensors"), "--base", "tiny:ssd1b",
+                 "--compare", "--prompt", "a cat", "--prompt", "a dog", "--seed", "5", "--steps", "2",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.split() == [str(out / p) for p in ("0-5.png", "1-6.png", "compare.png")]
+    assert "images: 100%|" in printed.err and "4/4" in printed.err, "the bars say what they count"
+    # the inner bar is cleared when its image is done, and may not have drawn its last state by then
+    assert "denoising steps:" in printed.err and "/2 [" in printed.err and "step/s" in printed.err
+    side = 128
+    with Image.open(out / "compare.png") as grid:
+        assert grid.size == (2 * side, 2 * side)
+        assert "tiny:ssd1b" in grid.text["base"]
+        grid = grid.convert("RGB")
+    (base,) = generate(pipes("tiny:ssd1b"), ["a dog"], seed=6, loras=[],
+                       **{**FAST, "width": side, "height": side})
+    with Image.open(out / "1-6.png") as tuned:
+        assert same(grid.crop((side, side, 2 * side, 2 * side)), tuned), "lower row: --model"
+        assert same(grid.crop((side, 0, 2 * side, side)), base), "upper row: --base on the same seed"
+        assert not same(base, tuned)
+
+
+def test_pickle_lora_needs_allow_pickle_and_is_read_weights_only(pipes, bundles, tmp_path, capsys):
+    lora = make_lora(bundles("tiny:ssd1b"), tmp_path / "a.safetensors", seed=3)
+    torch.save(load_file(str(lora)), tmp_path / "a.bin")
+
+    def run(out: str, *extra: str) -> int:
+        return cli("--model", "tiny:ssd1b", "--prompt", "p", "--steps", str(STEPS),
+                   "--lora", str(tmp_path / "a.bin"), "--out", str(tmp_path / out), *extra)
+
+    assert run("refused") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --lora: ") and "pickle files can run code" in err
+    assert "--allow-pickle" in err
+    assert not (tmp_path / "refused").exists(), "refused before anything is loaded or written"
+    assert run("allowed", "--allow-pickle") == 0
+    # no size flags: tiny:ssd1b's own size (its UNet's sample size 16 x the VAE's factor 8)
+    (expected,) = generate(pipes("tiny:ssd1b"), ["p"], seed=0, loras=[(lora, 1.0)],
+                           **{**FAST, "width": 128, "height": 128})
+    with Image.open(tmp_path / "allowed" / "0-0.png") as image:
+        assert same(image, expected), "the pickle holds the same LoRA, rendered at 128x128"
+
+    class RunsCode:
+        def __reduce__(self):
+            return open, (str(tmp_path / "ran"), "w")
+
+    torch.save({"lora_unet_x.lora_up.weight": RunsCode()}, tmp_path / "evil.pt")
+    with pytest.raises(GenerateError, match="evil.pt"):
+        read_lora(tmp_path / "evil.pt", allow_pickle=True)
+    assert not (tmp_path / "ran").exists(), "weights_only refused the code in the pickle"
+
+
+def test_bad_flags_are_error_lines(bundles, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    torch.save({"a": torch.zeros(1)}, tmp_path / "weights.pt")
+    sd3_lora = make_lora(bundles("tiny:sd3"), tmp_path / "sd3.safetensors", seed=1)
+    cases = [
+        (["--model", str(tmp_path / "missing.safetensors")], "--model: "),
+        (["--model", "tiny:sdxxl"], "--model: tiny:sdxxl"),
+        (["--model", str(tmp_path / "weights.pt")], "--allow-pickle"),
+        (["--model", "tiny:ssd1b", "--steps", "0"], "--steps must be at least 1"),
+        (["--model", "tiny:ssd1b", "--count", "0"], "--count"),
+        (["--model", "tiny:ssd1b", "--width", "0"], "--width"),
+        (["--model", "tiny:ssd1b", "--seed", "-1"], "--seed"),
+        (["--model", "tiny:ssd1b", "--compare"], "--compare"),
+        (["--model", "tiny:ssd1b", "--out", str(tmp_path / "file")], "--out"),
+        (["--model", "tiny:ssd1b", "--t5", "int8"], "--t5 applies to SD3"),
+        (["--model", "tiny:sd3", "--max-sequence-length", "0"], "--max-sequence-length"),
+        (["--model", "tiny:sd3", "--width", "72"], "--width 72"),
+        (["--model", "tiny:ssd1b", "--lora", str(sd3_lora)], "sd3.safetensors"),
+    ]
+    for argv, expected in cases:
+        assert cli("--prompt", "p", "--steps", "1", "--out", str(tmp_path / "out"), *argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after any import notice of a library
+        assert err.startswith("error: ") and expected in err and "model." not in err, (argv, err)
+    with pytest.raises(SystemExit) as exit_:
+        cli("--model", "tiny:ssd1b", "--prompt", "p", "--lora", str(tmp_path / "missing.safetensors"))
+    assert exit_.value.code == 2 and "missing.safetensors is not a file" in capsys.readouterr().err

@@ -4,24 +4,42 @@ The pipeline is a real diffusers StableDiffusionXLPipeline / StableDiffusion3Pip
 the parts a family loaded (nothing is downloaded). Every image has its own CPU-seeded generator
 (seed + image index), so an image depends only on its prompt, seed and settings: the same command
 gives the same pixels, and `--compare` renders the base model on exactly the seeds of the
-fine-tuned images. Memory stays low by default: on CUDA the models go to the GPU one at a time
-(diffusers' model CPU offload), each prompt is encoded once, and images are rendered one by one.
+fine-tuned images (`--compare --base B` renders another model B on them instead). Memory stays
+low by default: on CUDA the models go to the GPU one at a time (diffusers' model CPU offload), each
+prompt is encoded once, and images are rendered one by one. Width and height default to the
+model's own size, so a tiny test model renders at its small size in seconds.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
+
+from vramfit.config.schema import ModelConfig
+from vramfit.formats.safetensors_io import CheckpointError, read_header
+from vramfit.memory.accounting import pick_device
+from vramfit.models.registry import FAMILIES, detect_family
+from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, require_tokenizers, resolve_source
+from vramfit.models.tiny import shipped_config
 
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = {"sdxl": 5.0, "sd3": 7.0}
 DEFAULT_SIZE = 1024
+VAE_FACTOR = 8  # every SDXL-family and SD3 VAE; read from the VAE where one is loaded
+SD3_MAX_TOKENS = 512  # the most T5 tokens diffusers' SD3 pipeline takes
 SD3_MAX_SEQUENCE_LENGTH = 256  # the T5 tokens diffusers' SD3 pipeline uses
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class GenerateError(ValueError):
+    """A `vramfit generate` flag or output that cannot be used; the message names it and what to do."""
 
 
 # ---- pipeline -------------------------------------------------------------------------------
@@ -34,14 +52,10 @@ def build_pipeline(bundle) -> Any:
     """
     vae, encoders, tokenizers = bundle.vae, list(bundle.text_encoders), list(bundle.tokenizers)
     if vae is None or len(encoders) < 2:
-        from vramfit.models.registry import FAMILIES
-
         vae, encoders = FAMILIES[bundle.family].load_encoders(bundle.source)
         encoders = list(encoders)
     if bundle.family == "sdxl":
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
-
-        from vramfit.models.tiny import shipped_config
 
         scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
         pipe = StableDiffusionXLPipeline(
@@ -77,6 +91,43 @@ def size_multiple(pipe) -> int:
     if _family(pipe) == "sd3":
         factor *= int(pipe.transformer.config.patch_size)
     return factor
+
+
+def native_size(bundle) -> tuple[int, int]:
+    """(width, height) the model is made for: its single file's modelspec.resolution, else the
+    denoiser's sample_size times the VAE's factor (for SD3, within the transformer's position grid).
+
+    A tiny model's sample_size comes from its shipped config (a single file does not store it; it
+    loads as SDXL's 128), found by the file's vramfit.tiny or vramfit.base_model metadata.
+    """
+    meta = read_header(bundle.source.path)[1] if bundle.source.kind == "single_file" else {}
+    stated = _resolution(meta.get("modelspec.resolution"))
+    if stated is not None:
+        return stated
+    config = dict(getattr(bundle.denoiser, "config", None) or {})
+    base = meta.get("vramfit.base_model") or bundle.source.label or ""
+    tiny = meta.get("vramfit.tiny") or (base.split(":", 1)[1] if base.startswith("tiny:") else None)
+    if tiny:
+        try:
+            name = "tiny_sd3_transformer" if bundle.family == "sd3" else f"tiny_{tiny}_unet"
+            config["sample_size"] = shipped_config(name)["sample_size"]
+        except FileNotFoundError:  # not a tiny model of this version: keep the loaded config
+            pass
+    side = config.get("sample_size") or DEFAULT_SIZE // VAE_FACTOR
+    height, width = (side, side) if isinstance(side, int) else (int(side[0]), int(side[-1]))
+    if config.get("pos_embed_max_size"):  # SD3 crops a grid of this many patches a side
+        most = int(config["pos_embed_max_size"]) * int(config.get("patch_size") or 1)
+        height, width = min(height, most), min(width, most)
+    factor = 2 ** (len(bundle.vae.config.block_out_channels) - 1) if bundle.vae is not None else VAE_FACTOR
+    return width * factor, height * factor
+
+
+def _resolution(text: Optional[str]) -> Optional[tuple[int, int]]:
+    """modelspec.resolution ("1024x1024", or one number) as (width, height); None if not usable."""
+    parts = (text or "").lower().replace(" ", "").split("x")
+    if not all(p.isdigit() and int(p) > 0 for p in parts) or len(parts) not in (1, 2):
+        return None
+    return int(parts[0]), int(parts[-1])
 
 
 def _cast(pipe, dtype: torch.dtype) -> None:
@@ -131,12 +182,13 @@ def place(pipe, device, dtype: Optional[torch.dtype] = None, *, offload: bool = 
 
 # ---- LoRAs ----------------------------------------------------------------------------------
 
-def load_loras(pipe, loras: Sequence[tuple[Path, float]]) -> list[str]:
+def load_loras(pipe, loras: Sequence[tuple[Path, float]], allow_pickle: bool = False) -> list[str]:
     """Load each LoRA as adapter `lora<i>` and activate them all, each at its own scale.
 
     Files are read by diffusers' `load_lora_weights` (diffusers/peft keys with `unet.`,
     `transformer.`, `text_encoder.` prefixes, or kohya `lora_unet_*` / `lora_te*_*` keys).
-    A file none of whose tensors fits the model is refused. Returns the adapter names.
+    A file none of whose tensors fits the model is refused; so is a pickle file (.bin, .pt, .ckpt,
+    .pth) unless `allow_pickle`, which reads it weights-only. Returns the adapter names.
     """
     names: list[str] = []
     try:
@@ -145,9 +197,10 @@ def load_loras(pipe, loras: Sequence[tuple[Path, float]]) -> list[str]:
             if not path.is_file():
                 raise FileNotFoundError(f"--lora: {path} is not a file")
             name = f"lora{i}"
+            weights = read_lora(path, allow_pickle)
             names.append(name)  # before loading, so that a half-loaded adapter is removed too
             try:
-                pipe.load_lora_weights(str(path), adapter_name=name)
+                pipe.load_lora_weights(weights, adapter_name=name)
             except (ValueError, KeyError, RuntimeError, OSError) as exc:
                 raise ValueError(f"--lora {path}: diffusers could not load it into this "
                                  f"{_family(pipe)} model: {exc}") from None
@@ -160,6 +213,26 @@ def load_loras(pipe, loras: Sequence[tuple[Path, float]]) -> list[str]:
         unload_loras(pipe, names)
         raise
     return names
+
+
+def read_lora(path: Path, allow_pickle: bool = False):
+    """What `load_lora_weights` is given for a LoRA file: the path of a .safetensors file, or the
+    tensors of a pickle file, read with torch.load(weights_only=True) once allowed."""
+    path = Path(path)
+    if path.suffix.lower() not in PICKLE_SUFFIXES:
+        return str(path)
+    if not allow_pickle:
+        raise GenerateError(
+            f"--lora: {path} is a pickle file; pickle files can run code when loaded. Convert it to "
+            ".safetensors, or give --allow-pickle to read it with torch.load(weights_only=True)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler's refusals and a damaged file come in many classes
+        raise GenerateError(f"--lora: {path} could not be read as a weights-only pickle ({exc})") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else None
+    if not state or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise GenerateError(f"--lora: {path} holds no LoRA tensors (expected a dict of named tensors)")
+    return dict(state)
 
 
 def unload_loras(pipe, names: Sequence[str]) -> None:
@@ -225,8 +298,10 @@ def initial_noise(pipe, generator: torch.Generator, width: int, height: int) -> 
 
 
 def _render(pipe, prompt: str, seeds: Sequence[int], *, negative: Optional[str], steps: int,
-            guidance: float, width: int, height: int, max_sequence_length: Optional[int]) -> list:
-    """One image per seed, each from its own CPU generator, one at a time."""
+            guidance: float, width: int, height: int, max_sequence_length: Optional[int],
+            on_image: Optional[Callable[[Any], None]] = None) -> list:
+    """One image per seed, each from its own CPU generator, one at a time (`on_image` is called
+    with each as soon as it is decoded)."""
     embeds = _encode(pipe, prompt, negative, guidance, max_sequence_length)
     images = []
     for seed in seeds:
@@ -236,6 +311,8 @@ def _render(pipe, prompt: str, seeds: Sequence[int], *, negative: Optional[str],
                        width=width, height=height, generator=generator, output_type="latent",
                        return_dict=False)[0]
         images += _decode(pipe, latents)
+        if on_image is not None:
+            on_image(images[-1])
     pipe.maybe_free_model_hooks()
     return images
 
@@ -255,23 +332,26 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
              steps: int = DEFAULT_STEPS, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
              height: int = DEFAULT_SIZE, count: int = 1, loras: Sequence[tuple[Path, float]] = (),
              device="cpu", dtype: Optional[torch.dtype] = torch.float32, offload: bool = True,
-             max_sequence_length: Optional[int] = None) -> list:
+             max_sequence_length: Optional[int] = None, allow_pickle: bool = False,
+             on_image: Optional[Callable[[Any], None]] = None) -> list:
     """`count` images per prompt, in order prompt 0 (images 0..count-1), prompt 1, ...
 
     Image i (over all prompts) uses seed + i. LoRAs are loaded as adapters lora0, lora1, ... each
     at its own scale, and removed again afterwards, so the pipeline is left as it was. `dtype`
-    casts the pipeline's models (None: keep them as they are).
+    casts the pipeline's models (None: keep them as they are). `on_image` gets each image as
+    soon as it is rendered.
     """
     guidance = DEFAULT_GUIDANCE[_family(pipe)] if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, count)
     place(pipe, device, dtype, offload=offload)
-    names = load_loras(pipe, loras)
+    names = load_loras(pipe, loras, allow_pickle)
     try:
         images = []
         for p, prompt in enumerate(prompts):
             seeds = [seed + p * count + j for j in range(count)]
             images += _render(pipe, prompt, seeds, negative=negative, steps=steps, guidance=guidance,
-                              width=width, height=height, max_sequence_length=max_sequence_length)
+                              width=width, height=height, max_sequence_length=max_sequence_length,
+                              on_image=on_image)
         return images
     finally:
         unload_loras(pipe, names)
@@ -412,35 +492,49 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "On CUDA the models are moved to the GPU one at a time to keep memory low.")
     p.add_argument("--model", required=True,
                    help="single-file .safetensors, diffusers folder, repo id or tiny:<name>")
+    p.add_argument("--base", metavar="MODEL",
+                   help="the model to compare --model with (e.g. the one a full fine-tune started from): "
+                   "rendered on the same prompts and seeds, without the LoRAs, in the row above --model's "
+                   "in compare.png; implies --compare")
     p.add_argument("--tokenizers", help="folder with tokenizer/ and tokenizer_2/ (and tokenizer_3/ for "
-                   "SD3 with T5), when a single file has none beside it")
+                   "SD3 with T5), when a single file has none beside it (--base uses it only where it "
+                   "has none of its own)")
     p.add_argument("--prompt", action="append", required=True, help="prompt to render (repeatable)")
     p.add_argument("--negative", help="negative prompt for every image")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses SEED+i (default 0)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"inference steps (default {DEFAULT_STEPS})")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the first image; image i uses SEED+i (default 0)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"denoising steps per image (default {DEFAULT_STEPS})")
     p.add_argument("--guidance", type=float, default=None,
                    help="classifier-free guidance scale (default 5.0 for SDXL, 7.0 for SD3; 1 turns it off)")
-    p.add_argument("--width", type=int, default=DEFAULT_SIZE, help=f"image width (default {DEFAULT_SIZE})")
-    p.add_argument("--height", type=int, default=DEFAULT_SIZE, help=f"image height (default {DEFAULT_SIZE})")
+    p.add_argument("--width", type=int, default=None,
+                   help="image width (default: the model's own size: the modelspec.resolution of its file, "
+                   "else its denoiser's sample size; 1024 for SDXL and SD3, 128 for tiny:ssd1b)")
+    p.add_argument("--height", type=int, default=None, help="image height (default: the model's own size)")
     p.add_argument("--count", type=int, default=1, help="images per prompt (default 1)")
     p.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="PATH[:SCALE]",
                    help="LoRA .safetensors (diffusers or kohya keys) with its scale, default 1.0 "
-                   "(repeatable; all are applied together)")
+                   "(repeatable; all are applied together, to --model only)")
     p.add_argument("--compare", action="store_true",
-                   help="also render the same prompts and seeds without the LoRAs and write compare.png "
-                   "(base row above the fine-tuned row)")
+                   help="also render the same prompts and seeds without the LoRAs (or with --base MODEL) "
+                   "and write compare.png (that row above --model's)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read .bin/.pt/.ckpt/.pth model and LoRA files with torch.load(weights_only=True); "
+                   "pickle files can run code when loaded, so they are refused without it")
     p.add_argument("--out", type=Path, default=Path("samples"), help="output folder (default samples)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
-                   help="model precision (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)")
+                   help="model precision (auto: bfloat16 on CUDA where supported, else float16; "
+                   "float32 on CPU)")
     p.add_argument("--no-offload", action="store_true",
                    help="keep all models on the GPU (faster, needs memory for all of them at once)")
-    p.add_argument("--t5", default="bf16", choices=["bf16", "int8", "fp8", "nf4", "none"],
+    p.add_argument("--t5", default=None, choices=["bf16", "int8", "fp8", "nf4", "none"],
                    help="SD3: how T5-XXL is stored: bf16 (as loaded), int8 or nf4 (quantized, about 1/2 or "
                    "1/4 of the memory), fp8 (storage only), none (left out: zero embeddings, as SD3 "
                    "allows); default bf16")
     p.add_argument("--max-sequence-length", type=int, default=None,
-                   help=f"SD3: T5 tokens per prompt (default {SD3_MAX_SEQUENCE_LENGTH}, as diffusers' pipeline)")
+                   help=f"SD3: T5 tokens per prompt, 1 to {SD3_MAX_TOKENS} "
+                   f"(default {SD3_MAX_SEQUENCE_LENGTH}, as diffusers' pipeline)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where tiny models and converted checkpoints are kept (default ~/.cache/vramfit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -468,56 +562,169 @@ def save_png(image, path: Path, info: dict[str, str]) -> None:
 
 
 def run_generate(args) -> int:
-    """The `vramfit generate` command: write <out>/<index>-<seed>.png (and compare.png), print paths."""
-    from vramfit.config.schema import ModelConfig
-    from vramfit.memory.accounting import pick_device
-    from vramfit.models.registry import detect_family
-    from vramfit.models.sources import resolve_source
+    """The `vramfit generate` command: write <out>/<index>-<seed>.png (and compare.png), print paths.
 
+    Flags are checked before any model loads where they can be; each image is written as soon as
+    it is rendered. With --base, the two models are loaded one after the other, never together.
+    """
     loras = [tuple(item) if not isinstance(item, str) else parse_lora(item) for item in (args.lora or [])]
-    if args.compare and not loras:
-        raise ValueError("--compare renders the model with and without LoRAs: give at least one --lora")
+    base_text = getattr(args, "base", None)
+    compare = bool(args.compare or base_text)
+    _check_flags(args, loras, compare)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    model = _resolve(args.model, "--model", args)
+    base = _resolve(base_text, "--base", args) if base_text else None
+    if "sd3" not in {model[1].name, base[1].name if base else None}:
+        for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):
+            if value is not None:
+                raise GenerateError(f"{flag} applies to SD3 models; {args.model} is an SDXL-family model")
+    out = _output_folder(Path(args.out))
+
+    progress = not getattr(args, "no_progress", False)
+    pipe, bundle = _pipeline(*model, args, progress, "--model")
+    width, height = native_size(bundle)
+    width, height = args.width or width, args.height or height
+    _check_size(pipe, width, height, args.model)
+    per_model = len(args.prompt) * args.count
+    common = dict(negative=args.negative, seed=args.seed, steps=args.steps, guidance=args.guidance,
+                  width=width, height=height, count=args.count, device=device, dtype=dtype,
+                  offload=not args.no_offload, max_sequence_length=args.max_sequence_length,
+                  allow_pickle=getattr(args, "allow_pickle", False))
+    guidance = DEFAULT_GUIDANCE[bundle.family] if args.guidance is None else args.guidance
+    settings = {"model": args.model, "steps": str(args.steps), "guidance": str(guidance),
+                "size": f"{width}x{height}", "loras": ", ".join(f"{Path(p).name}:{s:g}" for p, s in loras)}
+    if args.negative:
+        settings["negative"] = args.negative
+    paths: list[Path] = []
+    bar = tqdm(total=per_model * (2 if compare else 1), desc="images", unit="image", disable=not progress)
+
+    def keep(image) -> None:  # written and printed at once: an error later loses none of them
+        i = len(paths)
+        path = out / f"{i}-{args.seed + i}.png"
+        _write(image, path, {**settings, "prompt": args.prompt[i // args.count], "seed": str(args.seed + i)})
+        paths.append(path)
+        tqdm.write(str(path), file=sys.stdout)
+        bar.update()
+
+    try:
+        images = generate(pipe, args.prompt, loras=loras, on_image=keep, **common)
+        if base is not None:
+            del pipe, bundle  # the model is done: free it before the base loads
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            pipe, bundle = _pipeline(*base, args, progress, "--base")
+            _check_size(pipe, width, height, base_text)
+        if compare:
+            common["allow_pickle"] = False  # the comparison row renders no LoRA
+            before = generate(pipe, args.prompt, loras=[], on_image=lambda image: bar.update(), **common)
+            labels = (_short(base_text), _short(args.model)) if base else ("base", "fine-tuned")
+            path = out / "compare.png"
+            _write(compare_grid(before, images, labels), path,
+                   {**settings, "base": base_text or f"{args.model} without LoRAs",
+                    "prompts": " | ".join(args.prompt), "seeds": f"{args.seed}..{args.seed + per_model - 1}"})
+            tqdm.write(str(path), file=sys.stdout)
+    finally:
+        bar.close()
+    sys.stdout.flush()
+    return 0
+
+
+# Config keys the model loader's messages name, as generate's flags (model.path: the flag given)
+_FLAG_NAMES = (("Set model.tokenizers to", "Give --tokenizers as"),
+               ("set model.allow_pickle=true", "give --allow-pickle"),
+               ("model.tokenizers", "--tokenizers"), ("model.allow_pickle", "--allow-pickle"))
+
+
+def _flagged(exc: Exception, flag: str) -> Exception:
+    """The loader's error with generate's flag names in place of the config keys it names."""
+    text = str(exc)
+    for key, option in (*_FLAG_NAMES, ("model.path", flag)):
+        text = text.replace(key, option)
+    return type(exc)(text)
+
+
+def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> None:
+    """Everything about the flags that can be checked before a model loads."""
+    if args.compare and not loras and not getattr(args, "base", None):
+        raise GenerateError("--compare renders the model with and without its LoRAs, or against --base "
+                            "MODEL: give at least one --lora, or --base")
+    if not args.prompt:
+        raise GenerateError("no prompt given (--prompt, repeatable)")
+    for flag, value in (("--steps", args.steps), ("--count", args.count)):
+        if value < 1:
+            raise GenerateError(f"{flag} must be at least 1 (got {value})")
+    for flag, value in (("--width", args.width), ("--height", args.height)):
+        if value is not None and value < 1:
+            raise GenerateError(f"{flag} must be a positive number of pixels (got {value})")
+    last = args.seed + len(args.prompt) * args.count - 1
+    if args.seed < 0 or last >= 2 ** 64:
+        raise GenerateError(f"--seed must be from 0 to {2 ** 64 - 1} for every image "
+                            f"(got {args.seed}..{last})")
+    n = args.max_sequence_length
+    if n is not None and not 1 <= n <= SD3_MAX_TOKENS:
+        raise GenerateError(f"--max-sequence-length must be from 1 to {SD3_MAX_TOKENS} (got {n})")
     for path, _ in loras:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--lora: {path} is not a file")
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+        if not getattr(args, "allow_pickle", False):
+            read_lora(path, False)  # refuses a pickle file
 
-    source = resolve_source(ModelConfig(path=args.model, tokenizers=args.tokenizers), args.cache_dir)
-    family = detect_family(source)
-    bundle = family.load(source)
-    bundle.extra["t5_precision"] = args.t5
+
+def _output_folder(out: Path) -> Path:
+    """--out, created now: a folder that cannot be written is found before any model loads."""
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out: {out} is a file; give a folder for the images")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GenerateError(f"--out: cannot create the folder {out} ({exc.strerror or exc})") from None
+    return out
+
+
+def _write(image, path: Path, info: dict[str, str]) -> None:
+    try:
+        save_png(image, path, info)
+    except OSError as exc:
+        raise GenerateError(f"--out: could not write {path} ({exc.strerror or exc}); the images "
+                            "listed before it are written") from None
+
+
+def _resolve(text: str, flag: str, args):
+    """(source, family) of a model flag: nothing is loaded yet, only the file's header is read."""
+    # --base uses --tokenizers only where it has none of its own (a tiny model always has)
+    own = flag == "--base"
+    config = ModelConfig(path=text, tokenizers=None if own else args.tokenizers,
+                         allow_pickle=bool(getattr(args, "allow_pickle", False)))
+    try:
+        source = resolve_source(config, args.cache_dir)
+        if own and source.tokenizers is None and args.tokenizers:
+            source = dataclasses.replace(source, tokenizers=Path(args.tokenizers).expanduser())
+        family = detect_family(source)
+        if source.kind == "single_file":
+            require_tokenizers(source)  # now, not after the other model has rendered
+        return source, family
+    except (SourceError, CheckpointError) as exc:
+        raise _flagged(exc, flag) from None
+
+
+def _pipeline(source, family, args, progress: bool, flag: str):
+    """Load a resolved model and build its pipeline; the loader's messages name generate's flags."""
+    try:
+        bundle = family.load(source)
+    except (SourceError, CheckpointError) as exc:
+        raise _flagged(exc, flag) from None
+    bundle.extra["t5_precision"] = args.t5 or "bf16"
     family.prepare_encoders(bundle)
     pipe = build_pipeline(bundle)
-    pipe.set_progress_bar_config(disable=bool(getattr(args, "no_progress", False)), leave=False)
-    common = dict(negative=args.negative, seed=args.seed, steps=args.steps, guidance=args.guidance,
-                  width=args.width, height=args.height, count=args.count, device=device, dtype=dtype,
-                  offload=not args.no_offload, max_sequence_length=args.max_sequence_length)
-    _check(pipe, args.prompt, args.steps, args.width, args.height, args.count)
+    pipe.set_progress_bar_config(disable=not progress, leave=False, desc="denoising steps", unit="step")
+    return pipe, bundle
 
-    base = generate(pipe, args.prompt, loras=[], **common) if args.compare else None
-    images = generate(pipe, args.prompt, loras=loras, **common)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    guidance = DEFAULT_GUIDANCE[family.name] if args.guidance is None else args.guidance
-    settings = {"model": args.model, "steps": str(args.steps), "guidance": str(guidance),
-                "size": f"{args.width}x{args.height}",
-                "loras": ", ".join(f"{Path(p).name}:{s:g}" for p, s in loras)}
-    if args.negative:
-        settings["negative"] = args.negative
-    paths = []
-    for i, image in enumerate(images):
-        seed = args.seed + i
-        path = out / f"{i}-{seed}.png"
-        save_png(image, path, {**settings, "prompt": args.prompt[i // args.count], "seed": str(seed)})
-        paths.append(path)
-    if base is not None:
-        path = out / "compare.png"
-        save_png(compare_grid(base, images), path, {**settings, "prompts": " | ".join(args.prompt),
-                                                      "seeds": f"{args.seed}..{args.seed + len(images) - 1}"})
-        paths.append(path)
-    for path in paths:
-        print(path)
-    sys.stdout.flush()
-    return 0
+def _check_size(pipe, width: int, height: int, model: str) -> None:
+    m = size_multiple(pipe)
+    for flag, value in (("--width", width), ("--height", height)):
+        if value % m:
+            raise GenerateError(f"{flag} {value}: {model} ({_family(pipe)}) renders sizes that are "
+                                f"multiples of {m}; use e.g. {max(m, round(value / m) * m)}")

@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 
 import os
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
+from vramfit.config.load import default_cache_root
 from vramfit.config.schema import ModelConfig
-from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.formats.safetensors_io import CheckpointError, commit_folder, temp_path
 from vramfit.models.adapter import Source
-from vramfit.models.tiny import materialize
-from vramfit.models.tiny_sd3 import materialize_sd3
+from vramfit.models.tiny_names import unknown_tiny
+from vramfit.models.tiny_sd3 import materialize_tiny
 
 # Files of a diffusers SDXL repo that training needs; weights in safetensors only.
 _REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.safetensors",
@@ -29,11 +31,6 @@ PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
 class SourceError(ValueError):
     """A model.path that cannot be turned into a model; the message says what to provide."""
-
-
-def default_cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "vramfit"
 
 
 def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
@@ -50,11 +47,10 @@ def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
     text = cfg.path
     cache_root = cache_root or default_cache_root()
     tokenizers = Path(cfg.tokenizers).expanduser() if cfg.tokenizers else None
-    if text == "tiny:sd3":
-        path = materialize_sd3(cache_root / "tiny")
-        return Source("single_file", path, tokenizers or path.parent, label=text)
     if text.startswith("tiny:"):
-        path = materialize(text.split(":", 1)[1], cache_root / "tiny")
+        if unknown_tiny(text):
+            raise SourceError(f"model.path: {unknown_tiny(text)}")
+        path = materialize_tiny(text, cache_root / "tiny")
         return Source("single_file", path, tokenizers or path.parent, label=text)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
@@ -123,10 +119,11 @@ def _cached_or_fail(repo_id: str, revision: Optional[str]) -> Path:
 def find_tokenizers(checkpoint: Path) -> Optional[Path]:
     """A folder holding tokenizer/ and tokenizer_2/ for a single file, or None.
 
-    Looked for beside the file, then in the local Hugging Face cache of the SDXL base repo
-    (tokenizers are the same for every SDXL-family checkpoint). Never downloads.
+    Looked for in <folder>/<file stem>/, then beside the file, then in the local Hugging Face
+    cache of the SDXL base repo (tokenizers are the same for every SDXL-family checkpoint).
+    Never downloads.
     """
-    for folder in (checkpoint.parent, checkpoint.parent / checkpoint.stem):
+    for folder in (checkpoint.parent / checkpoint.stem, checkpoint.parent):  # the file's own first
         if (folder / "tokenizer").is_dir() and (folder / "tokenizer_2").is_dir():
             return folder
     try:
@@ -139,6 +136,54 @@ def find_tokenizers(checkpoint: Path) -> Optional[Path]:
     except Exception:  # not cached: the loader reports what to provide
         pass
     return None
+
+
+TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+def write_tokenizers(source: Source, tokenizers: Sequence, checkpoint: Path) -> Path:
+    """Put the model's tokenizers where find_tokenizers looks for those of the single file
+    `checkpoint`, so that vramfit's commands load the file with no tokenizer setting.
+
+    Copies of the source's tokenizer/, tokenizer_2/ and tokenizer_3/ (the loaded `tokenizers`
+    saved, where the source has no such folder) go beside the file, where one copy serves every
+    checkpoint of the folder. Where the folder holds different ones (another model's), or the
+    file has its own <stem>/ folder already, they go into <folder>/<stem>/, which is read first.
+    Returns the folder that holds them.
+    """
+    folder = Path(checkpoint).parent
+    own = folder / Path(checkpoint).stem
+    staged: dict[str, Path] = {}  # sub-folder -> its copy, written as `.NAME.tmp-PID` beside the file
+    try:
+        for i, sub in enumerate(TOKENIZER_FOLDERS):
+            copy = source.tokenizers / sub if source.tokenizers is not None else None
+            if (copy is None or not copy.is_dir()) and i >= len(tokenizers):
+                continue
+            staged[sub] = tmp = temp_path(folder / sub)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if copy is not None and copy.is_dir():
+                shutil.copytree(copy, tmp)  # follows the links of a Hugging Face cache
+            else:
+                tokenizers[i].save_pretrained(tmp)
+        shared_fits = all(not (folder / s).exists() or _same_files(t, folder / s) for s, t in staged.items())
+        target = own if (own / "tokenizer").is_dir() or not shared_fits else folder
+        target.mkdir(parents=True, exist_ok=True)
+        for sub, tmp in staged.items():
+            if not _same_files(tmp, target / sub):
+                commit_folder(tmp, target / sub)
+    finally:
+        for tmp in staged.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    """Whether folders `a` and `b` hold the same files with the same bytes."""
+    if not b.is_dir():
+        return False
+    files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    other = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
 def require_tokenizers(source: Source) -> Path:
