@@ -445,3 +445,94 @@ def test_a_full_fine_tune_streams_with_graphs_before_anything_without_them(sd3m,
     # AdamW's moments fit only in CPU memory, streamed: its streamed weights step there, without graphs
     adamw, _ = _choose(sd3m, {**sections, "train": {"optimizer": "adamw8bit"}}, 4.3)
     assert adamw.memory.stream_weights and not adamw.train.cuda_graphs
+
+# ---- tiled VAE encoding -------------------------------------------------------------------------------
+
+def test_tiled_encoding_is_predicted_per_tile(ssd1b):
+    """With cache.vae_tiling the encoder runs on tiles of half the VAE's sample_size (512 px for
+    SDXL's VAE, whose 1024 would leave a 1024 px image whole): the prediction counts one tile and
+    the rest of the image waiting, well under the whole image's."""
+    from vramfit.memory.planner import VAE_BYTES_PER_PIXEL
+
+    def latents(**cache):
+        cfg = _cfg(data={"resolution": 1024, "max_aspect": 1.0}, cache=cache)
+        return next(p for p in predict(ssd1b, cfg).phases if p.name == "cache_latents")
+
+    assert ssd1b.vae_tile == 512
+    for dtype in ("fp32", "bf16"):
+        whole, tiled = latents(vae_dtype=dtype), latents(vae_dtype=dtype, vae_tiling=True)
+        assert whole.parts["activations"] == VAE_BYTES_PER_PIXEL[dtype] * 1024 * 1024
+        assert tiled.parts["activations"] == VAE_BYTES_PER_PIXEL[dtype] * 512 * 512
+        assert tiled.parts["vae"] == whole.parts["vae"] and tiled.peak < 0.4 * whole.peak
+
+
+def _texture_vae(sample_size: int):
+    """The tiny VAE (random weights) with another sample_size, and an image of a repeating texture
+    (every tile sees the same statistics, as in a photo's flat regions)."""
+    from diffusers import AutoencoderKL
+
+    from vramfit.models.tiny import shipped_config
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**{**shipped_config("tiny_vae"), "sample_size": sample_size}).eval()
+    image = (torch.rand(1, 3, 16, 16) * 2 - 1).repeat(1, 1, 18, 16)  # 288 x 256
+    return vae, image
+
+
+def test_tiled_encoding_runs_tiles_smaller_than_the_image_and_gives_its_latents():
+    from types import SimpleNamespace
+
+    from vramfit.models.sdxl import SDXLFamily, vae_tile
+
+    vae, image = _texture_vae(384)
+    tile = vae_tile(vae.config.sample_size)
+    seen = []
+    vae.encoder.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[-2:])))
+
+    def encode(pixels, tiling):
+        bundle, cpu = SimpleNamespace(vae=vae), torch.device("cpu")
+        return SDXLFamily().encode_images(bundle, pixels, cpu, torch.float32, tiling)["mean"]
+
+    whole = encode(image, False)
+    assert seen == [(288, 256)]
+    tiled = encode(image, True)
+    assert tiled.shape == whole.shape and len(seen) == 1 + 4
+    assert max(max(s) for s in seen[1:]) == tile == 192 < min(image.shape[-2:])  # no tile is the whole image
+    # the first tile's latents are that tile's own encoding (where no neighbour blends in)
+    first = encode(image[..., :tile, :tile], False)
+    keep = tile // 8 * 3 // 4
+    assert torch.equal(tiled[..., :keep, :keep], first[..., :keep, :keep])
+    # and the whole is close to the untiled latents (tile borders differ), far closer than the
+    # latents of the same texture shifted by 5 px
+    shifted = encode(torch.roll(image, 5, dims=3), False)
+    error, other = [((x - whole).norm() / whole.norm()).item() for x in (tiled, shifted)]
+    assert error < 0.5 * other, (error, other)
+    # an image no larger than a tile is encoded whole: the same latents, tiling or not
+    small = image[..., :tile, :tile]
+    assert torch.equal(encode(small, True), encode(small, False))
+
+
+def test_the_planned_tile_is_the_tile_encoded_and_part_of_the_cache_key():
+    """read_facts gives the tile side the family encodes with; latents cached with tiles of
+    another side (the same VAE weights, another sample_size) get another key."""
+    from types import SimpleNamespace
+
+    from vramfit.config.schema import CacheConfig, DataConfig
+    from vramfit.train.data import Record, TrainingData
+
+    cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}, cache={"vae_tiling": True})
+    family, bundle, _ = _placed(cfg)
+    family.encode_images(bundle, torch.zeros(1, 3, SIZE, SIZE), torch.device("cpu"), torch.float32, True)
+    assert bundle.vae.use_tiling and bundle.vae.tile_sample_min_size == read_facts(cfg).vae_tile
+
+    def key(vae, tiling: bool) -> str:
+        record = Record(SimpleNamespace(key="a.png", caption="a"), (SIZE, SIZE), "digest", 0)
+        data = TrainingData(family, SimpleNamespace(vae=vae), [record], DataConfig(),
+                            CacheConfig(text=False, vae_tiling=tiling), None, torch.device("cpu"),
+                            identities={"vae": "the same weights"})
+        data.assign_keys()
+        return record.latent_key
+
+    small, large = _texture_vae(128)[0], _texture_vae(256)[0]
+    assert key(small, False) == key(large, False)
+    assert len({key(small, False), key(small, True), key(large, True)}) == 3

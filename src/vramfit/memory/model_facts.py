@@ -3,13 +3,15 @@
 From a checkpoint's safetensors header(s) (a single file, each component folder of a diffusers
 folder, or the tiny:* file): the family, the denoiser's config (the denoiser is rebuilt on the
 meta device, so every parameter, buffer and nn.Linear is known exactly), the VAE's parameter
-count, and per text encoder its size, stored dtype and projection weights. `facts_for_layout`
-gives the same for a released layout from the shipped configs, for planning without the file.
+count and tile side, and per text encoder its size, stored dtype and projection weights.
+`facts_for_layout` gives the same for a released layout from the shipped configs (the names each
+family lists in `shipped_layouts`), for planning before the checkpoint is downloaded.
 Also the exact bytes of a quantized linear, an optimizer's state and an encoder on the GPU.
 Cost: header reads and one meta-device construction (about a second for SDXL's UNet).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -50,8 +52,9 @@ class ModelFacts:
     config: dict
     denoiser: torch.nn.Module  # meta device, float32
     vae_params: int
-    vae_tile: int
+    vae_tile: int  # the side in pixels of the tiles cache.vae_tiling encodes (models/sdxl.py `vae_tile`)
     encoders: list[EncoderFacts] = field(default_factory=list)
+    layout: str = ""  # the shipped layout the facts were built from, without a checkpoint; "" when read
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optio
                if k.startswith(prefix) and not k.endswith("position_ids")}  # an int buffer, rebuilt
     if not entries:
         return None
+    if "shared.weight" in entries:  # T5's token table, tied: files may carry it under both names
+        entries.pop("encoder.embed_tokens.weight", None)
     params = stored = linear = rows = largest = hidden = embedding = 0
     layers: set[str] = set()
     for key, info in entries.items():
@@ -131,8 +136,10 @@ def _headers(folder: Path) -> dict:
 
 def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     """Everything the planner needs from cfg.model, from headers and configs only."""
-    from vramfit.formats.safetensors_io import read_header
+    from vramfit.formats.ldm_vae import vae_config_from_ldm
+    from vramfit.formats.safetensors_io import meta_tensors, read_header
     from vramfit.models.registry import detect_family
+    from vramfit.models.sdxl import vae_tile
     from vramfit.models.sources import resolve_source
 
     source = resolve_source(cfg.model, cache_root)
@@ -144,20 +151,23 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         config = _config_from_header(family, header, files.denoiser_prefix)
         vae_params = sum(math.prod(v["shape"]) for k, v in header.items() if k.startswith(files.vae_prefix))
         found = [encoder_facts(n, kind, header, prefix) for n, prefix, _, kind in files.encoders]
-        vae_tile = 1024
+        # the VAE is built from its keys as the family loads it (formats/ldm_vae.py)
+        vae_keys = meta_tensors(header, files.vae_prefix)
+        tile = vae_tile(vae_config_from_ldm(vae_keys)["sample_size"] if vae_keys else 1024)
     else:
         config = json.loads((source.path / files.denoiser_sub / "config.json").read_text())
         config = {k: v for k, v in config.items() if not k.startswith("_")}
         vae_params = sum(math.prod(v["shape"]) for v in _headers(source.path / "vae").values())
         vae_cfg = source.path / "vae" / "config.json"
-        vae_tile = int(json.loads(vae_cfg.read_text()).get("sample_size", 1024)) if vae_cfg.is_file() else 1024
+        sample_size = json.loads(vae_cfg.read_text()).get("sample_size", 1024) if vae_cfg.is_file() else 1024
+        tile = vae_tile(sample_size)
         found = [encoder_facts(n, kind, _headers(source.path / sub)) if (source.path / sub).is_dir() else None
                  for n, _, sub, kind in files.encoders]
     encoders = [e for e in found if e is not None]
     cls = _denoiser_class(family)
     with torch.device("meta"):
         denoiser = cls.from_config(config)
-    return ModelFacts(family, dict(denoiser.config), denoiser, vae_params, vae_tile, encoders)
+    return ModelFacts(family, dict(denoiser.config), denoiser, vae_params, tile, encoders)
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------
@@ -204,30 +214,59 @@ def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
 # T5 v1.1 XXL, the encoder of SD3's `t5xxl` files (model-facts.md: 4,762,310,656 parameters)
 T5_XXL = {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu", "num_heads": 64,
           "num_layers": 24, "vocab_size": 32128, "is_encoder_decoder": False, "tie_word_embeddings": False}
-_LAYOUTS = {"sdxl": ("sdxl", "sdxl_unet", "sdxl_vae", ("clip_l", "clip_g")),
-            "ssd1b": ("sdxl", "ssd1b_unet", "sdxl_vae", ("clip_l", "clip_g")),
-            "sd3m": ("sd3", "sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g"))}
+_ALIASES = {"sd3m": "sd3-medium"}  # the name bench/plan_check.py and older tests use
 
 
-def facts_for_layout(layout: str, *, t5: bool = False) -> ModelFacts:
+class UnknownLayout(ValueError):
+    """A layout name no family ships; the message lists the known ones."""
+
+
+def shipped_layouts() -> dict[str, tuple[str, tuple]]:
+    """{name: (family, (denoiser, VAE, encoder configs))} of every family's shipped layouts."""
+    from vramfit.models.registry import FAMILIES
+
+    return {name: (family, parts) for family, fam in FAMILIES.items()
+            for name, parts in fam.shipped_layouts.items()}
+
+
+def facts_for_layout(layout: str, *, t5: bool = True) -> ModelFacts:
     """ModelFacts of a released layout from the shipped configs, as the single files store it
-    (CLIPs fp16, T5 fp8), for planning without the checkpoint at hand (tests, bench/plan_check.py)."""
+    (CLIPs fp16, T5 fp8; `t5=False`: a file without T5), for planning without the checkpoint at
+    hand (`vramfit plan --model`, tests, bench/plan_check.py). Every model is built on the meta
+    device: no weights are read or allocated. Built once per layout and shared (read-only): a
+    second call costs nothing, where building takes about a second."""
+    known = shipped_layouts()
+    if _ALIASES.get(layout, layout) not in known:
+        raise UnknownLayout(f"unknown model architecture {layout!r}; the shipped ones are {', '.join(known)} "
+                            "(or give model.path: a checkpoint, a diffusers folder or a repo id)")
+    return _layout_facts(_ALIASES.get(layout, layout), t5)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_facts(layout: str, t5: bool) -> ModelFacts:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    from vramfit.models.sdxl import vae_tile
     from vramfit.models.tiny import shipped_config
 
-    family, denoiser_cfg, vae_cfg, clips = _LAYOUTS[layout]
+    family, (denoiser_cfg, vae_cfg, encoder_cfgs) = shipped_layouts()[layout]
+    names = [name for name, _, _, _ in _family_files()[family].encoders]  # as read_facts names them
     with torch.device("meta"):
         denoiser = _denoiser_class(family)(**shipped_config(denoiser_cfg))
         vae = AutoencoderKL(**shipped_config(vae_cfg))
-        models = [(n, "clip", "F16", CLIPTextModelWithProjection(CLIPTextConfig(**shipped_config(n)))) for n in clips]
-        if t5:
-            models.append(("T5", "t5", "F8_E4M3", T5EncoderModel(T5Config(**T5_XXL))))
+        models = []
+        for name, enc in zip(names, encoder_cfgs):
+            if enc == "t5xxl":
+                if t5:
+                    models.append((name, "t5", "F8_E4M3", T5EncoderModel(T5Config(**T5_XXL))))
+            else:
+                clip = CLIPTextModelWithProjection(CLIPTextConfig(**shipped_config(enc)))
+                models.append((name, "clip", "F16", clip))
     encoders = []
     for name, kind, dtype, model in models:
         header = {k: {"dtype": dtype, "shape": list(v.shape)} for k, v in model.state_dict().items()
                   if k != "encoder.embed_tokens.weight"}
         encoders.append(encoder_facts(name, kind, header))
     return ModelFacts(family, dict(denoiser.config), denoiser, sum(p.numel() for p in vae.parameters()),
-                      int(vae.config.sample_size), encoders)
+                      vae_tile(vae.config.sample_size), encoders, layout=layout)

@@ -3,7 +3,14 @@ for a budget. What is read: memory/model_facts.py (headers and configs, no tenso
 
 Each phase (bytes allocated; n = a tensor's element count):
 - cache_latents: the VAE in cache.vae_dtype + VAE_BYTES_PER_PIXEL x the largest bucket's pixels
-  (one image at a time; with tiling at most a tile of the VAE's sample_size on a side).
+  (one image at a time). With cache.vae_tiling the encoder runs on one tile at a time, at most
+  facts.vae_tile on a side (half the VAE's sample_size: 512 px for SDXL's and SD3's VAE), so the
+  same VAE_BYTES_PER_PIXEL counts a tile's pixels, and the rest of the image waits on the device
+  (3 channels in the VAE's dtype). The per-pixel constant, fitted to whole 1024 px images, holds
+  for a tile: the encoder's activations grow with its pixels (convolutions, and attention in fused
+  kernels). Counted on the meta device (the LiveBytes counter of bench/count_sample_memory.py
+  around `vae.encode` of SDXL's VAE, fp32): 2560 B a pixel of a whole 1024 px image, 2562 B a pixel
+  of a 512 px tile, bf16 half of each. Tiled encoding has not been measured on a GPU.
 - cache_text: the largest encoder as the GPU holds it (CLIPs as stored; T5 widened to bf16, then
   stored per model.t5_precision; memory.stream_encoders: its rest and two layers) + its widened
   largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
@@ -127,6 +134,7 @@ MIB = 2**20
 MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error and fragmentation
 
 VAE_BYTES_PER_PIXEL = {"fp32": 3125, "bf16": 1550}
+VAE_IMAGE_CHANNELS = 3  # the image, on the device in the VAE's dtype while its tiles encode
 VAE_DECODE_BYTES_PER_PIXEL = 1536  # bf16, one image (sample grids); fp32 twice that
 SAMPLE_WORK = {"sdxl": 10.5, "sd3": 25.3}  # bf16 bytes per element of `work` per image, a forward without gradients
 TEXT_WORKSPACE = 48 * MIB
@@ -358,14 +366,23 @@ def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
 
 
 def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
+    """The VAE encoding one image of the largest bucket: whole, or tiled (models/sdxl.py
+    `set_vae_tiling`: tiles of at most facts.vae_tile on a side, one at a time, while the whole
+    image stays on the device; an image no larger than a tile is encoded whole)."""
     from vramfit.data.buckets import make_buckets
 
-    tile = facts.vae_tile if cfg.cache.vae_tiling else 1 << 30  # a side up to the tile is not tiled
-    pixels = max(min(w, tile) * min(h, tile) for w, h in
-                 make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect))
     dtype = cfg.cache.vae_dtype
-    return {"vae": facts.vae_params * (4 if dtype == "fp32" else 2),
-            "activations": VAE_BYTES_PER_PIXEL[dtype] * pixels}
+    item = 4 if dtype == "fp32" else 2
+    tile = facts.vae_tile if cfg.cache.vae_tiling else 1 << 30
+
+    def parts(w: int, h: int) -> dict[str, int]:
+        encoded = min(w, tile) * min(h, tile)  # pixels the encoder runs on at once
+        return {"activations": VAE_BYTES_PER_PIXEL[dtype] * encoded,
+                "image": VAE_IMAGE_CHANNELS * item * (w * h - encoded)}  # the rest of the image, waiting
+
+    buckets = make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect)
+    worst = max((parts(w, h) for w, h in buckets), key=lambda x: sum(x.values()))
+    return {"vae": facts.vae_params * item, **worst}
 
 
 def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, int]:
@@ -754,6 +771,51 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
     return values, predict(facts, with_values(cfg, values), captions)
 
 
+def _phase_group(phase: str) -> str:
+    """The knob group whose settings act on `phase` (save and sample grids: training's)."""
+    return phase if phase in ("cache_latents", "cache_text") else "train"
+
+
+def _fits(cfg: RunConfig, facts: ModelFacts, values: dict, group: str, usable: int, captions: int) -> bool:
+    """Whether the config with `values` is valid and every phase of `group` fits in `usable`."""
+    if not _valid(cfg, values):
+        return False
+    phases = predict(facts, with_values(cfg, values), captions).phases
+    return all(p.peak <= usable for p in phases if _phase_group(p.name) == group)
+
+
+def _blocking_settings(cfg: RunConfig, facts: ModelFacts, knobs: list, usable: int, captions: int,
+                       phase: str) -> Optional[str]:
+    """Which of the user's own settings keep `phase` (the first that cannot fit) from fitting, and
+    the values that would fit it, or None. Only settings that act on that phase are considered
+    (a knob's group: `_group_of`), and of those only the ones that must change: each is given back
+    its written value while the phase still fits."""
+    group = _phase_group(phase)
+    fixed = [k for k in ladder(cfg)
+             if _applies(k, cfg, facts) and k not in knobs and _group_of(k, cfg) == group]
+    if not fixed:
+        return None
+    freed, failed = _search(cfg, facts, knobs + fixed, usable, captions)
+    later = ""
+    if freed is None:
+        if failed is None:  # no combination passes the config's checks
+            return None
+        _, failed_phase, tried = failed
+        if _phase_group(failed_phase) == group:
+            return None  # not even their other values fit it
+        freed, later = tried, f" (the {failed_phase} phase then does not fit either)"
+    changed = [k.key for k in fixed if setting(cfg, k.key) != freed[k.key]]
+    for key in list(changed):
+        kept = {**freed, key: setting(cfg, key)}
+        if _fits(cfg, facts, kept, group, usable, captions):
+            freed = kept
+            changed.remove(key)
+    if not changed:
+        return None
+    return (f"your own setting of {', '.join(changed)} keeps the {phase} phase from fitting: the planner "
+            f"would fit it with {_describe({k: freed[k] for k in changed})}{later}")
+
+
 def _describe(values: dict[str, object]) -> str:
     return ", ".join(f"{k} = {json.dumps(v)}" for k, v in values.items()) or "the settings as written"
 
@@ -770,13 +832,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         lines = [f"nothing fits in {budget / GIB:.2f} GiB ({usable / GIB:.2f} GiB after the {MARGIN:.0%} margin): "
                  f"the smallest prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)}; "
                  f"it needs a budget of at least {need / GIB:.2f} GiB"]
-        fixed = [k for k in ladder(cfg) if _applies(k, cfg, facts) and k not in knobs]
-        if fixed:
-            freed, _ = _search(cfg, facts, knobs + fixed, usable, captions)
-            if freed is not None:
-                keys = [k.key for k in fixed if setting(cfg, k.key) != freed[k.key]]
-                lines.append(f"your own setting of {', '.join(keys)} makes it impossible: the planner would "
-                             f"fit it with {_describe({k: freed[k] for k in keys})}")
+        blocking = _blocking_settings(cfg, facts, knobs, usable, captions, phase)
+        if blocking:
+            lines.append(blocking)
         if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
         raise PlanError("; ".join(lines))
@@ -815,7 +873,9 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     """What `vramfit plan` prints: the predicted peaks as written, and with a budget the choice,
     why, and the peaks after it (raises PlanError when nothing fits)."""
     side = largest_bucket(cfg)
-    lines = [f"{facts.family} model, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
+    model = f"{facts.layout} ({facts.family} family, from its shipped config)" if facts.layout else \
+        f"{facts.family} model"
+    lines = [f"{model}, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
     if budget is None:

@@ -4,6 +4,14 @@ The cache stage puts one model on the device at a time (the VAE, then each text 
 writes every entry before training starts, so the training phase holds only the denoiser. With
 caching turned off, the same encoding functions run inside the loop instead; both paths give
 identical tensors for the same item, which the tests check.
+
+A cache entry found damaged or gone while training is encoded again and written back where its
+encoder is still loaded (one of the caches is off). When both caches are on the encoders were freed
+after caching (reloading them mid-run would take the memory the training was planned without), so
+the micro-batch is skipped instead, with a warning naming the file, and counted in the stats
+(`micro_batches_skipped`, in run.json); the entry is rebuilt by the next run's cache stage. When
+two epochs' worth of micro-batches are skipped in a row, none is usable (the cache folder removed,
+say) and training cannot go on: CacheEntriesLost stops it, and the loop saves the state first.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from vramfit.data.cache import DiskCache, latent_key, text_key
 from vramfit.data.fingerprint import digest, file_digest
 from vramfit.data.scan import Item, load_image
 from vramfit.models.adapter import Family, ModelBundle
+from vramfit.models.sdxl import vae_tile
 
 log = logging.getLogger("vramfit.data")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +70,10 @@ def encode_item_image(family: Family, bundle: ModelBundle, rec: Record, data_cfg
     return out
 
 
+class CacheEntriesLost(ValueError):
+    """Every micro-batch of an epoch met a damaged or missing cache entry while training."""
+
+
 class TrainingData:
     """Owns the records and produces batches, from the cache or by encoding live."""
 
@@ -74,6 +87,9 @@ class TrainingData:
         self.identities = identities or {}  # encoder_identity by part, when taken before quantizing
         self.data_cfg, self.cache_cfg, self.cache, self.device = data_cfg, cache_cfg, cache, device
         self.stats = {"latents_cached": 0, "latents_reused": 0, "text_cached": 0, "text_reused": 0}
+        self.to_cache = {"latents": 0, "text": 0}  # entries the cache stage writes (stats: those written)
+        self._skipped_in_a_row = 0
+        self._named: set[str] = set()  # items whose unusable entry was warned about
 
     def warn_long_captions(self) -> int:
         """Name every caption the text encoders will truncate; returns how many."""
@@ -96,76 +112,128 @@ class TrainingData:
         store = self.cache_cfg.dtype
         if self.cache_cfg.latents:
             vae_id = self.identities.get("vae") or self.family.encoder_identity(self.bundle, "vae")
+            # tiles of another side encode differently: the key holds the side (False untiled)
+            tiling = self.cache_cfg.vae_tiling and vae_tile(self.bundle.vae.config.sample_size)
             for r in self.records:
                 crop = ("random", r.crop_seed) if self.data_cfg.random_crop else ("center",)
                 r.latent_key = latent_key(r.image_digest, r.bucket, crop, vae_id, self.cache_cfg.vae_dtype,
-                                          store, self.cache_cfg.vae_tiling)
+                                          store, tiling)
         if self.cache_cfg.text:
             text_id = self.identities.get("text") or self.family.encoder_identity(self.bundle, "text")
             for r in self.records:
                 r.text_key = text_key(r.item.caption, text_id, store)
 
     def cache_latents(self, progress: bool = False) -> None:
+        self.cache.clean_stale("latents", [r.latent_key for r in self.records])
         missing = [r for r in self.records if not self.cache.has("latents", r.latent_key)]
         self.stats["latents_reused"] = len(self.records) - len(missing)
         todo = self.share(missing) if missing else missing
+        self.to_cache["latents"], self.stats["latents_cached"] = len(todo), 0
         if not todo:
             return
         self.bundle.vae.to(self.device)
         for r in _bar(todo, "cache latents", progress):
             enc = encode_item_image(self.family, self.bundle, r, self.data_cfg, self.cache_cfg, self.device)
             self.cache.put("latents", r.latent_key, enc, {"vramfit.item": r.item.key})
+            self.stats["latents_cached"] += 1
         self.bundle.vae.to("cpu")
-        self.stats["latents_cached"] = len(todo)
 
     def cache_text(self, progress: bool = False) -> None:
+        self.cache.clean_stale("text", [r.text_key for r in self.records])
         pending: dict[str, str] = {}
         for r in self.records:
             if r.text_key not in pending and not self.cache.has("text", r.text_key):
                 pending[r.text_key] = r.item.caption
         self.stats["text_reused"] = len({r.text_key for r in self.records}) - len(pending)
         keys = self.share(list(pending)) if pending else []
+        self.to_cache["text"], self.stats["text_cached"] = len(keys), 0
         for start in _bar(range(0, len(keys), TEXT_CHUNK), "cache text", progress):
             chunk = keys[start:start + TEXT_CHUNK]
             out = self.family.encode_text(self.bundle, [pending[k] for k in chunk], self.device,
                                           DTYPES[self.cache_cfg.dtype])
             for i, key in enumerate(chunk):
                 self.cache.put("text", key, {k: v[i] for k, v in out.items()}, {})
-        self.stats["text_cached"] = len(keys)
+                self.stats["text_cached"] += 1
 
     # ---- batches -----------------------------------------------------------------------------
-    def _latent(self, r: Record) -> dict[str, torch.Tensor]:
-        if self.cache_cfg.latents:
-            entry = self.cache.get("latents", r.latent_key)
-            if entry is not None:
-                return entry
-            if self.bundle.vae is None:
-                raise RuntimeError(f"the latent cache entry of {r.item.key} became unreadable during "
-                                   "training; run again and it will be rebuilt")
-            log.warning("latent cache entry for %s vanished; encoding it again", r.item.key)
-        return encode_item_image(self.family, self.bundle, r, self.data_cfg, self.cache_cfg, self.device)
+    def _latent(self, r: Record) -> Optional[dict[str, torch.Tensor]]:
+        """The item's latent entry; encoded again (and written back) when it is unusable and the
+        VAE is loaded; None when it is unusable and the VAE is not."""
+        if not self.cache_cfg.latents:
+            return encode_item_image(self.family, self.bundle, r, self.data_cfg, self.cache_cfg, self.device)
+        entry = self.cache.get("latents", r.latent_key)
+        if entry is not None or self.bundle.vae is None:
+            return entry
+        log.warning("latent cache entry of %s is damaged or gone; encoding it again", r.item.key)
+        vae_device = next(self.bundle.vae.parameters()).device  # where the cache stage left it
+        entry = encode_item_image(self.family, self.bundle, r, self.data_cfg, self.cache_cfg, vae_device)
+        self._write_back("latents", r.latent_key, entry, {"vramfit.item": r.item.key})
+        return entry
 
-    def _text(self, records: list[Record]) -> dict[str, torch.Tensor]:
+    def _text(self, records: list[Record]) -> Optional[dict[str, torch.Tensor]]:
+        """The records' text entries stacked; encoded again as for `_latent`; None when one is
+        unusable and the text encoders are not loaded."""
         if self.cache_cfg.text:
             entries = [self.cache.get("text", r.text_key) for r in records]
             if all(e is not None for e in entries):
                 return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
             if not self.bundle.text_encoders:
-                raise RuntimeError("a text cache entry became unreadable during training; run again "
-                                   "and it will be rebuilt")
-        return self.family.encode_text(self.bundle, [r.item.caption for r in records], self.device,
-                                       DTYPES[self.cache_cfg.dtype])
+                return None
+            log.warning("text cache entries of %s are damaged or gone; encoding them again",
+                        ", ".join(r.item.key for r, e in zip(records, entries) if e is None))
+        out = self.family.encode_text(self.bundle, [r.item.caption for r in records], self.device,
+                                      DTYPES[self.cache_cfg.dtype])
+        if self.cache_cfg.text:
+            for i, (r, e) in enumerate(zip(records, entries)):
+                if e is None:
+                    self._write_back("text", r.text_key, {k: v[i] for k, v in out.items()}, {})
+        return out
 
-    def batch(self, records: list[Record]) -> dict[str, torch.Tensor]:
+    def _write_back(self, kind: str, key: str, entry: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        try:
+            self.cache.put(kind, key, entry, meta)
+            self.stats["cache_entries_rebuilt"] = self.stats.get("cache_entries_rebuilt", 0) + 1
+        except OSError as exc:  # training goes on with the entry in memory; the next run writes it
+            log.warning("could not write the rebuilt cache entry %s back (%s)", self.cache.path(kind, key),
+                        exc)
+
+    def batch(self, records: list[Record]) -> Optional[dict[str, torch.Tensor]]:
+        """The micro-batch's tensors, or None when it is to be skipped (an unusable cache entry that
+        cannot be encoded again now); raises CacheEntriesLost when none is usable any more."""
         lat = [self._latent(r) for r in records]
+        text = self._text(records) if all(e is not None for e in lat) else None
+        if text is None:
+            return self._skip(records, lat)
+        self._skipped_in_a_row = 0
         out = {k: torch.stack([e[k] for e in lat]) for k in lat[0]}
-        out.update(self._text(records))
+        out.update(text)
         n_prior = sum(r.prior for r in records)
         if n_prior:  # loss = mean over instance images + prior_weight * mean over class images
             n = len(records) - n_prior
             out["sample_weight"] = torch.tensor([self.prior_weight / n_prior if r.prior else 1.0 / n
                                                  for r in records])
         return out
+
+    def _skip(self, records: list[Record], lat: list) -> None:
+        self.stats["micro_batches_skipped"] = self.stats.get("micro_batches_skipped", 0) + 1
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row >= 2 * len(self.records):  # a usable one would have come within two epochs
+            raise CacheEntriesLost(
+                f"every micro-batch of two epochs met a damaged or missing cache entry in {self.cache.root} "
+                "(was the cache removed or changed while training?); training cannot go on")
+        bad = [(r, "latents", r.latent_key) if e is None else (r, "text", r.text_key)
+               for r, e in zip(records, lat)
+               if e is None or (self.cache_cfg.text and not self.cache.path("text", r.text_key).is_file())]
+        new = [(r, kind, key) for r, kind, key in bad if r.item.key not in self._named]
+        if new:
+            self._named.update(r.item.key for r, _, _ in new)
+            log.warning("skipping a micro-batch (%s): its cache entries are damaged or gone and the encoders "
+                        "are not loaded while training: %s. The next run's cache stage rebuilds them; until "
+                        "then each micro-batch that holds them is skipped",
+                        ", ".join(r.item.key for r in records),
+                        "; ".join(f"the {kind} entry of {r.item.key} ({self.cache.path(kind, key)})"
+                                  for r, kind, key in new))
+        return None
 
     def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool) -> Iterator[list[Record]]:
         """One epoch of same-bucket batches of instance images, in a seeded order.
