@@ -4,18 +4,38 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
+
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vramfit.config import ConfigError, load_config
-from vramfit.formats.safetensors_io import CheckpointError
-from vramfit.data.cache import CacheWriteError
-from vramfit.models.sources import SourceError
-from vramfit.train.loop import NonFiniteLoss
 
-USER_ERRORS = (ConfigError, CheckpointError, SourceError, FileNotFoundError, ValueError, NonFiniteLoss,
-               CacheWriteError)
+# Start-up: the modules that train, plan or render import torch and diffusers, so the commands
+# import them only once the config is read: they took 3.2 of the 3.5 s that reporting a bad config
+# took (two idle cores; 8 s and more on busy ones; `python -X importtime -m vramfit train bad.toml`).
+# The library's user errors (CheckpointError, SourceError and ResumeError are ValueErrors); the
+# others live in torch-heavy modules: user_error() imports them only once an error is met.
+USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
+
+
+def user_error(exc: BaseException) -> bool:
+    """Whether `exc` is a user error (printed as one line, exit code 2) rather than a bug."""
+    if isinstance(exc, USER_ERRORS):
+        return True
+    from vramfit.data.cache import CacheWriteError
+    from vramfit.formats.safetensors_io import DISK_ERRNOS, OutputWriteError
+    from vramfit.train.loop import NonFiniteLoss
+
+    # any other write that found the disk full or read-only names its file (formats/safetensors_io.py)
+    return isinstance(exc, (CacheWriteError, OutputWriteError, NonFiniteLoss)) or (
+        isinstance(exc, OSError) and exc.errno in DISK_ERRNOS)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +45,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The argument parser; given the `command` about to run, without what only other commands' help
+    needs (generate's options and plan's layout names import torch and every model family)."""
     parser = argparse.ArgumentParser(prog="vramfit", description=(
         "Fine-tune SDXL-family and Stable Diffusion 3 models inside the GPU memory you have."))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -40,14 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "memory.vram_budget) choose the fastest settings that fit")
     _add_config_args(p)
     p.add_argument("--vram", metavar="SIZE", help="GPU memory to plan for, e.g. 8GiB or 7.5GB")
+    layouts = "see vramfit plan --help"
+    if command in (None, "plan"):
+        from vramfit.memory.model_facts import shipped_layouts
+
+        layouts = ", ".join(shipped_layouts())
+    p.add_argument("--model", metavar="NAME", help="plan for a released architecture from its shipped config "
+                   f"instead of model.path, before downloading it: {layouts}")
     p = sub.add_parser("cache", help="only scan the dataset and fill the latent and text cache")
     _add_config_args(p)
     p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
     p.add_argument("path", help="single file, diffusers folder, repo id or tiny:<name>")
     p.add_argument("--json", action="store_true", help="print JSON")
-    from vramfit.generate import add_generate_parser
+    if command in (None, "generate"):
+        from vramfit.generate import add_generate_parser
 
-    add_generate_parser(sub)
+        add_generate_parser(sub)
     p = sub.add_parser("demo", help="fine-tune tiny:ssd1b on generated images (no arguments needed)")
     p.add_argument("--output", type=Path, default=Path("vramfit-demo"), help="folder for the demo run")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
@@ -56,14 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from vramfit.train.setup import train_run
-
     cfg = load_config(args.config, args.overrides)
     if args.gpus is not None and args.gpus > 1:
         from vramfit.launch import relaunch
 
         return relaunch(args.gpus, args.argv, cfg)
+    from vramfit.train.setup import train_run
+
     result = train_run(cfg, progress=not args.no_progress, resume=args.resume)
+    _ignore_signals()  # the run is done; what is left is to say so
     if not result.rank:  # rank 0 speaks for a multi-process run
         print_summary(result)
     if result.loop.interrupted:
@@ -83,25 +114,43 @@ def print_summary(result) -> None:
 
 
 def cmd_plan(args) -> int:
-    from vramfit.memory.model_facts import read_facts
+    from vramfit.memory.model_facts import facts_for_layout, read_facts, shipped_layouts
     from vramfit.memory.planner import budget_of, plan_report
+    from vramfit.models.registry import FAMILIES
     from vramfit.train.setup import cache_root
 
-    cfg = load_config(args.config, args.overrides, need_data=False)
-    print(plan_report(cfg, read_facts(cfg, cache_root(cfg)), budget_of(cfg, args.vram)))
+    # --model NAME: the architecture from its shipped config; model.path is not read, nor needed
+    try:
+        cfg = load_config(args.config, args.overrides, need_data=False, need_model=args.model is None)
+    except ConfigError as exc:
+        if not any(p.startswith("model.path:") for p in exc.problems):
+            raise
+        hint = ("; to plan a released architecture before downloading it: --model "
+                + "|".join(shipped_layouts()))
+        problems = [p + hint if p.startswith("model.path:") else p for p in exc.problems]
+        raise ConfigError(problems, str(args.config or "config")) from None
+    facts = facts_for_layout(args.model) if args.model else read_facts(cfg, cache_root(cfg))
+    problems = FAMILIES[facts.family].config_problems(cfg)  # what `train` would refuse for this model
+    if cfg.model.family not in ("auto", facts.family):
+        problems.insert(0, f"model.family: {cfg.model.family}, but --model {args.model} is a "
+                           f"{facts.family} model")
+    if problems:
+        raise ConfigError(problems, f"config for this {facts.family} model")
+    print(plan_report(cfg, facts, budget_of(cfg, args.vram)))
     return 0
 
 
 def cmd_cache(args) -> int:
+    cfg = load_config(args.config, args.overrides)
     from vramfit.memory.accounting import MemoryTracker, pick_device
     from vramfit.memory.planner import fit_to_budget
     from vramfit.train.setup import cache_root, prepare
 
-    cfg = load_config(args.config, args.overrides)
     cfg = fit_to_budget(cfg, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys
     device = pick_device(cfg.train.device)
     tracker = MemoryTracker(device)
     _, _, data, scanned = prepare(cfg, tracker, device, not args.no_progress)
+    _ignore_signals()  # the cache is filled; what is left is to say so
     print(f"{len(scanned.items)} images usable, {len(scanned.problems)} skipped")
     print("cache: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     print("\nmemory by phase:\n" + tracker.report.table())
@@ -110,9 +159,26 @@ def cmd_cache(args) -> int:
 
 def cmd_inspect(args) -> int:
     from vramfit.config.schema import ModelConfig
+    from vramfit.formats.lora import describe_lora
     from vramfit.models.registry import detect_family
     from vramfit.models.sources import resolve_source
 
+    path = Path(args.path).expanduser()
+    repo_id = args.path.startswith("tiny:") or (args.path.count("/") == 1 and not path.suffix)
+    if not repo_id and not path.exists():
+        raise FileNotFoundError(f"{args.path} does not exist")
+    lora = describe_lora(path) if path.is_file() and path.suffix == ".safetensors" else None
+    if lora is not None:
+        if args.json:
+            print(json.dumps({"kind": "lora", "path": str(path), **lora}, indent=2))
+            return 0
+        print(f"{path}\n  a LoRA (give it to generate --lora or a LoRA loader; it is not a checkpoint)")
+        for key, value in lora.items():
+            if key == "targets":
+                kinds = ", ".join(f"{k} {n}" for k, n in value["kinds"].items())
+                value = f"{value['modules']} modules ({kinds})"
+            print(f"  {key.replace('_', ' ')}: {value}")
+        return 0
     source = resolve_source(ModelConfig(path=args.path))
     info = detect_family(source).describe(source)
     info["source"] = {"kind": source.kind, "path": str(source.path),
@@ -135,34 +201,130 @@ def cmd_demo(args) -> int:
     from vramfit.demo import run_demo
 
     result = run_demo(args.output, steps=args.steps, progress=not args.no_progress)
+    _ignore_signals()  # the run is done; what is left is to say so
     print_summary(result)
+    if result.loop.interrupted:
+        print(f"\nstopped by {result.loop.interrupted}; the training state is saved in {result.output_dir}. "
+              "`vramfit demo` starts the demo over, reusing its images and cache")
+        return exit_code(result.loop.interrupted)
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "inspect": cmd_inspect, "demo": cmd_demo}
+def cmd_generate(args) -> int:
+    from vramfit.memory.accounting import pick_device
+    from vramfit.train.setup import use_cpu_threads
+
+    use_cpu_threads("auto", pick_device(args.device))  # on the CPU, as train.cpu_threads = "auto" does
+    return args.func(args)
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "inspect": cmd_inspect,
+            "demo": cmd_demo, "generate": cmd_generate}
+# What a stop signal leaves behind where the library has not said it (it does for each phase of
+# train, cache and demo: train/setup.py Interrupted).
+STOPPED = {"train": "while starting: nothing was written", "cache": "while starting: nothing was written",
+           "demo": "while starting: run `vramfit demo` again to continue (what it wrote is reused)",
+           "plan": "before the plan was done (planning writes nothing)",
+           "inspect": "(inspect writes nothing)",
+           "generate": "before every image was rendered: those whose paths are printed above are kept"}
+# Library notices about optional kernels and deprecations, not about the user's run, by the logger
+# that emits them: torchao's compiled extras that do not load with this torch build, Triton's
+# absence (CPU), and torch's pytree deprecation notice for torchao's enums.
+LIBRARY_NOTICES = {"torchao": r"^Failed to load \S+\.so\b", "torchao.kernel.intmm": r"Detected no triton",
+                   "torch.utils._pytree": r"is an Enum subclass and is now natively supported"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    program = argv is None  # the process's own command line (the entry point, python -m vramfit)
+    argv = list(sys.argv[1:] if program else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # the top level has flags only
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     args.argv = argv  # what `train --gpus N` passes on to each process
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    set_up_logging(args.verbose)
+    threads = _torch_threads()  # train.cpu_threads sets them for a run; in-process callers get theirs back
+    try:
+        with stop_signals(program), logging_redirect_tqdm():  # log lines above progress bars, not in them
+            try:
+                return COMMANDS[args.command](args)
+            except KeyboardInterrupt as exc:  # SIGINT or SIGTERM; the message says what was kept
+                _ignore_signals()  # while it says so; stop_signals restores the handlers
+                name = exc.args[0] if exc.args else "SIGINT"
+                message = exc.args[1] if len(exc.args) > 1 else STOPPED[args.command]
+                print(f"\nstopped by {name} {message}", file=sys.stderr)
+                return exit_code(name)
+            except Exception as exc:
+                if args.verbose or not user_error(exc):
+                    raise
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+    finally:
+        if threads is not None and _torch_threads() != threads:
+            sys.modules["torch"].set_num_threads(threads)
+
+
+def exit_code(signal_name: str) -> int:
+    """The shell's convention: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signal.Signals[signal_name].value
+
+
+def _raise_stop(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def stop_signals(program: bool = False) -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt(signal name) for the whole command (Python's default
+    SIGTERM ends the process without unwinding). The library holds them where it must: the training
+    loop finishes its step and saves, a save finishes first (train/setup.py). Afterwards the previous
+    handlers return; for the `program` (nothing runs after the command) the signals are ignored
+    instead, so that one while the interpreter shuts down does not kill it without a word."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_IGN if program else handler)
+
+
+def _ignore_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _torch_threads() -> Optional[int]:
+    torch = sys.modules.get("torch")  # not imported for it: a command that needs torch imports it
+    return torch.get_num_threads() if torch is not None else None
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def set_up_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not args.verbose:  # their dtype and init notices are about our own deliberate choices
-        import diffusers
-        import transformers
-
-        diffusers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.set_verbosity_error()
-    try:
-        return COMMANDS[args.command](args) if args.command in COMMANDS else args.func(args)
-    except USER_ERRORS as exc:
-        if args.verbose:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if verbose:
+        return
+    # diffusers' and transformers' dtype and init notices are about our own deliberate choices; each
+    # reads its variable when first imported, and takes the level where it is imported already
+    for library in ("diffusers", "transformers"):
+        os.environ.setdefault(f"{library.upper()}_VERBOSITY", "error")
+        logging.getLogger(library).setLevel(logging.ERROR)
+    for name, pattern in LIBRARY_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in logger.filters):
+            logger.addFilter(_DropNotice(pattern))
 
 
 if __name__ == "__main__":

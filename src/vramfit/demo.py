@@ -12,6 +12,7 @@ from vramfit.config import load_config
 from vramfit.data.synth import make_synthetic_dataset
 
 DEMO_SIZE = 128
+DEMO_IMAGES = 16
 
 
 def demo_overrides(output: Path, steps: int) -> list[str]:
@@ -30,7 +31,9 @@ def run_demo(output: Path, steps: int = 30, progress: bool = True):
 
     output = Path(output)
     images = output / "images"
-    if not images.is_dir() or not any(images.glob("*.png")):
-        make_synthetic_dataset(images, n=16, size=DEMO_SIZE, seed=0)
+    # each caption is written after its image: all captions there means a whole set (a stopped demo
+    # may have left part of one, which is made again, the same)
+    if not all((images / f"{i:04d}.txt").is_file() for i in range(DEMO_IMAGES)):
+        make_synthetic_dataset(images, n=DEMO_IMAGES, size=DEMO_SIZE, seed=0)
     cfg = load_config(None, demo_overrides(output, steps))
     return train_run(cfg, progress=progress)

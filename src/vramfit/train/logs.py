@@ -76,12 +76,12 @@ class RunLogger:
         return statistics.median(times) if times else None
 
     def close(self) -> None:
+        if self.bar is not None:  # first, so that the line below comes after the bar, not inside it
+            self.bar.close()
         median = self.median_step()
         if median and self.main:
             log.info("trained %d steps: median %.3f s/step, %.2f images/s", len(self.seconds), median,
                      self.images_per_step / median)
-        if self.bar is not None:
-            self.bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import signal
 import threading
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import torch
 
-from vramfit.config.load import ConfigError, dump_config
+from vramfit.config.load import ConfigError, default_cache_root, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
-from vramfit.formats.safetensors_io import write_text_atomic
+from vramfit.formats.safetensors_io import clean_stale_temps, clean_temps, discard, write_text_atomic, writing
 from vramfit.memory.accounting import MemoryReport, MemoryTracker, pick_device
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
@@ -30,14 +32,16 @@ from vramfit.memory.planner import budget_of, fit_to_budget
 from vramfit.memory.spill import SpillWatch
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.models.registry import detect_family
-from vramfit.models.sources import default_cache_root, resolve_source
+from vramfit.generate import native_size
+from vramfit.models.sources import resolve_source, write_tokenizers
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.data.fingerprint import file_digest
 from vramfit.train import distributed
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
-from vramfit.train.state import Progress, check_compatible, find_state, load_state, read_meta, save_state
+from vramfit.train.state import (Progress, check_compatible, find_state, kept_note, load_state, read_meta,
+                                 save_state, state_root)
 from vramfit.train.logs import RunLogger
 from vramfit.train.samples import SampleGrids
 
@@ -60,6 +64,111 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path(cfg.cache.dir).expanduser() if cfg.cache.dir else default_cache_root()
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal that ended a phase of the run. args: (signal name, what the run did and kept,
+    as the CLI prints it after "stopped by SIGINT ")."""
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    # the CLI's handler (cli.py stop_signals) and the ones below pass the signal's name
+    return exc.args[0] if exc.args else "SIGINT"
+
+
+@contextmanager
+def stopped_as(what: str | Callable[[], str]):
+    """A stop signal inside (a KeyboardInterrupt: the CLI raises one for SIGTERM too) becomes
+    Interrupted saying `what` (or `what()`, at that moment); one from further in passes as it is.
+    Also a decorator."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt as exc:
+        raise Interrupted(_signal_name(exc), what if isinstance(what, str) else what()) from None
+
+
+def _handle(handler) -> dict:
+    """Install `handler` for SIGINT and SIGTERM; returns the previous ones ({} off the main thread,
+    where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(previous: dict) -> None:
+    for s, h in previous.items():
+        signal.signal(s, h)
+
+
+@contextmanager
+def stop_on_signals(flag: StopFlag):
+    """First SIGINT/SIGTERM: finish the current step, save state, exit. A second one: stop now."""
+    def handler(signum, frame):
+        if flag.requested:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        flag.requested = signal.Signals(signum).name
+        log.warning("%s received: stopping after this step and saving the training state "
+                    "(send it again to stop at once)", flag.requested)
+
+    previous = _handle(handler)
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+@contextmanager
+def held_signals(what: str, folders: tuple[Path, ...] = (), flag: Optional[StopFlag] = None):
+    """Saves: a SIGINT/SIGTERM waits until the block is done (a save is short; a torn one is worth
+    nothing), then reaches the handler outside it (the loop's stop flag, or the CLI's stop). A second
+    one (counting the one that set `flag`) stops at once: the files from before are kept, and this
+    process's temporaries in `folders` are removed. Nested blocks hold as the outermost does."""
+    held: list[int] = []
+
+    def hold(signum, frame):
+        name = signal.Signals(signum).name
+        if held or (flag is not None and flag.requested):
+            raise Interrupted(name, f"a second time while {what}: it was left unfinished, and the files "
+                              "from before it are kept as they were")
+        held.append(signum)
+        log.warning("%s received while %s: finishing that first (send it again to stop at once)", name, what)
+
+    hold.holding = True
+    if getattr(signal.getsignal(signal.SIGINT), "holding", False):
+        yield
+        return
+    previous = _handle(hold)
+    try:
+        yield
+    except BaseException:
+        for folder in folders:
+            clean_temps(folder, own=True)
+        raise
+    finally:
+        _restore(previous)
+    if held:
+        with stopped_as(f"while {what}: that was finished first"):
+            signal.raise_signal(held[0])
+
+
+def cpu_threads(setting: int | str) -> int:
+    """train.cpu_threads: a number, or "auto": OMP_NUM_THREADS where it is set, else half the
+    physical cores, 1 to 4. A small model's steps on the CPU gain little from more threads and,
+    on a busy machine, lose much to threads that wait for each other."""
+    if setting != "auto":
+        return int(setting)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(4, (psutil.cpu_count(logical=False) or os.cpu_count() or 1) // 2))
+
+
+def use_cpu_threads(setting: int | str, device: torch.device) -> None:
+    """Set torch's intra-op threads (cpu_threads) for work on the CPU; a GPU run keeps torch's own."""
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(setting))
+
+
 def scan(cfg: RunConfig) -> ScanResult:
     result = scan_dataset(Path(cfg.data.path).expanduser(),
                           metadata=Path(cfg.data.metadata).expanduser() if cfg.data.metadata else None,
@@ -74,16 +183,21 @@ def scan(cfg: RunConfig) -> ScanResult:
     return result
 
 
+@stopped_as("while preparing the cache: what is cached is kept; run the same command again to continue")
 def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
             ranks: Optional[distributed.DataParallel] = None,
             probe: Optional[Callable[[Family, ModelBundle, list], None]] = None):
     """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
     Over several ranks each encodes its share of the missing cache entries. `probe(family,
     bundle, buckets)` runs before anything is cached (train_run's: memory/probe.py measures
-    training at the largest bucket)."""
+    training at the largest bucket). A stop signal ends it with Interrupted, saying what is kept."""
     ranks = ranks or distributed.DataParallel()
-    result = scan(cfg)
-    with tracker.phase("load"):
+    use_cpu_threads(cfg.train.cpu_threads, device)
+    progress = progress and cfg.logging.progress  # bars: neither --no-progress nor logging.progress = false
+    with stopped_as("while scanning the dataset: nothing was written; run the same command again"):
+        result = scan(cfg)
+    with tracker.phase("load"), stopped_as("while loading the model: nothing was cached yet; run the same "
+                                           "command again"):
         with ranks.main_first():  # one rank downloads or converts; the others find it done
             source = resolve_source(cfg.model, cache_root(cfg))
         family = detect_family(source, cfg.model.family)
@@ -108,7 +222,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     records = make_records(result.items, cfg.data, cfg.train.seed)
     generated = 0
     if cfg.prior.class_prompt:
-        with tracker.phase("class_images"):
+        with tracker.phase("class_images"), stopped_as(lambda: _class_images_note(cfg)):
             records, generated = _with_class_records(cfg, family, bundle, records, device, progress, ranks)
     data = TrainingData(family, bundle, records, cfg.data, cfg.cache, DiskCache(cache_root(cfg) / "entries"),
                         device, prior_weight=cfg.prior.loss_weight, identities=identities, share=ranks.share)
@@ -116,11 +230,13 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
     if probe is not None:
-        probe(family, bundle, [r.bucket for r in records])
-    with tracker.phase("cache_latents"):
+        with stopped_as("while measuring a training step (memory.fit_probe): nothing was cached yet; "
+                        "run the same command again"):
+            probe(family, bundle, [r.bucket for r in records])
+    with tracker.phase("cache_latents"), stopped_as(lambda: _cache_note(data, "latents")):
         if cfg.cache.latents:
             data.cache_latents(progress)
-    with tracker.phase("cache_text"):
+    with tracker.phase("cache_text"), stopped_as(lambda: _cache_note(data, "text")):
         if cfg.cache.text:
             data.cache_text(progress)
     ranks.barrier()  # every rank's share is written before any rank reads the cache
@@ -146,6 +262,22 @@ def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], d
     log.info("prior preservation: %d class images (%d generated now), loss weight %g", len(extra),
              generated, cfg.prior.loss_weight)
     return records + extra, generated
+
+
+def _class_images_note(cfg: RunConfig) -> str:
+    from vramfit.train import prior
+
+    folder = prior.class_dir(cfg)
+    done = len(list(folder.glob(prior.SLOT_NAME.replace("{:05d}", "*")))) if folder.is_dir() else 0
+    return (f"while generating class images: {done} of {cfg.prior.num_images} are in {folder} and kept; "
+            "run the same command again to generate the rest")
+
+
+def _cache_note(data: TrainingData, kind: str) -> str:
+    what = "latents" if kind == "latents" else "text embeddings"
+    return (f"while caching {what}: {data.stats[f'{kind}_cached']} of {data.to_cache[kind]} entries cached "
+            f"and kept ({data.stats[f'{kind}_reused']} were cached before); run the same command again "
+            "to continue")
 
 
 def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
@@ -224,34 +356,41 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
         paths = save_lora_files(bundle, cfg, name, formats, meta)
     if "single_file" in formats:
         path = out / f"{name}.safetensors"
-        family.save_single_file(bundle, path, dtype, meta)
+        # the base's own size, which generate renders at by default (a tiny base's is small)
+        width, height = native_size(bundle)
+        family.save_single_file(bundle, path, dtype, {**meta, "modelspec.resolution": f"{width}x{height}"})
+        write_tokenizers(bundle.source, bundle.tokenizers, path)  # generate and train need no setting
         paths.append(path)
     if "diffusers" in formats:
         folder = out / f"{name}-diffusers"
         family.save_diffusers(bundle, folder, dtype)
         paths.append(folder)
     if step is not None:
-        for suffix in (".safetensors", "-diffusers", ".kohya.safetensors"):
+        from vramfit.formats.lora import LORA_FILE_SUFFIXES
+
+        for suffix in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values()):
             _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last)
     return paths
 
 
 def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta: dict) -> list[Path]:
+    """The LoRA files of `formats` that the family writes (models/*.py lora_formats, primary first):
+    the primary one as <name>.safetensors, the others as <name>-diffusers / -kohya.safetensors."""
     from vramfit.formats import lora as lora_formats
+    from vramfit.models.registry import FAMILIES
 
+    own = FAMILIES[bundle.family].lora_formats
     state = lora_state(bundle.denoiser)
     alpha = cfg.lora.alpha or cfg.lora.rank
     meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha)}
     paths = []
-    if "lora" in formats:
-        path = cfg.output_dir / f"{name}.safetensors"
-        # diffusers and ComfyUI read these files at scale 1, so alpha/rank is folded into lora_B
-        lora_formats.save_lora(path, lora_formats.to_diffusers(state, bundle.family, alpha=alpha), meta)
-        paths.append(path)
-    if "lora_kohya" in formats:
-        path = cfg.output_dir / f"{name}.kohya.safetensors"
-        kohya = lora_formats.to_kohya_sdxl(state, dict(bundle.denoiser.config), alpha)
-        lora_formats.save_lora(path, kohya, meta)
+    for fmt in [f for f in own if f in formats]:
+        path = cfg.output_dir / lora_formats.lora_file_name(name, fmt, own[0])
+        if fmt == "lora":  # diffusers and ComfyUI read these at scale 1, so alpha/rank is folded into lora_B
+            tensors = lora_formats.to_diffusers(state, bundle.family, alpha=alpha)
+        else:
+            tensors = lora_formats.to_kohya_sdxl(state, dict(bundle.denoiser.config), alpha)
+        lora_formats.save_lora(path, tensors, meta)
         paths.append(path)
     return paths
 
@@ -260,36 +399,18 @@ def _save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfi
                   step: Optional[int]) -> list[Path]:
     """save_checkpoint on rank 0, with the whole denoiser (FSDP gathers it: every rank takes part)."""
     whole = ranks.whole_bundle(bundle)
-    return save_checkpoint(family, whole, cfg, step) if whole is not None else []
+    if whole is None:
+        return []
+    name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
+    with writing(f"the checkpoint {name}", cfg.output_dir,  # a full disk: say what is kept
+                 lambda: f"Nothing was left under its name. {kept_note(cfg.output_dir)}"):
+        return save_checkpoint(family, whole, cfg, step)
 
 
 def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int) -> None:
-    import shutil
-
     found = sorted(p for p in out.glob(f"{prefix}*{suffix}") if p.name[len(prefix):-len(suffix)].isdigit())
     for old in found[:-keep]:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-@contextmanager
-def stop_on_signals(flag: StopFlag):
-    """First SIGINT/SIGTERM: finish the current step, save state, exit. A second one: stop now."""
-    def handler(signum, frame):
-        if flag.requested:
-            raise KeyboardInterrupt
-        flag.requested = signal.Signals(signum).name
-        log.warning("%s received: stopping after this step and saving the training state "
-                    "(send it again to stop at once)", flag.requested)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        discard(old)  # renamed away first: a kill mid-delete leaves no half folder under its name
 
 
 def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
@@ -350,6 +471,7 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
         check_compatible(saved, now, path)
 
 
+@stopped_as("before training began: nothing was trained, what is cached is kept; run the same command again")
 def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
     user = cfg
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
@@ -369,8 +491,9 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:
+        clean_stale_temps([out, state_root(out)])  # left by killed runs (the cache cleans its own)
         write_text_atomic(out / "config.toml", dump_config(cfg))
-    progress = progress and ranks.main
+    progress = progress and ranks.main and cfg.logging.progress
     tracker = MemoryTracker(device)
     planned = cfg
 
@@ -405,15 +528,18 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             assert_finite(model)
             save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last)
 
+    flag = StopFlag()
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
-                      on_save=lambda p: saved.extend(_save_on_main(ranks, family, bundle, cfg, p.step)),
-                      on_state=write_state)
+                      on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
+                          _save_on_main(ranks, family, bundle, cfg, p.step))),
+                      on_state=_held("saving the training state", (state_root(out),), flag, write_state))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples")
 
     spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
 
     def on_step(step: int, loss: float, lr: float) -> None:
+        state.losses.append(loss)  # the whole run's, kept in the training state across resumes
         logger.step(step, loss, lr)
         if spill is not None:
             spill.step_done()
@@ -421,30 +547,62 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             grids.maybe(step)
 
     hooks.on_step = on_step
-    flag = StopFlag()
-    with tracker.phase("train") as phase, stop_on_signals(flag):
+    second = stopped_as(lambda: _second_stop_note(out, state))  # a second signal stops the loop at once
+    with tracker.phase("train") as phase, second, stop_on_signals(flag):
         result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
                           hooks, flag, ranks=ranks)
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
         phase.set_images_per_step(logger.images_per_step)
-    logger.close()
-    if grids.enabled and ranks.main and not result.interrupted:
-        with tracker.phase("samples"):
-            grids.render(state.step)
-    with tracker.phase("save"):
-        write_state(state)  # also at the end, so a finished run can be extended with more steps
-        if not result.interrupted:
-            saved += _save_on_main(ranks, family, bundle, cfg, None)
-    free_device_memory(device)
-    report = tracker.report
-    report.write(out / ranks.report_name(cfg.save.name))
-    if not ranks.main:
+    stopped = None
+    rendering = grids.enabled and ranks.main and not result.interrupted
+    try:  # a stop signal here leaves the final sample grids out; the training is saved all the same
+        logger.close()
+        if rendering:
+            with tracker.phase("samples"):
+                grids.render(state.step)
+    except KeyboardInterrupt as exc:
+        kept = ("the training state was saved first" if result.interrupted else
+                "the checkpoint and the training state were saved first")
+        ended = ("while rendering the final sample grids: they were left out; " if rendering
+                 else "as training ended: ")
+        stopped = Interrupted(_signal_name(exc), ended + kept)
+    with held_signals("saving the checkpoint, the training state and the run's records",
+                      (out, state_root(out)), flag):
+        with tracker.phase("save"):
+            write_state(state)  # also at the end, so a finished run can be extended with more steps
+            if not result.interrupted:
+                saved += _save_on_main(ranks, family, bundle, cfg, None)
+        free_device_memory(device)
+        report = tracker.report
+        report.write(out / ranks.report_name(cfg.save.name))
+        if ranks.main:
+            _write_run_json(out, cfg, ranks.world, scanned, data.stats, start, state, result, saved,
+                            grids.paths)
         ranks.close()
-        return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
-    _write_run_json(out, cfg, ranks.world, scanned, data.stats, start, state, result, saved, grids.paths)
-    ranks.close()
-    return RunResult(out, saved, report, result, scanned, data.stats)
+    if stopped is not None:
+        raise stopped
+    return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
+
+
+def _held(what: str, folders: tuple[Path, ...], flag: StopFlag,
+          save: Callable[[Progress], None]) -> Callable[[Progress], None]:
+    """`save` (a LoopHooks callback) under held_signals."""
+    def run(p: Progress) -> None:
+        with held_signals(what, folders, flag):
+            save(p)
+    return run
+
+
+def _second_stop_note(out: Path, state: Progress) -> str:
+    try:
+        last = find_state(out, "latest")
+    except ValueError:  # ResumeError: none saved yet
+        return (f"a second time during training, at once: step {state.step + 1} was not finished, and no "
+                "training state was saved yet; run the same command again to start training over")
+    return (f"a second time during training, at once: step {state.step + 1} was not finished and is not "
+            f"saved; the last saved training state, {last.name} ({last}), is kept: continue from it with "
+            "--resume latest")
 
 
 def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, cache_stats: dict, start: int,
@@ -456,7 +614,7 @@ def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, 
          "ignored": [{"path": p.path, "reason": p.reason} for p in scanned.ignored],
          "cache": cache_stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
-         "interrupted": result.interrupted, "losses": result.losses,
+         "interrupted": result.interrupted, "losses": state.losses,
          "nonfinite_steps_skipped": state.nonfinite_skipped,
          "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in samples]}, indent=2))
 
