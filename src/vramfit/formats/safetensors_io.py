@@ -22,7 +22,7 @@ import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import IO, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -221,20 +221,29 @@ def _umask() -> int:
     return mask
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file so that the target is either the old file or the complete new one."""
+@contextmanager
+def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
+    """A file to write `path` through: its temporary sibling, fsynced and renamed over `path` when
+    the block ends without error, removed otherwise, so the target is the old file or the whole new
+    one. A full or read-only disk is an OSError naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        with _no_room_names(path), open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with _no_room_names(path), open(tmp, mode, **open_args) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file so that the target is either the old file or the complete new one."""
+    with atomic_file(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 @contextmanager

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from vramfit.formats.safetensors_io import (commit_folder, discard, save_atomic, temp_path, write_text_atomic,
-                                            writing)
+from vramfit.formats.safetensors_io import (atomic_file, commit_folder, discard, save_atomic, temp_path,
+                                            write_text_atomic, writing)
 
 log = logging.getLogger("vramfit")
 
@@ -110,22 +109,14 @@ class _KeepError:
 
 
 def _save_torch(path: Path, obj) -> None:
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as fh:
-            out = _KeepError(fh)
-            try:
-                torch.save(obj, out)
-            except RuntimeError:
-                if out.error is not None:
-                    raise out.error from None
-                raise
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as fh:
+        out = _KeepError(fh)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
 
 
 def prune(folder: Path, prefix: str, keep: int) -> None:
