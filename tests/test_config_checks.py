@@ -14,7 +14,7 @@ import torch
 from conftest import train_args
 from vramfit.cli import main
 from vramfit.config import load_config
-from vramfit.models.tiny_names import TINY_MODELS
+from vramfit.models.names import TINY_MODELS
 from vramfit.models.tiny_sd3 import materialize_sd3
 
 

@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vramfit.config import ConfigError, load_config
+from vramfit.models.names import named_model_problems
 
 # Start-up: the modules that train, plan or render import torch and diffusers, so the commands
 # import them only once the config is read: they took 3.2 of the 3.5 s that reporting a bad config
@@ -86,7 +87,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, model_checks=named_model_problems)
     if args.gpus is not None and args.gpus > 1:
         from vramfit.launch import relaunch
 
@@ -121,7 +122,8 @@ def cmd_plan(args) -> int:
 
     # --model NAME: the architecture from its shipped config; model.path is not read, nor needed
     try:
-        cfg = load_config(args.config, args.overrides, need_data=False, need_model=args.model is None)
+        cfg = load_config(args.config, args.overrides, need_data=False, need_model=args.model is None,
+                          model_checks=None if args.model else named_model_problems)
     except ConfigError as exc:
         if not any(p.startswith("model.path:") for p in exc.problems):
             raise
@@ -141,7 +143,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, model_checks=named_model_problems)
     from vramfit.memory.accounting import MemoryTracker, pick_device
     from vramfit.memory.planner import fit_to_budget
     from vramfit.train.setup import cache_root, prepare

@@ -13,12 +13,11 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
 from vramfit.config.schema import KeyProblems, RunConfig
-from vramfit.models.tiny_names import TINY_MODELS, unknown_tiny
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -182,8 +181,6 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
     if not need_model:
         model = {}  # a named architecture stands in for every model file
     mp = _text(model.get("path"))
-    if mp and mp.startswith("tiny:") and unknown_tiny(mp):
-        problems.append(f"model.path: {unknown_tiny(mp)}")
     if mp and not mp.startswith("tiny:"):
         p = Path(mp).expanduser()
         if _looks_local(mp) or p.exists():
@@ -192,7 +189,7 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
         elif mp.count("/") != 1:
             problems.append(
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
-                f"like org/name (or a tiny model: {', '.join(f'tiny:{n}' for n in TINY_MODELS)})"
+                f"like org/name (or a tiny model, tiny:<name>)"
             )
     for part in ("clip_l", "clip_g", "t5"):
         enc = _text(model.get(part))
@@ -234,24 +231,14 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
     return problems
 
 
-def _family_problems(cfg: RunConfig) -> list[str]:
-    """Image sides the family cannot take (its resolution_multiple), where the config names the
-    family: an explicit model.family, or a tiny model. Otherwise, and for the family's other
-    checks, family.config_problems runs once the file is read, before any weight loads."""
-    from vramfit.models.adapter import resolution_problems
-    from vramfit.models.registry import FAMILIES  # here: the families import the schema
-
-    name = cfg.model.family
-    if name == "auto" and cfg.model.path.startswith("tiny:"):
-        name = TINY_MODELS.get(cfg.model.path.split(":", 1)[1], "auto")
-    return [] if name == "auto" else resolution_problems(FAMILIES[name], cfg)
-
-
 def load_config(
-    path: Path | None, overrides: Iterable[str] = (), *, need_data: bool = True, need_model: bool = True
+    path: Path | None, overrides: Iterable[str] = (), *, need_data: bool = True, need_model: bool = True,
+    model_checks: Optional[Callable[[RunConfig], list[str]]] = None,
 ) -> RunConfig:
     """Read, override, validate and check a run config; raise ConfigError listing every problem.
-    `need_model=False`: the model's files need not exist (`vramfit plan --model NAME`)."""
+    `need_model=False`: the model's files need not exist (`vramfit plan --model NAME`).
+    `model_checks(cfg)`: the problems the models layer sees in a valid config (the caller's, as this
+    layer knows no model: models/names.py), listed with the rest."""
     source = str(path) if path else "config"
     data = _read(Path(path), source) if path is not None else {}
     problems = apply_overrides(data, overrides)
@@ -261,8 +248,8 @@ def load_config(
     except ValidationError as exc:
         problems += _describe_all(exc.errors())
     problems += check_paths(data, need_data=need_data, need_model=need_model)
-    if cfg is not None and not problems and need_model:
-        problems += _family_problems(cfg)
+    if cfg is not None and model_checks is not None:
+        problems += model_checks(cfg)
     if problems or cfg is None:
         raise ConfigError(problems, source)
     for note in cfg.start_warnings():

@@ -14,8 +14,6 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vramfit.models.tiny_names import TINY_MODELS
-
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -62,8 +60,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field(
         "tiny:ssd1b",
-        description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, or "
-        + " / ".join(f"tiny:{name}" for name in TINY_MODELS) + ".",
+        description="A single-file .safetensors, a diffusers folder, a Hugging Face repo id, or a "
+        "tiny model vramfit builds for tests and the demo (tiny:<name>; the error for an unknown "
+        "one lists them).",
     )
     family: Literal["auto", "sdxl", "sd3"] = Field(
         "auto", description="Model family; auto reads it from the checkpoint."

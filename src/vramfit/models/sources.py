@@ -17,7 +17,7 @@ from vramfit.config.load import default_cache_root
 from vramfit.config.schema import ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, commit_folder, temp_path
 from vramfit.models.adapter import Source
-from vramfit.models.tiny_names import unknown_tiny
+from vramfit.models.names import unknown_tiny
 from vramfit.models.tiny_sd3 import materialize_tiny
 
 # Files of a diffusers SDXL repo that training needs; weights in safetensors only.

@@ -18,7 +18,7 @@ from vramfit.formats.clip import hf_to_openclip, to_sgm_clip_keys
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic, write_text_atomic
 from vramfit.formats.sgm_unet import diffusers_to_sgm_unet
-from vramfit.models.tiny_names import TINY_MODELS, unknown_tiny
+from vramfit.models.names import TINY_MODELS, unknown_tiny
 
 TINY_NAMES = tuple(name for name, family in TINY_MODELS.items() if family == "sdxl")
 _FORMAT = "1"  # bump when the tiny architectures or the way they are written change

@@ -19,7 +19,7 @@ from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic
 from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit
 from vramfit.models.tiny import materialize, shipped_config, write_tiny_tokenizers
-from vramfit.models.tiny_names import TINY_MODELS, unknown_tiny
+from vramfit.models.names import TINY_MODELS, unknown_tiny
 
 _FORMAT = "2"  # bump when the tiny SD3 architecture or the way it is written changes
 TRANSFORMER = "model.diffusion_model."
