@@ -146,7 +146,8 @@ class CacheConfig(_Section):
     vae_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="VAE precision while encoding (SDXL's VAE overflows in fp16)."
     )
-    vae_tiling: bool = Field(False, description="Tiled VAE encoding: bounded memory, slower.")
+    vae_tiling: bool = Field(False, description="Encode images in tiles of half the VAE's sample size (512 px for "
+                             "SDXL and SD3): bounded memory, slower, slight seams.")
 
 
 class LoraSettings(_Section):
