@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from conftest import train_args
 from vramfit.cli import main
 from vramfit.config.load import load_config
+from vramfit.memory.checkpointing import graph_safe_checkpoint
 from vramfit.optim.in_backward import RecordedSums
 from vramfit.train import graphs
 
@@ -441,7 +442,7 @@ def test_graph_safe_checkpoint_gives_the_gradients_of_no_checkpointing():
     block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     x = torch.randn(4, 8, requires_grad=True)
     direct = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
-    checked = torch.autograd.grad(graphs.graph_safe_checkpoint(block, x).square().sum(), [x, *block.parameters()])
+    checked = torch.autograd.grad(graph_safe_checkpoint(block, x).square().sum(), [x, *block.parameters()])
     for a, b in zip(direct, checked):
         torch.testing.assert_close(a, b)
 

@@ -35,6 +35,12 @@ def checkpoint_block(module: Callable, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
+def graph_safe_checkpoint(module: Callable, *args, **kwargs):
+    """Gradient checkpointing without saving the RNG state, which a CUDA graph recording cannot do
+    (exact: the denoisers draw no random numbers in their blocks)."""
+    return checkpoint_block(module, *args, preserve_rng_state=False, **kwargs)
+
+
 class PartialCheckpoint:
     """A checkpointing function for diffusers' `enable_gradient_checkpointing` that recomputes a
     `share` (0 < share < 1) of the blocks with `checkpoint` and runs the rest directly."""
@@ -81,13 +87,8 @@ def recomputed_blocks(share: float, count: int) -> list[bool]:
 def checkpointing_function(setting: bool | float, graph_safe: bool) -> Callable:
     """The function to give `enable_gradient_checkpointing` for train.gradient_checkpointing =
     `setting` (true or a share; false never checkpoints). `graph_safe`: under train.cuda_graphs,
-    a checkpoint that saves no RNG state (train/graphs.py `graph_safe_checkpoint`)."""
+    a checkpoint that saves no RNG state (`graph_safe_checkpoint`)."""
     if setting is False:
         raise ValueError("gradient checkpointing is off: there is no checkpointing function to give")
-    if graph_safe:
-        from vramfit.train.graphs import graph_safe_checkpoint
-
-        inner = graph_safe_checkpoint
-    else:
-        inner = checkpoint_block
+    inner = graph_safe_checkpoint if graph_safe else checkpoint_block
     return inner if setting is True else PartialCheckpoint(float(setting), inner)

@@ -65,7 +65,7 @@ What a replay needs, and how a run provides it:
   compiled kernels, and a replay skips the guards that select them: the signature, shapes
   included, is what they guard, and it is the recording's key.
 - no host work inside the recording: gradient checkpointing runs without saving and restoring
-  the RNG state (`graph_safe_checkpoint`), which is exact because the denoisers draw no random
+  the RNG state (memory/checkpointing.py `graph_safe_checkpoint`), which is exact because the denoisers draw no random
   numbers in their forward (LoRA dropout would: refused).
 
 Memory: the recordings' activations live in a pool of their own, which eager work (the optimizer
@@ -87,7 +87,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from vramfit.memory.checkpointing import checkpoint_block
 from vramfit.memory.offload import streamer_of
 
 log = logging.getLogger("vramfit")
@@ -97,11 +96,6 @@ def check_device(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"train.cuda_graphs records CUDA graphs and needs a CUDA device; this run's device "
                          f"is {device}. Set train.cuda_graphs = false (or train.device to a GPU)")
-
-
-def graph_safe_checkpoint(module: Callable, *args, **kwargs):
-    """Gradient checkpointing without saving the RNG state, which a graph recording cannot do."""
-    return checkpoint_block(module, *args, preserve_rng_state=False, **kwargs)
 
 
 class _Flat(torch.nn.Module):
