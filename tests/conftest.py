@@ -19,6 +19,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SIZE = 64  # image side for training tests: 8x8 latents keep each step in milliseconds
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs a GPU carries @pytest.mark.gpu: skipped here, in one place, without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vramfit-cache")

@@ -156,7 +156,7 @@ def test_an_unknown_device_lists_the_valid_ones(capsys, base, device):
     assert f"train.device: {device!r} is not a device vramfit trains on; use auto, cpu, cuda or cuda:N" in err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_a_gpu_index_beyond_the_machine_is_named(capsys, base):
     count = torch.cuda.device_count()
     err = _refused(capsys, [*base, f"train.device=cuda:{count}"])

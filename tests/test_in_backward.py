@@ -516,7 +516,7 @@ def test_cli_in_backward_keeps_the_nonfinite_policy(images, tmp_path, capsys):
     assert item in err and "not finite" in err and "Nothing of this step was applied" in err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_on_a_gpu_chunks_follow_the_run_device_and_match_the_whole_step(device, monkeypatch):
     """The run's device as the loop names it ("cuda" or "cuda:0") and weights on the current GPU:

@@ -336,7 +336,7 @@ def _one_cuda_step(images, out, cache, *sets: str):
     return result
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_streamed_step_same_loss_lower_peak(images, tmp_path, cache_root):
     """On the GPU: the streamed weights and their gradients are pinned CPU tensors after a step,
     the loss is the plain run's, and the step's peak allocation is lower."""

@@ -9,7 +9,7 @@ import torch
 
 from vramfit.memory.stochastic_rounding import copy_stochastic_, stochastic_round
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _gen(device, seed=0):

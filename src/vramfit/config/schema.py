@@ -102,13 +102,21 @@ class DataConfig(_Section):
         None, min_length=1, description="DreamBooth: use this prompt for every image (caption "
         "files are then not needed), e.g. \"a photo of sks dog\".")
     resolution: int = Field(1024, ge=64, le=4096, description="Base bucket side in pixels.")
-    bucket_step: int = Field(64, ge=8, le=512)
-    max_aspect: float = Field(4.0, ge=1.0, le=8.0)
+    bucket_step: int = Field(64, ge=8, le=512, description="Bucket sides are multiples of this many "
+                             "pixels (of 8, and of 16 for SD3; it divides data.resolution). A smaller step "
+                             "makes more buckets, closer to each image's aspect ratio, so less is cropped.")
+    max_aspect: float = Field(4.0, ge=1.0, le=8.0, description="Largest aspect ratio (long side over short) "
+                              "of a bucket; a more elongated image goes to the most elongated bucket and is "
+                              "cropped to it.")
     min_size: int = Field(256, ge=1, le=65536, description="Images with a shorter side are skipped.")
     max_pixels: int = Field(178_956_970, ge=1, le=2**40, description="Larger images are skipped unopened "
                             "(decompression-bomb guard; PIL's own default limit).")
-    random_crop: bool = False
-    shuffle: bool = True
+    random_crop: bool = Field(False, description="Crop each image to its bucket at a random offset "
+                              "instead of the centre: one offset per image, fixed by train.seed, so its "
+                              "cached latent is reused (SDXL's crop conditioning records the offset).")
+    shuffle: bool = Field(True, description="Train the images of each bucket, and the batches, in a new "
+                          "order every epoch, seeded by train.seed; false: bucket by bucket in the order "
+                          "they were read.")
 
     @field_validator("caption_extension")
     @classmethod
@@ -151,10 +159,14 @@ class CacheConfig(_Section):
 
 
 class LoraSettings(_Section):
-    rank: int = Field(4, ge=1, le=1024)
+    rank: int = Field(4, ge=1, le=1024, description="Rank r of each adapted layer's update (two matrices "
+                      "of r rows or columns): a higher rank can learn more and costs memory and file size in "
+                      "proportion.")
     alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator; default: the rank "
                                    "(scale 1).")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on each LoRA branch's "
+                           "input while training (peft's lora_dropout); 0 turns it off. Not with "
+                           "train.cuda_graphs, which \"auto\" then leaves off.")
     targets: list[str] = Field(
         ["to_q", "to_k", "to_v", "to_out.0"],
         description='Module name suffixes to adapt, or ["all_linear"] for every linear layer of '
@@ -172,18 +184,27 @@ class LoraSettings(_Section):
 class TrainConfig(_Section):
     mode: Literal["full", "lora"] = Field("full", description="Train all denoiser weights, or a LoRA.")
     steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps.")
-    batch_size: int = Field(1, ge=1, le=4096)
+    batch_size: int = Field(1, ge=1, le=4096, description="Images per micro-batch, all of one bucket (a "
+                            "bucket's last batch of an epoch may be smaller); with prior preservation each "
+                            "batch carries as many class images besides.")
     grad_accum: int = Field(1, ge=1, le=10**6, description="Micro-batches per optimizer step.")
-    lr: float = Field(1e-5, gt=0, le=1.0)
+    lr: float = Field(1e-5, gt=0, le=1.0, description="Learning rate: its value after train.warmup_steps, "
+                      "which train.lr_scheduler keeps or lowers from there.")
     optimizer: Literal["adafactor", "adamw", "adamw8bit"] = Field(
         "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
         "(a quarter of AdamW's state; the write-up's --use_8bit_adam).")
-    weight_decay: float = Field(0.0, ge=0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0, le=10.0, description="Decoupled weight decay: every step "
+                                "multiplies each trained weight by 1 - lr * weight_decay (every optimizer); "
+                                "0 turns it off.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1).")
-    eps: float = Field(1e-8, gt=0, le=1.0)
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0, le=10**9)
+    eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's term added to the second moment's square "
+                       "root in the update's denominator (adamw and adamw8bit; Adafactor has no use for it).")
+    lr_scheduler: Literal["constant", "cosine"] = Field(
+        "constant", description="constant: the learning rate rises linearly over train.warmup_steps, then "
+        "stays at train.lr; cosine: after the same warm-up it falls along a half cosine to 0 at train.steps.")
+    warmup_steps: int = Field(0, ge=0, le=10**9, description="Optimizer steps over which the learning rate "
+                              "rises linearly from 0 to train.lr; fewer than train.steps.")
     precision: Literal["full_bf16", "mixed_bf16", "fp32"] = Field(
         "full_bf16",
         description="full_bf16: weights and grads in bf16 (the optimizer computes each update in "
@@ -241,11 +262,16 @@ class TrainConfig(_Section):
                                  "0 disables.")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
         "logit_normal", description="SD3 flow matching: timestep density (and cosmap's loss weight).")
-    logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
-    logit_std: float = Field(1.0, gt=0, le=10.0)
+    logit_mean: float = Field(0.0, ge=-10.0, le=10.0, description="SD3, weighting_scheme logit_normal: mean "
+                              "of the normal whose sigmoid picks each sample's timestep; above 0 favours "
+                              "less noisy timesteps, below 0 noisier ones.")
+    logit_std: float = Field(1.0, gt=0, le=10.0, description="SD3, weighting_scheme logit_normal: standard "
+                             "deviation of that normal; smaller gathers the timesteps around the one "
+                             "logit_mean picks, larger spreads them toward both ends.")
     mode_scale: float = Field(1.29, ge=-1.0, le=MODE_SCALE_MAX, description="SD3's mode density; "
                               f"between -1 and 2/(pi-2) = {MODE_SCALE_MAX:.4f}, where it stays a density.")
-    seed: Seed = 42
+    seed: Seed = Field(42, description="Seed of the run's random draws: the batch order, random crops, each "
+                       "micro-batch's noise and timesteps, a LoRA's initial weights and stochastic rounding.")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
     cpu_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
         "auto", description="Threads torch computes with when the run (or its caching) is on the CPU. "
@@ -303,8 +329,15 @@ class SaveConfig(_Section):
         "kohya/A1111/ComfyUI). Default: single_file; for a LoRA run, every LoRA format the family "
         "writes, its primary one as <name>.safetensors (SDXL family: lora_kohya, with lora as "
         "<name>-diffusers.safetensors; SD3: lora).")
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Precision of the trained denoiser written in single_file and diffusers "
+        "checkpoints; the VAE and text encoders carried over keep the source's dtypes, and LoRA files "
+        "are written in fp32.")
+    name: str = Field("model", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Base name of the "
+                      "files written to output.dir: <name>.safetensors (a LoRA's second format beside it "
+                      "as <name>-diffusers.safetensors or <name>-kohya.safetensors), the <name>-diffusers "
+                      "folder, <name>-stepNNNNNN for intermediate saves and the memory report "
+                      "<name>.memory.json. Letters, digits, '.', '_' and '-'.")
     state_every_steps: int = Field(
         0, ge=0, description="Save a resumable training state every N steps (also written at "
         "the end and on Ctrl-C/SIGTERM); 0: every_steps when set, else only end and interrupt.")
@@ -313,7 +346,10 @@ class SaveConfig(_Section):
 
 
 class OutputConfig(_Section):
-    dir: str = "output"
+    dir: str = Field("output", description="Folder of the run, created when missing: checkpoints, the "
+                     "resolved config.toml, run.json, the memory report, training states (state/), "
+                     "TensorBoard logs (logs/), sample grids (samples/) and, by default, DreamBooth "
+                     "class images.")
 
 
 class MemoryConfig(_Section):
@@ -348,7 +384,7 @@ class MemoryConfig(_Section):
         "to the host in forward and one back in backward for each saved tensor.")
     vram_budget: Optional[str] = Field(
         None, description="GPU memory the run may use, e.g. \"8GiB\", \"7.5GB\", \"6144MiB\" or a "
-        "number of bytes. vramfit then predicts each phase's peak (memory/planner.py) and chooses the "
+        "number of bytes. vramfit then predicts each phase's peak (fit/planner.py) and chooses the "
         "fastest combination of the memory settings you did not set yourself that fits with a margin; "
         "`vramfit plan` shows the choice. Settings you set are never changed.")
     fit_probe: bool = Field(
@@ -366,9 +402,12 @@ class MemoryConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "vramfit"
+    tensorboard: bool = Field(True, description="Write the loss, learning rate, step time and images per "
+                              "second of every step as TensorBoard events in <output.dir>/logs.")
+    wandb: bool = Field(False, description="Log the same values, and the run's config, to Weights & Biases "
+                        "(needs `pip install wandb`).")
+    wandb_project: str = Field("vramfit", description="The Weights & Biases project the run is logged to "
+                               "(logging.wandb).")
     progress: bool = Field(True, description="Progress bars on stderr; --no-progress turns them off too.")
 
 
@@ -388,7 +427,9 @@ class PriorConfig(_Section):
     steps: int = Field(25, ge=1, le=1000, description="Sampling steps per generated class image.")
     guidance: Optional[float] = Field(None, ge=0, le=100.0, description="Guidance scale; default: the "
                                       "family's.")
-    negative_prompt: Optional[str] = None
+    negative_prompt: Optional[str] = Field(None, description="Negative prompt of the generated class "
+                                           "images, which guidance above 1 steers away from; default: "
+                                           "the empty prompt.")
     seed: Seed = Field(0, description="Seed of the first generated class image (the next ones count up).")
 
 
@@ -402,7 +443,8 @@ class SampleConfig(_Section):
     steps: int = Field(20, ge=1, le=1000, description="Sampling steps.")
     guidance: Optional[float] = Field(None, ge=0, le=100.0, description="Guidance scale; default: the "
                                       "family's.")
-    negative_prompt: Optional[str] = None
+    negative_prompt: Optional[str] = Field(None, description="Negative prompt of the sample grids, which "
+                                           "guidance above 1 steers away from; default: the empty prompt.")
     width: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
     height: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
 
