@@ -103,7 +103,7 @@ def denoiser_call(name: str, batch: int, lat: int, dtype: torch.dtype):
 def main() -> None:
     from diffusers import AutoencoderKL
 
-    from vramfit.memory.planner import _ACTIVATIONS
+    from vramfit.fit.planner import _ACTIVATIONS
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")

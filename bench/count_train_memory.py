@@ -8,7 +8,7 @@ a UNet's resnets and transformer blocks, SD3's joint blocks; the rest (the layer
 the embeddings) under "other". Weights are left out. Attention is counted as the fused kernel
 saves it on a GPU: query, key, value, output and an fp32 log-sum-exp per query.
 
-It prints, per kind, bytes per element of the blocks' inputs as memory/planner.py counts them
+It prints, per kind, bytes per element of the blocks' inputs as fit/planner.py counts them
 (`_ACTIVATIONS`): the planner's full-bf16 constants for blocks kept without checkpointing.
 Mixed precision (autocast) cannot run on the meta device; its constants stay fitted.
 
@@ -83,7 +83,7 @@ def _count(lat: int, dtype: torch.dtype) -> dict:
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
-    from vramfit.memory.planner import _ACTIVATIONS
+    from vramfit.fit.planner import _ACTIVATIONS
 
     results = {}
     with torch.device("meta"):

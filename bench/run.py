@@ -249,7 +249,7 @@ def vramfit_row(case: Case, report: dict, images_per_step: int) -> dict:
 
 
 def planner_choice(lines: list[str]) -> Optional[str]:
-    """What memory/planner.py logged it chose under memory.vram_budget: its reasons, else its peak line."""
+    """What fit/planner.py logged it chose under memory.vram_budget: its reasons, else its peak line."""
     texts = [line.split(": ", 1)[-1] for line in lines]
     start = next((i for i, t in enumerate(texts) if t.startswith("memory.vram_budget")), None)
     if start is None:

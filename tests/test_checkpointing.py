@@ -16,8 +16,8 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.memory import checkpointing
 from vramfit.memory.checkpointing import PartialCheckpoint
-from vramfit.memory.model_facts import facts_for_layout
-from vramfit.memory.planner import GIB, choose, predict
+from vramfit.fit.model_facts import facts_for_layout
+from vramfit.fit.planner import GIB, choose, predict
 
 
 @pytest.mark.parametrize("share,every", [(0.25, 4), (0.5, 2), (0.75, None)])
@@ -146,7 +146,7 @@ def test_the_full_bf16_unet_constants_are_the_counted_ones():
     blocks included (the tool counts them apart, under "other")."""
     import sys
 
-    from vramfit.memory.planner import _CONSTANTS
+    from vramfit.fit.planner import _CONSTANTS
 
     bench = str(Path(__file__).resolve().parent.parent / "bench")
     sys.path.insert(0, bench)
@@ -183,13 +183,13 @@ def test_the_planner_never_offloads_beside_a_share_the_user_set():
 
 @pytest.mark.parametrize("layout", ["tiny_ssd1b_unet", "tiny_sdxl_unet", "tiny_sd3_transformer"])
 def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout):
-    """memory/planner.py predicts a share from its own list of the checkpointable blocks; it must
+    """fit/planner.py predicts a share from its own list of the checkpointable blocks; it must
     be the list diffusers calls the checkpointing function with: the same blocks, in the same
     order, with the inputs it counts (SD3: the image tokens of each joint block; the planner's
     count adds the text tokens, the block's other input)."""
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
-    from vramfit.memory.planner import sd3_activations, sdxl_activations
+    from vramfit.fit.planner import sd3_activations, sdxl_activations
     from vramfit.models.tiny import shipped_config
 
     config = {k: v for k, v in shipped_config(layout).items() if not k.startswith("_")}

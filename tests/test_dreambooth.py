@@ -143,8 +143,8 @@ def test_switched_off_or_impossible_prior_and_sample_settings_are_refused(images
 
 def test_the_planner_counts_the_class_images_in_each_batch():
     from vramfit.config.schema import RunConfig
-    from vramfit.memory.model_facts import read_facts
-    from vramfit.memory.planner import predict
+    from vramfit.fit.model_facts import read_facts
+    from vramfit.fit.planner import predict
 
     # at 1024 the end of forward (saved activations), not the optimizer step, makes the tiny model's peak
     plain = RunConfig.model_validate({"model": {"path": "tiny:sd3"}, "train": {"batch_size": 2},

@@ -19,9 +19,8 @@ from vramfit.cli import main
 from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
 from vramfit.memory import encoder_stream
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.encoder_stream import (WINDOW, EncoderStreamer, HostLookup, encoder_device_bytes, encoder_layers,
-                                           encoder_on, plain_parts)
-from vramfit.memory.model_facts import encoder_bytes, read_facts
+from vramfit.fit.model_facts import encoder_bytes, encoder_device_bytes, read_facts
+from vramfit.memory.encoder_stream import WINDOW, EncoderStreamer, HostLookup, encoder_layers, encoder_on, plain_parts
 from vramfit.memory.quantize import QuantizedLinear, storage_bytes
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
@@ -173,7 +172,7 @@ def test_a_window_of_one_layer(cache_root, monkeypatch, model, precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "nf4"])
 def test_planner_bytes_of_a_streamed_t5(cache_root, precision):
-    """memory/planner.py's streamed T5 (from header facts) against the streamer on the loaded
+    """fit/planner.py's streamed T5 (from header facts) against the streamer on the loaded
     encoder, one layer at a time (the tiny T5 has two): never below, at most 10% above (norms
     count as resident; the nf4 absmax estimate is above torchao's double-quantized one)."""
     _, bundle = _bundle(cache_root, "tiny:sd3", precision, widen=False)  # as on a GPU: T5 in bf16
@@ -272,7 +271,7 @@ def _peak_of(fn) -> tuple[torch.Tensor, int]:
     return out, torch.cuda.max_memory_allocated() - start
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_t5_token_table_is_not_on_the_gpu():
     from transformers import T5Config, T5EncoderModel
 
@@ -294,7 +293,7 @@ def test_cuda_t5_token_table_is_not_on_the_gpu():
     assert peak <= whole_peak - tensor_bytes(t5.get_input_embeddings().weight)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "int8", "nf4"])
 def test_cuda_streamed_t5_same_output_lower_peak(precision):
     """On the GPU, a 6-layer T5 (bf16, or quantized): the streamed output matches the whole

@@ -343,7 +343,7 @@ def graphs_by_default_on_the_cpu(monkeypatch):
     """The default resolves on and the fit probe measures the recorded step over the GPU (stand-ins:
     the run trains on the CPU, graphed through the stand-in recording); returns the probes' settings."""
     from vramfit.config.schema import RunConfig
-    from vramfit.memory import probe
+    from vramfit.fit import probe
 
     probed: list = []
 
@@ -413,8 +413,8 @@ def test_moving_a_quantized_weight_counts_as_the_weights_moving():
 
 
 def test_the_planner_leaves_out_what_cuda_graphs_refuses():
-    from vramfit.memory.model_facts import facts_for_layout
-    from vramfit.memory.planner import free_knobs
+    from vramfit.fit.model_facts import facts_for_layout
+    from vramfit.fit.planner import free_knobs
 
     facts = facts_for_layout("ssd1b")
     cfg = load_config(None, ["model.path=tiny:ssd1b"], need_data=False)
@@ -600,10 +600,10 @@ def test_graphs_the_planner_chose_that_do_not_fit_are_turned_off(images, tmp_pat
     """Under memory.vram_budget the planner sets train.cuda_graphs; the user did not ask for them,
     so a recorded step the probe finds too large falls back as the default's does. (The planner
     offers graphs where a GPU is there: it is made to see one; the run still trains on the CPU.)"""
-    from vramfit.train import setup
+    from vramfit import run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(setup, "pick_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(run, "pick_device", lambda name: torch.device("cpu"))
     with caplog.at_level("INFO", logger="vramfit"):
         assert main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
                                "train.optimizer=adamw", "memory.vram_budget=64GiB")) == 0
@@ -637,7 +637,7 @@ def test_config_toml_keeps_the_default_undecided_and_says_what_it_resolved_to(tm
 
 def test_when_neither_step_fits_the_error_gives_both_measurements(images, tmp_path, cache_root, capsys,
                                                                   graphs_by_default_on_the_cpu, monkeypatch):
-    from vramfit.memory import probe
+    from vramfit.fit import probe
 
     def fake_probe(family, bundle, cfg, device, buckets, **kwargs):
         graphs_by_default_on_the_cpu.append(cfg.train.cuda_graphs)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from conftest import train_args
 from vramfit.cli import main
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 def _train(images, out, cache, model, *extra):
@@ -178,7 +178,7 @@ def test_graphs_on_by_default_fall_back_when_only_the_step_without_them_fits(ima
     """train.cuda_graphs left to its default: where the fit probe finds the recorded step over
     the GPU's memory and the step without graphs under it, the run trains without graphs and
     config.toml says so. The GPU's size is made to fall between the two measured peaks."""
-    from vramfit.memory import probe
+    from vramfit.fit import probe
 
     peaks: list[int] = []
     measure = probe.fit_probe

@@ -5,7 +5,7 @@ import torch
 from diffusers import DDPMScheduler
 
 from vramfit.models.tiny import shipped_config
-from vramfit.train.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.models.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
 
 
 def _sched():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vramfit.cli import main
-from vramfit.memory.model_facts import facts_for_layout
+from vramfit.fit.model_facts import facts_for_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 SSD1B = ROOT / "examples" / "ssd1b_full_8gb.toml"

@@ -15,10 +15,10 @@ from conftest import SIZE, train_args
 from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.model_facts import facts_for_layout, read_facts
-from vramfit.memory.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, choose, device_terms,
+from vramfit.fit.model_facts import facts_for_layout, read_facts
+from vramfit.fit.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, choose, device_terms,
                                     free_knobs, predict, with_values)
-from vramfit.memory.probe import SYNTHETIC_BATCHES
+from vramfit.fit.probe import SYNTHETIC_BATCHES
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.optim.base import state_bytes
@@ -77,7 +77,7 @@ def test_weights_gradients_and_state_are_predicted_to_the_byte(model, train, lor
 
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw", "adafactor"])
 def test_optimizer_state_bytes_of_large_tensors(optimizer):
-    from vramfit.memory.model_facts import state_bytes as predicted_state
+    from vramfit.fit.model_facts import state_bytes as predicted_state
 
     params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
               for shape in ((64, 128), (32, 16, 3, 3), (300,), (40, 50))]  # 8-bit blocks and not
@@ -152,7 +152,7 @@ def test_streamed_weights_stepped_on_the_device_bring_their_state_and_a_unit_of_
     after = device_terms(read_facts(_cfg(**sets)), _cfg(**sets))
     inside = _cfg(**sets, train={"optimizer": "adafactor", "optimizer_in_backward": True})
     here = device_terms(read_facts(inside), inside)
-    from vramfit.memory.model_facts import state_bytes as predicted_state
+    from vramfit.fit.model_facts import state_bytes as predicted_state
 
     _, _, streamer = _placed(inside)
     streamed_state = sum(predicted_state("adafactor", p.numel(), tuple(p.shape), 2) for p in streamer.trainable)
@@ -169,7 +169,7 @@ def test_streamed_weights_stepped_on_the_device_bring_their_state_and_a_unit_of_
 def test_several_processes_never_get_settings_that_do_not_compose(ssd1b, monkeypatch):
     """Under a launcher with 2 processes the planner leaves out the step in backward and streamed
     weights (data-parallel training refuses both), so what it chooses always composes."""
-    from vramfit.memory.planner import free_knobs
+    from vramfit.fit.planner import free_knobs
     from vramfit.train.distributed import composition_problems
 
     single = {k.key for k in free_knobs(_cfg(**FULL_1024), ssd1b)}
@@ -376,7 +376,7 @@ def test_adafactor_in_backward_temporaries_are_one_chunk_of_the_largest_tensor(s
     """SD3-M's largest trained tensor is an AdaLN linear of 14.2 M values: stepped in backward by
     Adafactor and AdamW (bf16 weights) in chunks of 4 Mi values, by AdamW8bit whole (its packs
     reach that tensor's size)."""
-    from vramfit.memory.planner import IN_BACKWARD_TEMP_SHARE as SHARE, STEP_TEMP_BYTES as BYTES
+    from vramfit.fit.planner import IN_BACKWARD_TEMP_SHARE as SHARE, STEP_TEMP_BYTES as BYTES
     from vramfit.optim.base import ParamOptimizer
 
     def temps(optimizer):
@@ -420,7 +420,7 @@ def test_streamed_weights_set_by_hand_step_in_backward_and_after_it_only_where_n
 def test_the_samples_phase_counts_the_grid_in_the_dtype_the_grid_runs_in(mode, precision, base):
     """train/samples.py runs a grid's encoders and VAE in `grid_dtype` of the placed denoiser (a
     LoRA's base: fp32 unless full_bf16); the planner's samples phase counts that width."""
-    from vramfit.memory.planner import grid_item_bytes
+    from vramfit.fit.planner import grid_item_bytes
     from vramfit.train.samples import grid_dtype
 
     cfg = _cfg(model={"path": "tiny:ssd1b"}, train={"mode": mode, "precision": precision},
@@ -452,7 +452,7 @@ def test_tiled_encoding_is_predicted_per_tile(ssd1b):
     """With cache.vae_tiling the encoder runs on tiles of half the VAE's sample_size (512 px for
     SDXL's VAE, whose 1024 would leave a 1024 px image whole): the prediction counts one tile and
     the rest of the image waiting, well under the whole image's."""
-    from vramfit.memory.planner import VAE_BYTES_PER_PIXEL
+    from vramfit.fit.planner import VAE_BYTES_PER_PIXEL
 
     def latents(**cache):
         cfg = _cfg(data={"resolution": 1024, "max_aspect": 1.0}, cache=cache)
@@ -536,3 +536,118 @@ def test_the_planned_tile_is_the_tile_encoded_and_part_of_the_cache_key():
     small, large = _texture_vae(128)[0], _texture_vae(256)[0]
     assert key(small, False) == key(large, False)
     assert len({key(small, False), key(small, True), key(large, True)}) == 3
+
+
+# ---- the fitted constants: src/vramfit/fit/calibration.json -----------------------------------------
+
+def _plan_check():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plan_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return plan_check
+
+
+def _numbers(value) -> bool:
+    """A number, or a table of numbers (or of ActivationConstants): what a fitted constant looks like."""
+    from vramfit.fit.planner import ActivationConstants
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if isinstance(value, dict):
+        return bool(value) and all(number(v) or isinstance(v, ActivationConstants) for v in value.values())
+    return number(value)
+
+
+def test_every_fitted_constant_comes_from_calibration_json():
+    """The planner's constants are calibration.json's values, each with its unit, what it is and
+    what it was fitted to; none is written in the code, and the module's docstring names no commit
+    or machine."""
+    from vramfit.fit import planner
+
+    data = json.loads(planner.CALIBRATION.read_text())
+    values = planner.calibration_values(data)
+    for name, value in values.items():
+        assert getattr(planner, name) == value and type(getattr(planner, name)) is type(value), name
+    structural = {"GIB", "MIB", "MARGIN", "TEXT_CHUNK", "VAE_IMAGE_CHANNELS", "_UNITS"}  # no fit in them
+    in_code = {name for name, v in vars(planner).items() if name.lstrip("_").isupper() and _numbers(v)}
+    assert in_code - structural - set(values) == set()
+    for name, entry in data["constants"].items():
+        assert entry["unit"] and entry["what"] and entry["fitted_to"] and "rows" in entry["errors"], name
+    assert planner.TEXT_WORKSPACE == data["constants"]["TEXT_WORKSPACE"]["value"] * 2**20  # MiB in the file
+    assert set(planner.STREAM_SLOTS) == {False, True}
+    assert not re.search(r"\b[0-9a-f]{7}\b|machines? [A-Z]", planner.__doc__)
+    missing = {**data, "constants": {k: v for k, v in data["constants"].items() if k != "WORKSPACE"}}
+    with pytest.raises(ValueError, match="WORKSPACE"):
+        planner.calibration_values(missing)
+    extra = {**data, "constants": {**data["constants"], "NEW_SHARE": data["constants"]["STREAM_GRAD_SHARE"]}}
+    with pytest.raises(ValueError, match="NEW_SHARE"):
+        planner.calibration_values(extra)
+
+
+def test_calibration_json_records_todays_prediction_of_every_compared_bench_phase():
+    """Its errors hold the planner's prediction, to the byte, of every phase of docs/bench that
+    bench/plan_check.py compares: a change of a value or of the model shows here until the file
+    is regenerated."""
+    from vramfit.fit.planner import CALIBRATION
+
+    plan_check = _plan_check()
+    data = json.loads(CALIBRATION.read_text())
+    recorded = {(row["report"], row.get("case"), row["phase"]): (row["predicted"], row["measured"])
+                for entry in data["constants"].values() for row in entry["errors"]["rows"]}
+    today = {}
+    reports = sorted(path for path in (ROOT / "docs" / "bench").glob("*.json") if plan_check.runs(path))
+    assert data["reports"] == [path.relative_to(ROOT).as_posix() for path in reports]
+    for path in reports:
+        for _, run in plan_check.runs(path):
+            for phase, pred, meas in plan_check.check_run(run, None, None):
+                if not plan_check.not_compared(run, phase, pred, meas):
+                    today[path.relative_to(ROOT).as_posix(), run.get("case"), phase] = (pred, meas)
+    assert len(today) >= 200
+    changed = {key: (recorded.get(key), now) for key, now in today.items() if recorded.get(key) != now}
+    assert not changed and recorded.keys() == today.keys(), (
+        "regenerate: python bench/plan_check.py docs/bench/*.json --write-calibration "
+        "src/vramfit/fit/calibration.json", changed)
+
+
+def test_plan_check_rewrites_the_errors_of_a_calibration_file_and_keeps_its_values(tmp_path, capsys):
+    """--write-calibration plans with the file's own values, lists under each constant the phases
+    whose prediction depends on it, keeps everything else, and writes the same file twice."""
+    from vramfit.fit import planner
+
+    plan_check = _plan_check()
+    shipped = json.loads(planner.CALIBRATION.read_text())
+    data = json.loads(planner.CALIBRATION.read_text())
+    data["constants"]["WORKSPACE"]["value"] += 1  # MiB
+    target = tmp_path / "calibration.json"
+    target.write_text(json.dumps(data))
+    report = ROOT / "docs" / "bench" / "ssd1b_accum1.json"
+    args = [str(report), "--write-calibration", str(target)]
+    assert plan_check.main(args) == 0
+    first = target.read_text()
+    assert plan_check.main(args) == 0
+    assert target.read_text() == first
+    written = json.loads(first)
+    assert written["reports"] == ["docs/bench/ssd1b_accum1.json"] and written["about"] == data["about"]
+    for name, entry in data["constants"].items():
+        kept = {k: v for k, v in written["constants"][name].items() if k != "errors"}
+        assert kept == {k: v for k, v in entry.items() if k != "errors"}, name
+
+    def rows(source: dict, name: str) -> dict:
+        return {row["phase"]: row for row in source["constants"][name]["errors"]["rows"]
+                if row["report"] == "docs/bench/ssd1b_accum1.json"}
+
+    assert rows(written, "WORKSPACE").keys() == {"train"}  # not the save phase, which has its own
+    assert rows(written, "SAVE_WORKSPACE").keys() == {"save"}
+    assert rows(written, "TEXT_WORKSPACE") == {}  # the report measured no text phase
+    more = rows(written, "WORKSPACE")["train"]["predicted"] - rows(shipped, "WORKSPACE")["train"]["predicted"]
+    assert more == 2**20  # planned with the file's WORKSPACE
+    assert rows(written, "SAVE_WORKSPACE") == rows(shipped, "SAVE_WORKSPACE")
+    activations = rows(written, "ACTIVATION_CONSTANTS")["train"]["depends_on"]  # SSD-1B: the SDXL family's
+    assert "sdxl.work" in activations and not any(name.startswith("sd3.") for name in activations)
+    assert planner.WORKSPACE == planner.calibration_values(shipped)["WORKSPACE"]  # the planner's own, back
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="missing.json"):
+        plan_check.main([str(report), "--write-calibration", str(tmp_path / "missing.json")])

@@ -1,4 +1,4 @@
-"""The fit probe (memory/probe.py) and the spill warning (memory/spill.py), on the CPU with the
+"""The fit probe (fit/probe.py) and the spill warning (fit/spill.py), on the CPU with the
 measurements injected: the probe's steps really run on a stand-in and leave the real weights
 as they were; a peak over the limit stops with a clear message; the spill watch warns once,
 only near the limit and only when the slowdown persists."""
@@ -9,9 +9,9 @@ import torch
 
 from conftest import SIZE
 from vramfit.config.schema import RunConfig
-from vramfit.memory.planner import GIB
-from vramfit.memory.probe import FitProbeError, fit_probe
-from vramfit.memory.spill import SpillWatch
+from vramfit.fit.planner import GIB
+from vramfit.fit.probe import FitProbeError, fit_probe
+from vramfit.fit.spill import SpillWatch
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 
@@ -136,7 +136,7 @@ def test_slow_first_steps_are_not_counted_and_step_done_times_itself():
     assert SpillWatch.for_device(CPU) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_on_cuda_the_probe_measures_and_gives_its_memory_back():
     cuda = torch.device("cuda")
     cfg, family, bundle = _loaded(model={"path": "tiny:sd3"}, train={"mode": "lora"},

@@ -22,7 +22,7 @@ from vramfit.models.sd3 import CLIP_G, T5, T5_EMBED, TRANSFORMER, SD3Family, lay
 from vramfit.models.sdxl import SDXLFamily
 from vramfit.models.tiny import shipped_config
 from vramfit.models.tiny_sd3 import materialize_sd3
-from vramfit.train import flow
+from vramfit.models import flow
 
 CPU = torch.device("cpu")
 CAPTIONS = ["a red circle", "The blue square on green!"]

@@ -194,14 +194,14 @@ def test_a_kill_while_pruning_leaves_no_half_state_under_a_state_name(trained, t
 
 def test_incomplete_states_are_refused_or_passed_over_and_stale_temps_removed(trained, tmp_path, capsys,
                                                                               caplog, monkeypatch):
-    import vramfit.train.setup as setup
+    import vramfit.run as run
 
     out = _copy(trained["out"], tmp_path / "out")
     (out / "state" / "step-000002" / "optimizer.pt").unlink()  # a save or a removal cut short
     args = train_args(trained["images"], out, trained["cache"], *STATE_SETS)
     capsys.readouterr()
     with monkeypatch.context() as mp:
-        mp.setattr(setup, "prepare", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(run, "prepare", lambda *a, **k: pytest.fail("the model was loaded"))
         assert main(args + ["--resume", str(out / "state" / "step-000002")]) == 2
     err = capsys.readouterr().err
     assert "incomplete (optimizer.pt missing" in err and "Traceback" not in err
@@ -284,15 +284,15 @@ def test_a_cache_entry_damaged_while_training_skips_its_micro_batches(trained, t
             data[-3] ^= 0xFF  # same size, valid header: only the checksum tells
             entry.write_bytes(bytes(data))
 
-    import vramfit.train.setup as setup
+    import vramfit.run as run
 
-    place = setup.place_denoiser
+    place = run.place_denoiser
 
     def damaged_after_caching(*args, **kwargs):  # the cache stage found it whole; training reads it
         damage()
         return place(*args, **kwargs)
 
-    monkeypatch.setattr(setup, "place_denoiser", damaged_after_caching)
+    monkeypatch.setattr(run, "place_denoiser", damaged_after_caching)
     out = tmp_path / "out"
     with caplog.at_level("WARNING"):  # 2 micro-batches over 4 items, 3 damaged: one at least is met
         assert main(train_args(trained["images"], out, cache, "train.steps=2")) == 0
@@ -307,21 +307,21 @@ def test_a_cache_entry_damaged_while_training_skips_its_micro_batches(trained, t
 def test_a_damaged_entry_is_rebuilt_in_place_while_its_encoder_is_loaded(trained, tmp_path, monkeypatch, caplog):
     """With the text cache off the VAE stays loaded: a damaged latent entry is encoded again and
     written back, and the run uses every micro-batch."""
-    import vramfit.train.setup as setup
+    import vramfit.run as run
     from vramfit.data.cache import DiskCache
 
     cache = _copy(trained["cache"], tmp_path / "cache")
     disk = DiskCache(cache / "entries")
     entries = sorted((cache / "entries" / "latents").rglob("*.safetensors"))
     whole = {e: {k: v.clone() for k, v in disk.get("latents", e.stem).items()} for e in entries}
-    place = setup.place_denoiser
+    place = run.place_denoiser
 
     def damaged_after_caching(*args, **kwargs):
         for e in entries:
             e.write_bytes(e.read_bytes()[:100])  # truncated
         return place(*args, **kwargs)
 
-    monkeypatch.setattr(setup, "place_denoiser", damaged_after_caching)
+    monkeypatch.setattr(run, "place_denoiser", damaged_after_caching)
     out = tmp_path / "out"
     with caplog.at_level("WARNING"):
         assert main(train_args(trained["images"], out, cache, "train.steps=1", "cache.text=false")) == 0

@@ -202,3 +202,27 @@ def test_impossible_combinations_are_config_errors(images, capsys, caplog):
     with caplog.at_level("WARNING"):  # a save interval longer than the run: a warning, not an error
         load_config(None, [f"data.path={images}", "train.steps=10", "save.every_steps=50"])
     assert "save.every_steps (50) is larger than train.steps (10)" in caplog.text
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_data_shuffle_decides_the_order(images, tmp_path, cache_root, monkeypatch, shuffle):
+    """data.shuffle = false trains every epoch in the order the scan found (it was read and not used)."""
+    from vramfit.train.data import TrainingData
+
+    orders, batches = [], TrainingData.batches
+
+    def spy(self, batch_size, generator, shuffle_arg):
+        groups = list(batches(self, batch_size, generator, shuffle_arg))
+        orders.append([r.item.key for g in groups for r in g])
+        return iter(groups)
+
+    monkeypatch.setattr(TrainingData, "batches", spy)
+    assert _run(train_args(images, tmp_path / "run", cache_root / "shuffle", f"data.shuffle={str(shuffle).lower()}",
+                           "train.steps=8", "train.batch_size=1")) == 0
+    assert len(orders) >= 2  # two epochs of four images
+    found = sorted(orders[0])
+    if shuffle:
+        assert any(order != found for order in orders)
+    else:
+        assert all(order == found for order in orders)
+

@@ -16,7 +16,6 @@ from typing import Iterator, Optional, Sequence
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vramfit.config import ConfigError, load_config
-from vramfit.models.names import named_model_problems
 
 # Start-up: the modules that train, plan or render import torch and diffusers, so the commands
 # import them only once the config is read: they took 3.2 of the 3.5 s that reporting a bad config
@@ -65,7 +64,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--vram", metavar="SIZE", help="GPU memory to plan for, e.g. 8GiB or 7.5GB")
     layouts = "see vramfit plan --help"
     if command in (None, "plan"):
-        from vramfit.memory.model_facts import shipped_layouts
+        from vramfit.fit.model_facts import shipped_layouts
 
         layouts = ", ".join(shipped_layouts())
     p.add_argument("--model", metavar="NAME", help="plan for a released architecture from its shipped config "
@@ -86,13 +85,20 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _named_model_problems(cfg) -> list[str]:
+    """models/registry.py named_model_problems, imported once the config has passed the schema."""
+    from vramfit.models.registry import named_model_problems
+
+    return named_model_problems(cfg)
+
+
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, args.overrides, model_checks=named_model_problems)
+    cfg = load_config(args.config, args.overrides, model_checks=_named_model_problems)
     if args.gpus is not None and args.gpus > 1:
         from vramfit.launch import relaunch
 
         return relaunch(args.gpus, args.argv, cfg)
-    from vramfit.train.setup import train_run
+    from vramfit.run import train_run
 
     result = train_run(cfg, progress=not args.no_progress, resume=args.resume)
     _ignore_signals()  # the run is done; what is left is to say so
@@ -115,15 +121,15 @@ def print_summary(result) -> None:
 
 
 def cmd_plan(args) -> int:
-    from vramfit.memory.model_facts import facts_for_layout, read_facts, shipped_layouts
-    from vramfit.memory.planner import budget_of, plan_report
+    from vramfit.fit.model_facts import facts_for_layout, read_facts, shipped_layouts
+    from vramfit.fit.planner import budget_of, plan_report
     from vramfit.models.registry import FAMILIES
     from vramfit.train.setup import cache_root
 
     # --model NAME: the architecture from its shipped config; model.path is not read, nor needed
     try:
         cfg = load_config(args.config, args.overrides, need_data=False, need_model=args.model is None,
-                          model_checks=None if args.model else named_model_problems)
+                          model_checks=None if args.model else _named_model_problems)
     except ConfigError as exc:
         if not any(p.startswith("model.path:") for p in exc.problems):
             raise
@@ -143,9 +149,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    cfg = load_config(args.config, args.overrides, model_checks=named_model_problems)
+    cfg = load_config(args.config, args.overrides, model_checks=_named_model_problems)
     from vramfit.memory.accounting import MemoryTracker, pick_device
-    from vramfit.memory.planner import fit_to_budget
+    from vramfit.fit.planner import fit_to_budget
     from vramfit.train.setup import cache_root, prepare
 
     cfg = fit_to_budget(cfg, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys

@@ -27,7 +27,7 @@ def demo_overrides(output: Path, steps: int) -> list[str]:
 
 
 def run_demo(output: Path, steps: int = 30, progress: bool = True):
-    from vramfit.train.setup import train_run
+    from vramfit.run import train_run
 
     output = Path(output)
     images = output / "images"

@@ -238,7 +238,7 @@ def load_config(
     """Read, override, validate and check a run config; raise ConfigError listing every problem.
     `need_model=False`: the model's files need not exist (`vramfit plan --model NAME`).
     `model_checks(cfg)`: the problems the models layer sees in a valid config (the caller's, as this
-    layer knows no model: models/names.py), listed with the rest."""
+    layer knows no model: models/registry.py named_model_problems), listed with the rest."""
     source = str(path) if path else "config"
     data = _read(Path(path), source) if path is not None else {}
     problems = apply_overrides(data, overrides)

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from vramfit.config.schema import RunConfig
+from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
+from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
 
@@ -270,3 +271,20 @@ def _layout_facts(layout: str, t5: bool) -> ModelFacts:
         encoders.append(encoder_facts(name, kind, header))
     return ModelFacts(family, dict(denoiser.config), denoiser, sum(p.numel() for p in vae.parameters()),
                       vae_tile(vae.config.sample_size), encoders, layout=layout)
+
+
+def encoder_device_bytes(enc, model: ModelConfig, memory: MemoryConfig, window: int = WINDOW) -> tuple[int, int]:
+    """(bytes of the encoder `enc` (EncoderFacts) on the device while it encodes (as
+    memory/encoder_stream.py runs it), bytes of its widened largest linear when quantized), for the planner. Whole: all
+    of it but T5's token table (encoder_on keeps that in CPU memory). With
+    memory.stream_encoders: the resident part and `window` layers; every tensor that is not a
+    linear weight (embeddings, norms, biases) is counted as resident, a small overestimate."""
+    whole, widened = encoder_bytes(enc, model.t5_precision)
+    if not memory.stream_encoders or enc.layers == 0:
+        if enc.kind == "t5":  # its token table stays in CPU memory (HostLookup), bf16 as T5 runs
+            whole -= 2 * enc.embedding_numel
+        return whole, widened
+    per_element = 2 if enc.kind == "t5" else enc.stored_bytes / max(enc.params, 1)  # T5 is widened to bf16
+    resident = int(per_element * (enc.params - enc.linear_numel))
+    layer = (whole - resident) // enc.layers
+    return resident + min(window, enc.layers) * layer, widened

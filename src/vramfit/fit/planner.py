@@ -1,41 +1,34 @@
 """Predict the peak GPU memory of each phase of a run without loading weights; choose settings
-for a budget. What is read: memory/model_facts.py (headers and configs, no tensor data).
+for a budget. What is read: fit/model_facts.py (headers and configs, no tensor data).
 
 Each phase (bytes allocated; n = a tensor's element count):
-- cache_latents: the VAE in cache.vae_dtype + VAE_BYTES_PER_PIXEL x the largest bucket's pixels
-  (one image at a time). With cache.vae_tiling the encoder runs on one tile at a time, at most
-  facts.vae_tile on a side (half the VAE's sample_size: 512 px for SDXL's and SD3's VAE), so the
-  same VAE_BYTES_PER_PIXEL counts a tile's pixels, and the rest of the image waits on the device
-  (3 channels in the VAE's dtype). The per-pixel constant, fitted to whole 1024 px images, holds
-  for a tile: the encoder's activations grow with its pixels (convolutions, and attention in fused
-  kernels). Counted on the meta device (the LiveBytes counter of bench/count_sample_memory.py
-  around `vae.encode` of SDXL's VAE, fp32): 2560 B a pixel of a whole 1024 px image, 2562 B a pixel
-  of a 512 px tile, bf16 half of each. Tiled encoding has not been measured on a GPU.
+- cache_latents: the VAE in cache.vae_dtype + VAE_BYTES_PER_PIXEL x the pixels encoded at once: the
+  largest bucket's image, or with cache.vae_tiling one tile (at most facts.vae_tile on a side), the
+  rest of the image waiting on the device (3 channels in the VAE's dtype).
 - cache_text: the largest encoder as the GPU holds it (CLIPs as stored; T5 widened to bf16, then
   stored per model.t5_precision; memory.stream_encoders: its rest and two layers) + its widened
   largest linear when quantized + a chunk's hidden states + TEXT_WORKSPACE. One at a time.
 - train: weights W (train precision; LoRA fp32; quantized linears at their exact torchao sizes;
   streamed: what is outside the blocks, plus the slots units are copied into while training, as
-  large as the STREAM_SLOTS largest units), optimizer state S and
-  gradients G (exact per trained tensor; a streamed full fine-tune stepping in backward with Adafactor
-  steps its streamed weights on the device: their state counts in S, STREAM_GRAD_SHARE of a unit of
-  their gradients beside the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
+  large as the STREAM_SLOTS largest units), optimizer state S and gradients G (exact per trained
+  tensor; a streamed full fine-tune stepping in backward with Adafactor steps its streamed weights
+  on the device: their state counts in S, STREAM_GRAD_SHARE of a unit of their gradients beside
+  the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
   optimizer pack: the largest trained tensor, or 4 Mi values, at most all trained values),
-  activations A (saved + work) and WORKSPACE. The peak is the largest of: the
-  end of forward (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G +
-  work, + the saved inputs too with accumulation, whose buffer lives through every backward); the
-  step after backward (W + S + G + T); with optimizer_in_backward instead backward with one
-  tensor's gradient (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor and
-  AdamW step a tensor of more than 4 Mi values in chunks there: T of at most 4 Mi values). The fp32
-  gradients waiting for a pack in backward (up to 4 bytes x the pack) are not a term of their
-  own: on the runs measured (SSD-1B, SD3-M) the share of T covers them (+5.1%, -0.3%).
+  activations A (saved + work) and WORKSPACE. The peak is the largest of: the end of forward
+  (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G + work, + the
+  saved inputs too with accumulation, whose buffer lives through every backward); the step after
+  backward (W + S + G + T); with optimizer_in_backward instead backward with one tensor's gradient
+  (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor and AdamW step a tensor
+  of more than 4 Mi values in chunks there: T of at most 4 Mi values).
 - samples (with sample.every_steps; train.cuda_graphs drops its recordings, their pool and its
   gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
-  prompt: SD3-M example, T5 int8 + CLIP-G, measured 5.94 GiB), W + SAMPLE_WORK x the largest
-  block's elements at the sample size for both halves of guidance, and the VAE decoding one image
-  (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where the grid runs in fp32.
-- save: W + S + SAVE_WORKSPACE (the optimizer still lives while the state is written).
+  prompt), W + SAMPLE_WORK x the largest block's elements at the sample size for both halves of
+  guidance, and the VAE decoding one image (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where
+  the grid runs in fp32.
+- save: W + S + SAVE_WORKSPACE, or SAVE_WORKSPACE_STREAMED with streamed weights (the optimizer
+  still lives while the state is written).
 
 Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
 gradient checkpointing the inputs of the checkpointed modules (SDXL family: each resnet and
@@ -46,68 +39,15 @@ blocks in the order the forward calls them and picks the ones that recompute as 
 does; those keep their input x `saved`, the others their input x `all_resnet` / `all_block`, the
 layers between blocks their inputs x `saved`; plus the `work` of the largest block that recomputes.
 Without checkpointing it is the same sum with no block recomputing and no work. Offloaded
-activations keep only the largest block's `work`, at any share. The constants per element kept:
-`all_resnet` / `all_block` under autocast, `bf16_resnet` / `bf16_block` in full bf16 and fp32 (at
-twice the bytes), `lora_block` for a LoRA's blocks where the family has one.
+activations keep only the largest block's `work`, at any share. The constants per element kept
+(`_CONSTANTS`): `all_resnet` / `all_block` under autocast, `bf16_resnet` / `bf16_block` in full
+bf16 and fp32 (at twice the bytes), `lora_block` for a LoRA's blocks where the family has one.
 
-Constants, each fitted to measurements on one NVIDIA H200 (seed-baselines.md of the shared
-reference, docs/bench/*.json; GiB = 2^30 B); bench/plan_check.py prints the errors:
-- VAE_BYTES_PER_PIXEL fp32 3125: cache_latents at 1024x1024, SSD-1B 3.331 GiB and SD3-M 3.364 GiB,
-  minus the fp32 VAE (0.312 GiB), over 1,048,576 px; bf16 1550: the seed's bf16 encode, 1.67 GiB.
-- TEXT_WORKSPACE 48 MiB: SSD-1B cache_text 1.363 GiB = bigG fp16 1.294 GiB + hidden states + 48 MiB
-  (SD3-M with T5 bf16, 8.92 GiB, and int8, 4.69 GiB, then follow from the byte counts).
-- STEP_TEMP_BYTES 20 (Adafactor) / 24 (AdamW): counted in optim/adafactor.py and adamw.py (five or
-  six fp32 copies); checked by SSD-1B train, accumulation 1: 5.583 GiB = 2.48 W + 2.48 G + 0.55 T...
-- SDXL family saved 0.77, work 38.7: SSD-1B train with accumulation 1 (5.583 GiB) and 32 (5.739 GiB);
-  IN_BACKWARD_TEMP_SHARE 0.5: the seed's fused SSD-1B (4.29) and SDXL (6.81 GiB).
-  (Fitted as 0.8 and 58 while the up blocks' resnets were counted at twice the level's channels;
-  with their real inputs, the same products at those runs.)
-- The UNet's bytes per element kept without checkpointing. Full bf16 (bf16_resnet 9.6, bf16_block
-  60.4): counted by `python bench/count_train_memory.py`, every tensor autograd saves in a forward
-  of the shipped SSD-1B and SDXL on the meta device (their SD3-M figure, 42.0, agrees with SD3's
-  fitted all_block 43). Mixed precision (all_resnet 22.7, all_block 62.7; autocast keeps norms in
-  fp32 and saves the bf16 copies it makes): fitted to vramfit's recorded fastest SSD-1B (27.32 GiB)
-  and SDXL (50.98 GiB) rows, `982523e`/`fd53a85` (machines D and B). The earlier 7.0 and 44.2,
-  fitted to the seed's "fast" runs whose peak is the optimizer step, also charged each transformer
-  model's norm and projections at a block's 44.2 where checkpointing charges them `saved`: SSD-1B
-  in full bf16 without checkpointing was predicted +22.3% (`d2a8a2b`, machine AA).
-- SAMPLE_WORK (sdxl 10.5, sd3 25.3) and VAE_DECODE_BYTES_PER_PIXEL 1536: counted by
-  `python bench/count_sample_memory.py` (the shipped architectures on the meta device, fused
-  attention; at 1024; at 512 SD3's figure is 23.4). The SSD-1B example's grid at 1024 (`dfd312a`,
-  machine Y) measured 2.95 GiB: predicted -3.1%. The earlier guesses (the training recompute's 58,
-  twice the encoding's bytes per pixel) put it at +24.9%.
-- A share of the blocks checkpointed, no constant of its own: the planner's choices at the seed's
-  peak, step in backward and graphs, SSD-1B with 0.75 of the blocks (4.00 GiB, `e085ab6`, machine
-  W, docs/bench/ssd1b_budget_w.json) and 0.5 (4.67 GiB, `dfd312a`, Y), SDXL with 0.5 (8.51 GiB,
-  W), and 0.25 and none of the blocks in full bf16 (`d2a8a2b`, AA: SSD-1B 5.50 and 6.41 GiB, SDXL
-  9.83 and 11.42 GiB) are predicted at +1.3% to +7.0%; SD3-M LoRA 1024 with 0.25 and 0.5 over a
-  quantized base (`1bc226b`) at +5.1%. The earlier model, (1 - s) of every activation kept, put
-  the UNet rows at +9.5% to +15.6%: the UNet's blocks differ in size, and which ones recompute decides.
-- SD3 saved 2.0 (the bf16 block inputs), work 45: refitted at `40ba957` (machine AP) to the
-  checkpointed SD3-M rows of docs/bench, LoRA and full. The earlier 66, fitted to the LoRA runs of
-  the shared reference (4.655 GiB at 512 batch 4, 4.604 GiB at 1024 batch 1), put every such row
-  of today's code 0.1 to 0.2 GiB over: +18.4% for the streamed LoRA at 512 batch 4 (1.12 GiB).
-  With 45 the SD3-M train rows are within -5.0% and +5.8%. lora_block 24.5: vramfit's SD3-M LoRA
-  without checkpointing at 512 batch 4 (7.93 GiB, commit 3eb4e44; the seed's 9.57 GiB also kept an fp32 copy of each adapted
-  layer's input, which memory/lora_compute.py no longer makes). all_block 43 (a full fine-tune,
-  where every linear also saves its input): the streamed SD3-M full fine-tune stepping in
-  backward without checkpointing (6.74 GiB, `dfd312a`, machine Y, docs/bench/sd3_full_budget_y.json),
-  predicted now at -0.2%, and the fastest rows of `31c453a` (Z) at -5.0% to +0.5%; with the LoRA figure it was
-  predicted at 4.03 GiB, and the planner had chosen it under a 4.69 GiB budget.
-- WORKSPACE 64 MiB, SAVE_WORKSPACE 100 MiB: the residue of those fits (cuBLAS workspace, batch).
-  With streamed weights SAVE_WORKSPACE_STREAMED 83 MiB: the save phase of the streamed SSD-1B and
-  SDXL runs (97.2 MiB each, of which 14 MiB weights kept on the GPU); 100 MiB put them at +17%.
-- STREAM_GRAD_SHARE 0.25: the streamed full fine-tunes stepping on the device in backward (SSD-1B
-  0.97, SDXL 1.15, SD3-M 1.21 GiB, `adfd9bf`): a whole unit of gradients put them at +20%, +12%
-  and +5%, none at -8% to +3%; a quarter puts them within 7.4% (a fit to those three runs).
-- STREAM_SLOTS 3 where streamed weights step on the device, else 2: since `ca544c6` units are
-  copied into slots kept while training (memory/offload.py), one more where copies home run in
-  backward. The save phases of `50cd769` (machine AO) held them: SD3-M 0.49 GiB (three units of
-  0.157), SSD-1B 0.39 GiB (its three largest units: 0.161, 0.112 and 0.104). Training, step in
-  backward and graphs: SD3-M 1.37 GiB predicted +6.6%, SSD-1B 1.17 GiB +7.3%, SD3-M with half
-  the blocks checkpointed 4.27 GiB +4.2% (the largest unit three times put SSD-1B at +16%). The
-  streamed rows measured before the slots (allocator buffers freed as soon as a unit was done)
-  are predicted 19% to 30% over.
+Constants: the fitted ones (the names above, `_CONSTANTS`, STREAMED_FULL_COST) are read from
+fit/calibration.json at import, which records each one's unit, the measurements it was fitted to,
+and how far today's predictions are from every measured bench phase that depends on it
+(`python bench/plan_check.py docs/bench/*.json --write-calibration src/vramfit/fit/calibration.json`
+rewrites those errors).
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
 (the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
@@ -118,14 +58,15 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.memory.checkpointing import recomputed_blocks
-from vramfit.memory.encoder_stream import encoder_device_bytes
-from vramfit.memory.model_facts import ModelFacts, encoder_bytes, quantized_linear_bytes, state_bytes
+from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
+                                     state_bytes)
 from vramfit.optim.base import ParamOptimizer
 from vramfit.optim.build import optimizer_class, streamed_step_on_device
 
@@ -133,23 +74,8 @@ GIB = 2**30
 MIB = 2**20
 MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error and fragmentation
 
-VAE_BYTES_PER_PIXEL = {"fp32": 3125, "bf16": 1550}
 VAE_IMAGE_CHANNELS = 3  # the image, on the device in the VAE's dtype while its tiles encode
-VAE_DECODE_BYTES_PER_PIXEL = 1536  # bf16, one image (sample grids); fp32 twice that
-SAMPLE_WORK = {"sdxl": 10.5, "sd3": 25.3}  # bf16 bytes per element of `work` per image, a forward without gradients
-TEXT_WORKSPACE = 48 * MIB
 TEXT_CHUNK = 64  # captions per encode call (train/data.py)
-# fp32 temporaries per value of a pack (CPU-measured with a dispatch-mode tracker, bf16 weights:
-# Adafactor 15, AdamW 27; one tensor alone 13 and 21)
-STEP_TEMP_BYTES = {"adafactor": 15, "adamw": 24, "adamw8bit": 24}
-IN_BACKWARD_TEMP_SHARE = 0.5  # a hook's temporaries overlap the activation peak only in part
-STREAM_GRAD_SHARE = 0.25  # of a stream unit: its gradients waiting to step on the device, at the peak
-# the device buffers streamed units are copied into, kept while training (memory/offload.py `_slot`):
-# as large as this many of the largest units, by whether streamed weights step on the device
-STREAM_SLOTS = {False: 2, True: 3}
-WORKSPACE = 64 * MIB
-SAVE_WORKSPACE = 100 * MIB
-SAVE_WORKSPACE_STREAMED = 83 * MIB
 
 
 @dataclass(frozen=True)
@@ -158,16 +84,68 @@ class ActivationConstants:
     work: float  # bytes per element of the largest block's tokens x channels, recompute
     all_resnet: float  # without checkpointing, bytes per element of a resnet's input
     all_block: float  # ... of a transformer block's input (a full fine-tune: every linear saves its input)
-    lora_block: Optional[float] = None  # all_block under LoRA, whose frozen linears save no input; None: the same
+    # all_block under LoRA, whose frozen linears save no input; None: the same
+    lora_block: Optional[float] = None
     # all_resnet and all_block of a full fine-tune in full bf16, where no autocast copy is saved; None: the same
     bf16_resnet: Optional[float] = None  # (fp32 too, at twice the bytes; a LoRA's lora_block still wins)
     bf16_block: Optional[float] = None
 
 
-_CONSTANTS = {
-    "sdxl": ActivationConstants(saved=0.77, work=38.7, all_resnet=22.7, all_block=62.7, bf16_resnet=9.6, bf16_block=60.4),
-    "sd3": ActivationConstants(saved=2.0, work=45.0, all_resnet=0.0, all_block=43.0, lora_block=24.5),
-}
+# ---- the fitted constants: fit/calibration.json ----------------------------------------------------
+
+CALIBRATION = Path(__file__).with_name("calibration.json")
+_UNITS = {"MiB": MIB}  # values written in these units are used in bytes
+
+
+def calibration_values(data: dict) -> dict[str, object]:
+    """The planner's fitted constants from calibration.json's data, named and shaped as this module
+    uses them (sizes in bytes). Raises ValueError naming a constant missing or unknown."""
+    entries = dict(data["constants"])
+
+    def take(name: str):
+        if name not in entries:
+            raise ValueError(f"no constant {name}")
+        entry = entries.pop(name)
+        scale, value = _UNITS.get(entry["unit"], 1), entry["value"]
+        if scale == 1:
+            return value
+        return {k: v * scale for k, v in value.items()} if isinstance(value, dict) else value * scale
+
+    out = {name: take(name) for name in (
+        "VAE_BYTES_PER_PIXEL", "VAE_DECODE_BYTES_PER_PIXEL", "SAMPLE_WORK", "TEXT_WORKSPACE", "STEP_TEMP_BYTES",
+        "IN_BACKWARD_TEMP_SHARE", "STREAM_GRAD_SHARE", "WORKSPACE", "SAVE_WORKSPACE", "SAVE_WORKSPACE_STREAMED",
+        "STREAMED_FULL_COST")}
+    out["STREAM_SLOTS"] = {key == "true": n for key, n in take("STREAM_SLOTS").items()}
+    out["_CONSTANTS"] = {family: ActivationConstants(**fields)
+                         for family, fields in take("ACTIVATION_CONSTANTS").items()}
+    if entries:
+        raise ValueError(f"unknown constants {', '.join(entries)}")
+    return out
+
+
+def _read_calibration() -> dict[str, object]:
+    try:
+        return calibration_values(json.loads(CALIBRATION.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise RuntimeError(f"{CALIBRATION}: the planner's constants cannot be read ({e}); this file ships with "
+                           "vramfit: reinstall it") from e
+
+
+_FITTED = _read_calibration()
+VAE_BYTES_PER_PIXEL = _FITTED["VAE_BYTES_PER_PIXEL"]  # by cache.vae_dtype, a pixel encoded at once
+VAE_DECODE_BYTES_PER_PIXEL = _FITTED["VAE_DECODE_BYTES_PER_PIXEL"]  # bf16, one image (sample grids)
+SAMPLE_WORK = _FITTED["SAMPLE_WORK"]  # by family: bf16 bytes per element of `work` per image, no gradients
+TEXT_WORKSPACE = _FITTED["TEXT_WORKSPACE"]
+STEP_TEMP_BYTES = _FITTED["STEP_TEMP_BYTES"]  # by optimizer: fp32 temporaries per value of a pack
+IN_BACKWARD_TEMP_SHARE = _FITTED["IN_BACKWARD_TEMP_SHARE"]  # of T, overlapping the activation peak
+STREAM_GRAD_SHARE = _FITTED["STREAM_GRAD_SHARE"]  # of a stream unit: its gradients waiting to step on the device
+# the device buffers streamed units are copied into, kept while training (memory/offload.py `_slot`):
+# as large as this many of the largest units, by whether streamed weights step on the device
+STREAM_SLOTS = _FITTED["STREAM_SLOTS"]
+WORKSPACE = _FITTED["WORKSPACE"]
+SAVE_WORKSPACE = _FITTED["SAVE_WORKSPACE"]
+SAVE_WORKSPACE_STREAMED = _FITTED["SAVE_WORKSPACE_STREAMED"]
+_CONSTANTS = _FITTED["_CONSTANTS"]  # by family: ActivationConstants
 
 
 @dataclass
@@ -590,8 +568,8 @@ KNOBS = (
     Knob("memory.offload_activations", (False, True), (0, 4), "train"),
     # without graphs every step is bound by the host: slower than any recorded rung
     Knob("train.cuda_graphs", (True, False), (0, 8), "train"),
-    # nf4 just after int8: a step over either is about as fast (SD3-M LoRA 512 batch 4, machine I,
-    # c8e4b88: 0.193 s int8 and 0.204 s nf4 with graphs, 0.423 s int8 without), so a quantized base
+    # nf4 just after int8: a step over either is about as fast (SD3-M LoRA 512 batch 4, docs/benchmarks.md:
+    # 0.193 s int8 and 0.204 s nf4 with graphs, 0.423 s int8 without), so a quantized base
     # that keeps graphs (or leaves the step out of backward, or activations on the GPU) comes first
     Knob("lora.base_quantization", ("none", "int8", "nf4"), (0, 16, 17), "train"),
     Knob("memory.stream_weights", (False, True), (0, 64), "train"),
@@ -602,15 +580,9 @@ KNOBS = (
 )
 
 
-# A full fine-tune's streamed weights record with CUDA graphs where they step on the GPU (the step
-# in backward with Adafactor; train/graphs.py), and a recorded streamed step is faster than any step
-# without graphs: SD3-M 0.230 s streamed with graphs against 0.268 s with the step in backward alone,
-# SSD-1B 0.238 s against 0.339 s (docs/benchmarks.md, machines AO and AG). So there they rank after
-# every rung with graphs (offloaded activations recorded: SD3-M 0.161 s, AQ) and before the first
-# without (8). A LoRA base keeps its place after quantization: with graphs a streamed base is
-# faster than an int8 one at 512 batch 4 and slower at 1024 (0.160 against 0.193 s, 0.162 against
-# 0.126 s: machines AP, I and AR), and it needs the least memory of all.
-STREAMED_FULL_COST = 7.5
+# where a full fine-tune's streamed weights rank (memory.stream_weights' cost): after every rung with
+# CUDA graphs, before the first without (fitted to step times: calibration.json)
+STREAMED_FULL_COST = _FITTED["STREAMED_FULL_COST"]
 
 
 def ladder(cfg: RunConfig) -> tuple[Knob, ...]:
@@ -896,7 +868,7 @@ def fit_to_budget(cfg: RunConfig, cache_root=None) -> RunConfig:
     before any weight loads. Raises PlanError when nothing fits."""
     import logging
 
-    from vramfit.memory.model_facts import read_facts
+    from vramfit.fit.model_facts import read_facts
 
     budget = budget_of(cfg)
     if budget is None:

@@ -132,7 +132,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
     """Measure the training peak at the largest bucket; raise FitProbeError when it exceeds
     `limit` (default: memory.vram_budget, else the GPU's total). Returns the peak, or None when
     skipped (memory.fit_probe off, or no CUDA and no `measure` given)."""
-    from vramfit.memory.planner import budget_of
+    from vramfit.fit.planner import budget_of
 
     if not cfg.memory.fit_probe or not buckets:
         return None
@@ -181,8 +181,8 @@ def _graphs_note(cfg: RunConfig) -> str:
 
 
 def _suggestion(cfg: RunConfig, limit: int) -> str:
-    from vramfit.memory.model_facts import read_facts
-    from vramfit.memory.planner import PlanError, choose, setting
+    from vramfit.fit.model_facts import read_facts
+    from vramfit.fit.planner import PlanError, choose, setting
 
     try:
         choice = choose(cfg, limit, read_facts(cfg))

@@ -12,7 +12,7 @@ floor((i + 1) x share) > floor(i x share): one in four for 0.25, spread evenly t
 forward, the same blocks at every call (decided once per module). For SD3, whose blocks are
 alike, that is exactly the share of the activations kept by false and the recomputation of true;
 a UNet's blocks differ in size, so what a share keeps depends on which blocks recompute:
-memory/planner.py lists the blocks in the same order and applies the same rule
+fit/planner.py lists the blocks in the same order and applies the same rule
 (`recomputed_blocks`).
 
 Cost: a share keeps the activations of the blocks that do not recompute beside the inputs of
@@ -80,7 +80,7 @@ def _recomputes(i: int, share: float) -> bool:
 
 def recomputed_blocks(share: float, count: int) -> list[bool]:
     """Which of `count` blocks, in the order the forward calls them, recompute under `share` (what
-    PartialCheckpoint decides; memory/planner.py predicts from it)."""
+    PartialCheckpoint decides; fit/planner.py predicts from it)."""
     return [_recomputes(i, share) for i in range(count)]
 
 

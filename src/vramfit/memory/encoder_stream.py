@@ -36,7 +36,6 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from vramfit.config.schema import MemoryConfig, ModelConfig
 from vramfit.memory.accounting import CopyCounters, concrete_device, tensor_bytes
 
 # T5EncoderModel; CLIPTextModelWithProjection; CLIPTextModel (transformers 5 has no text_model in it)
@@ -305,22 +304,3 @@ def encoder_on(encoder: nn.Module, device: torch.device, stream: bool) -> Iterat
         encoder.to("cpu")
         if table is not None:
             encoder.set_input_embeddings(table)
-
-
-def encoder_device_bytes(enc, model: ModelConfig, memory: MemoryConfig, window: int = WINDOW) -> tuple[int, int]:
-    """(bytes of the encoder `enc` (memory/model_facts.py EncoderFacts) on the device while it
-    encodes, bytes of its widened largest linear when quantized), for the planner. Whole: all
-    of it but T5's token table (encoder_on keeps that in CPU memory). With
-    memory.stream_encoders: the resident part and `window` layers; every tensor that is not a
-    linear weight (embeddings, norms, biases) is counted as resident, a small overestimate."""
-    from vramfit.memory.model_facts import encoder_bytes
-
-    whole, widened = encoder_bytes(enc, model.t5_precision)
-    if not memory.stream_encoders or enc.layers == 0:
-        if enc.kind == "t5":  # its token table stays in CPU memory (HostLookup), bf16 as T5 runs
-            whole -= 2 * enc.embedding_numel
-        return whole, widened
-    per_element = 2 if enc.kind == "t5" else enc.stored_bytes / max(enc.params, 1)  # T5 is widened to bf16
-    resident = int(per_element * (enc.params - enc.linear_numel))
-    layer = (whole - resident) // enc.layers
-    return resident + min(window, enc.layers) * layer, widened

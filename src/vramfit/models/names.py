@@ -1,5 +1,5 @@
-"""The models a config may name (`tiny:<name>`, a family) and their checks, without torch: the config
-check reads them before anything heavy is imported."""
+"""The tiny models (`tiny:<name>`) and their families, without torch: the config check and the
+error messages read them before anything heavy is imported."""
 from __future__ import annotations
 
 import difflib
@@ -23,21 +23,3 @@ def unknown_tiny(path: str) -> str | None:
     hint = f"; did you mean tiny:{close[0]}?" if close else ""
     return f"{path} is not a tiny model{hint} (tiny models: {tiny_choices()})"
 
-
-def named_model_problems(cfg) -> list[str]:
-    """Problems with the models a valid RunConfig names, seen before any model file is read: an
-    unknown tiny model; image sides the family cannot take where the config names the family (an
-    explicit model.family, or a tiny model). The family's other checks run once its file is read
-    (Family.config_problems, before any weight loads). Imports the families only where one is named."""
-    path = cfg.model.path
-    if path.startswith("tiny:") and unknown_tiny(path):
-        return [f"model.path: {unknown_tiny(path)}"]
-    name = cfg.model.family
-    if name == "auto" and path.startswith("tiny:"):
-        name = TINY_MODELS[path.split(":", 1)[1]]
-    if name == "auto":
-        return []
-    from vramfit.models.adapter import resolution_problems  # torch: only for a named family
-    from vramfit.models.registry import FAMILIES
-
-    return resolution_problems(FAMILIES[name], cfg)

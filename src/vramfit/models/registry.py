@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from vramfit.formats.safetensors_io import CheckpointError, read_header
-from vramfit.models.adapter import Family, Source
+from vramfit.models.adapter import Family, Source, resolution_problems
+from vramfit.models.names import TINY_MODELS, unknown_tiny
 from vramfit.models.sd3 import SD3Family
 from vramfit.models.sdxl import SDXLFamily
 
@@ -40,3 +41,19 @@ def detect_family(source: Source, requested: str = "auto") -> Family:
             return family
     raise CheckpointError(f"{source.path}: pipeline {index.get('_class_name')} is not a family "
                           f"vramfit can train (families: {', '.join(FAMILIES)})")
+
+
+def named_model_problems(cfg) -> list[str]:
+    """Problems with the models a valid RunConfig names, seen before any model file is read: an
+    unknown tiny model; image sides the family cannot take where the config names the family (an
+    explicit model.family, or a tiny model). The family's other checks run once its file is read
+    (Family.config_problems, before any weight loads)."""
+    path = cfg.model.path
+    if path.startswith("tiny:") and unknown_tiny(path):
+        return [f"model.path: {unknown_tiny(path)}"]
+    name = cfg.model.family
+    if name == "auto" and path.startswith("tiny:"):
+        name = TINY_MODELS[path.split(":", 1)[1]]
+    if name == "auto":
+        return []
+    return resolution_problems(FAMILIES[name], cfg)

@@ -6,7 +6,7 @@ at full size), zero-padded to the joint attention width and followed on the sequ
 output; the pooled vector is both CLIPs' projected pooled outputs side by side. CLIP-L has no
 projection in Stability's files, so an identity projection stands in (as diffusers and ComfyUI
 do). T5 is optional: without it its part of the sequence is zeros, as SD3 allows.
-Training is rectified flow (train/flow.py) on SD3's shift-3 sigma table.
+Training is rectified flow (models/flow.py) on SD3's shift-3 sigma table.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from vramfit.models.sdxl import (
     SDXLFamily, _build, _count, _merge, as_stored, check_folder_shapes, check_shapes, sample_latent,
 )
 from vramfit.models.sources import require_tokenizers
-from vramfit.train import flow
-from vramfit.train.objectives import weighted_mse
+from vramfit.models import flow
+from vramfit.models.objectives import weighted_mse
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."

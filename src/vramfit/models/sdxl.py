@@ -22,7 +22,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.models.adapter import ModelBundle, Source, resolution_problems
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
-from vramfit.train.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.models.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."

@@ -397,7 +397,7 @@ def release_cublas_workspaces(owner: Optional[GraphedDenoiser] = None) -> bool:
     its own and gets two more in its pool. Before the first recording of a new pool (`owner`'s)
     nothing recorded reads the old ones, and an eager product later (a sample grid, a signature
     whose recording failed) makes its workspace again: so they go, and a recorded run holds the
-    two workspaces an eager run holds, not four. After the fit probe (memory/probe.py) the same
+    two workspaces an eager run holds, not four. After the fit probe (fit/probe.py) the same
     frees the workspaces its recordings made, which would otherwise pin its pool.
 
     The workspaces are the process's, not one denoiser's: while another denoiser still holds

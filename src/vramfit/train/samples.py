@@ -22,7 +22,7 @@ log = logging.getLogger("vramfit")
 
 def grid_dtype(denoiser: torch.nn.Module) -> torch.dtype:
     """The dtype a grid runs the encoders and the VAE in: the denoiser's frozen weights' (a LoRA's
-    base), or its weights' when all train (memory/planner.py counts the grid so)."""
+    base), or its weights' when all train (fit/planner.py counts the grid so)."""
     params = list(denoiser.parameters())
     return next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
 

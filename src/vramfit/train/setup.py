@@ -1,4 +1,5 @@
-"""Compose a run from a RunConfig: load, scan, cache, train, save, report.
+"""The pieces a training run is composed of (vramfit/run.py composes them): load, scan, cache,
+place the denoiser, save checkpoints and states, stop on signals.
 
 Each phase is measured (memory/accounting.py). Only the denoiser is on the device while
 training when both caches are on: the VAE and the text encoders are freed after caching and
@@ -6,10 +7,8 @@ read again from the source when a checkpoint is written.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
 import signal
 import threading
 from contextlib import contextmanager
@@ -24,26 +23,20 @@ from vramfit.config.load import ConfigError, default_cache_root, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
-from vramfit.formats.safetensors_io import clean_stale_temps, clean_temps, discard, write_text_atomic, writing
-from vramfit.memory.accounting import MemoryReport, MemoryTracker, pick_device
+from vramfit.formats.safetensors_io import clean_temps, discard, writing
+from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
-from vramfit.memory.planner import budget_of, fit_to_budget
-from vramfit.memory.spill import SpillWatch
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.models.registry import detect_family
 from vramfit.generate import native_size
 from vramfit.models.sources import resolve_source, write_tokenizers
-from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.data.fingerprint import file_digest
 from vramfit.train import distributed
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
-from vramfit.train.loop import LoopHooks, LoopResult, NonFiniteLoss, StopFlag, run_loop
+from vramfit.train.loop import LoopResult, NonFiniteLoss, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
-from vramfit.train.state import (Progress, check_compatible, find_state, kept_note, load_state, read_meta,
-                                 save_state, state_root)
-from vramfit.train.logs import RunLogger
-from vramfit.train.samples import SampleGrids
+from vramfit.train.state import Progress, check_compatible, find_state, kept_note, load_state, read_meta
 
 log = logging.getLogger("vramfit")
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,7 +62,7 @@ class Interrupted(KeyboardInterrupt):
     as the CLI prints it after "stopped by SIGINT ")."""
 
 
-def _signal_name(exc: KeyboardInterrupt) -> str:
+def signal_name(exc: KeyboardInterrupt) -> str:
     # the CLI's handler (cli.py stop_signals) and the ones below pass the signal's name
     return exc.args[0] if exc.args else "SIGINT"
 
@@ -84,7 +77,7 @@ def stopped_as(what: str | Callable[[], str]):
     except Interrupted:
         raise
     except KeyboardInterrupt as exc:
-        raise Interrupted(_signal_name(exc), what if isinstance(what, str) else what()) from None
+        raise Interrupted(signal_name(exc), what if isinstance(what, str) else what()) from None
 
 
 def _handle(handler) -> dict:
@@ -189,7 +182,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
             probe: Optional[Callable[[Family, ModelBundle, list], None]] = None):
     """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
     Over several ranks each encodes its share of the missing cache entries. `probe(family,
-    bundle, buckets)` runs before anything is cached (train_run's: memory/probe.py measures
+    bundle, buckets)` runs before anything is cached (vramfit/run.py's: fit/probe.py measures
     training at the largest bucket). A stop signal ends it with Interrupted, saying what is kept."""
     ranks = ranks or distributed.DataParallel()
     use_cpu_threads(cfg.train.cpu_threads, device)
@@ -346,7 +339,7 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
     out = cfg.output_dir
     name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
     dtype = SAVE_DTYPES[cfg.save.dtype]
-    meta = {"vramfit.version": _version(), "vramfit.config": dump_config(cfg),
+    meta = {"vramfit.version": package_version(), "vramfit.config": dump_config(cfg),
             "vramfit.step": str(step if step is not None else cfg.train.steps),
             "vramfit.base_model": bundle.source.label, "vramfit.family": bundle.family,
             "vramfit.layout": bundle.layout}
@@ -395,7 +388,7 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
     return paths
 
 
-def _save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
+def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
                   step: Optional[int]) -> list[Path]:
     """save_checkpoint on rank 0, with the whole denoiser (FSDP gathers it: every rank takes part)."""
     whole = ranks.whole_bundle(bundle)
@@ -413,7 +406,7 @@ def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int) -> None:
         discard(old)  # renamed away first: a kill mid-delete leaves no half folder under its name
 
 
-def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
+def resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, schedule,
                      generator: torch.Generator, ranks: distributed.DataParallel) -> Progress:
     if not resume:
         return Progress()
@@ -425,44 +418,6 @@ def _resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, s
     return progress
 
 
-def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: torch.device,
-                  buckets: list, graphs_by: Optional[str] = None) -> RunConfig:
-    """Run the fit probe (memory/probe.py; it raises FitProbeError when the step does not fit).
-    Returns `cfg`; or, where CUDA graphs are on but the user did not ask for them (`graphs_by`
-    names who turned them on: "auto", the default, or "memory.vram_budget", the planner) and the
-    recorded step does not fit, `cfg` without them once a second probe finds that the step
-    without them does."""
-    from vramfit.memory import probe
-
-    try:
-        probe.fit_probe(family, bundle, cfg, device, buckets)
-        return cfg
-    except probe.FitProbeError as exc:
-        if not (cfg.train.cuda_graphs and graphs_by):
-            raise
-        recorded = str(exc).split("; nothing was cached")[0]
-        log.warning("train.cuda_graphs (%s): the recorded step does not fit (%s); probing it without "
-                    "graphs", graphs_by, recorded)
-    from vramfit.memory.planner import with_values
-
-    # the recordings' pool keeps its room reserved, which the probe counts; the step without graphs holds less
-    eager = with_values(cfg, {"train.cuda_graphs": False})
-    try:
-        probe.fit_probe(family, bundle, eager, device, buckets)
-    except probe.FitProbeError as exc:
-        raise probe.FitProbeError(f"with CUDA graphs ({graphs_by}): {recorded}. Without them: {exc}") from None
-    log.info("train.cuda_graphs (%s): off, the step fits without graphs", graphs_by)
-    return eager
-
-
-def graphs_chosen_by(user: RunConfig, run: RunConfig) -> Optional[str]:
-    """Who turned CUDA graphs on in `run` when the user's config `user` did not ask for them:
-    "auto" (the default) or "memory.vram_budget" (the planner); None when the user set the key."""
-    if "cuda_graphs" in user.train.model_fields_set:
-        return None
-    return "memory.vram_budget" if "cuda_graphs" in run.train.model_fields_set else "auto"
-
-
 def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> None:
     """Fail before any weight loads when --resume cannot work."""
     if resume:
@@ -471,163 +426,7 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
         check_compatible(saved, now, path)
 
 
-@stopped_as("before training began: nothing was trained, what is cached is kept; run the same command again")
-def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
-    user = cfg
-    cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
-    graphs_by = graphs_chosen_by(user, cfg)
-    if graphs_by == "auto":
-        clash = cfg.graph_clashes()
-        log.info("train.cuda_graphs (auto): %s", "on" if cfg.train.cuda_graphs else
-                 f"off beside {' and '.join(clash)}" if clash else "off (no GPU, or several processes)")
-    ranks = distributed.start(cfg)  # one process unless launched on several: checks the planned config
-    device = ranks.device or pick_device(cfg.train.device)
-    if cfg.train.cuda_graphs:  # before any weight loads
-        from vramfit.train.graphs import check_device
-
-        check_device(device)
-    check_resumable(cfg, resume, ranks.world)
-    torch.manual_seed(cfg.train.seed)
-    out = cfg.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    if ranks.main:
-        clean_stale_temps([out, state_root(out)])  # left by killed runs (the cache cleans its own)
-        write_text_atomic(out / "config.toml", dump_config(cfg))
-    progress = progress and ranks.main and cfg.logging.progress
-    tracker = MemoryTracker(device)
-    planned = cfg
-
-    def probe(family: Family, bundle: ModelBundle, buckets: list) -> None:
-        nonlocal cfg
-        cfg = probed_config(family, bundle, cfg, device, buckets, graphs_by)
-
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks,
-                                            probe=None if ranks.sharded else probe)
-    if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
-        write_text_atomic(out / "config.toml", dump_config(cfg))
-    # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
-    # preparation drew (class images), so the same config starts from the same adapter.
-    torch.manual_seed(cfg.train.seed)
-    place_denoiser(bundle, cfg, device)
-    hint = streamed_step_hint(cfg)
-    if hint:
-        log.warning("%s", hint)
-    ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them
-    optimizer = build_optimizer(ranks.trainable(bundle.denoiser), cfg.train)
-    ranks.attach(optimizer)
-    schedule = build_schedule(optimizer, cfg.train)
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    state = _resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks)
-    start = state.step
-    saved: list[Path] = []
-    config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
-
-    def write_state(p: Progress) -> None:
-        model, opt = ranks.whole_state(bundle.denoiser, optimizer)  # FSDP gathers: every rank takes part
-        if ranks.main:  # DDP keeps every rank's weights and optimizer state identical
-            assert_finite(model)
-            save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last)
-
-    flag = StopFlag()
-    hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
-                      on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
-                          _save_on_main(ranks, family, bundle, cfg, p.step))),
-                      on_state=_held("saving the training state", (state_root(out),), flag, write_state))
-    logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
-    grids = SampleGrids(cfg, family, bundle, device, out / "samples")
-
-    spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
-
-    def on_step(step: int, loss: float, lr: float) -> None:
-        state.losses.append(loss)  # the whole run's, kept in the training state across resumes
-        logger.step(step, loss, lr)
-        if spill is not None:
-            spill.step_done()
-        if ranks.main:
-            grids.maybe(step)
-
-    hooks.on_step = on_step
-    second = stopped_as(lambda: _second_stop_note(out, state))  # a second signal stops the loop at once
-    with tracker.phase("train") as phase, second, stop_on_signals(flag):
-        result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
-                          hooks, flag, ranks=ranks)
-        phase.steps = len(result.losses)
-        phase.step_seconds = result.median_step
-        phase.set_images_per_step(logger.images_per_step)
-    stopped = None
-    rendering = grids.enabled and ranks.main and not result.interrupted
-    try:  # a stop signal here leaves the final sample grids out; the training is saved all the same
-        logger.close()
-        if rendering:
-            with tracker.phase("samples"):
-                grids.render(state.step)
-    except KeyboardInterrupt as exc:
-        kept = ("the training state was saved first" if result.interrupted else
-                "the checkpoint and the training state were saved first")
-        ended = ("while rendering the final sample grids: they were left out; " if rendering
-                 else "as training ended: ")
-        stopped = Interrupted(_signal_name(exc), ended + kept)
-    with held_signals("saving the checkpoint, the training state and the run's records",
-                      (out, state_root(out)), flag):
-        with tracker.phase("save"):
-            write_state(state)  # also at the end, so a finished run can be extended with more steps
-            if not result.interrupted:
-                saved += _save_on_main(ranks, family, bundle, cfg, None)
-        free_device_memory(device)
-        report = tracker.report
-        report.write(out / ranks.report_name(cfg.save.name))
-        if ranks.main:
-            _write_run_json(out, cfg, ranks.world, scanned, data.stats, start, state, result, saved,
-                            grids.paths)
-        ranks.close()
-    if stopped is not None:
-        raise stopped
-    return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
-
-
-def _held(what: str, folders: tuple[Path, ...], flag: StopFlag,
-          save: Callable[[Progress], None]) -> Callable[[Progress], None]:
-    """`save` (a LoopHooks callback) under held_signals."""
-    def run(p: Progress) -> None:
-        with held_signals(what, folders, flag):
-            save(p)
-    return run
-
-
-def _second_stop_note(out: Path, state: Progress) -> str:
-    try:
-        last = find_state(out, "latest")
-    except ValueError:  # ResumeError: none saved yet
-        return (f"a second time during training, at once: step {state.step + 1} was not finished, and no "
-                "training state was saved yet; run the same command again to start training over")
-    return (f"a second time during training, at once: step {state.step + 1} was not finished and is not "
-            f"saved; the last saved training state, {last.name} ({last}), is kept: continue from it with "
-            "--resume latest")
-
-
-def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, cache_stats: dict, start: int,
-                    state: Progress, result: LoopResult, saved: list[Path], samples: list[Path]) -> None:
-    """run.json: what this run did, for the record and for the tests."""
-    write_text_atomic(out / "run.json", json.dumps(
-        {"versions": _versions(), "seed": cfg.train.seed, "world_size": world, "items": len(scanned.items),
-         "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
-         "ignored": [{"path": p.path, "reason": p.reason} for p in scanned.ignored],
-         "cache": cache_stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
-         "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
-         "interrupted": result.interrupted, "losses": state.losses,
-         "nonfinite_steps_skipped": state.nonfinite_skipped,
-         "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in samples]}, indent=2))
-
-
-def _version() -> str:
+def package_version() -> str:
     from vramfit import __version__
 
     return __version__
-
-
-def _versions() -> dict:
-    import diffusers
-    import transformers
-
-    return {"vramfit": _version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
