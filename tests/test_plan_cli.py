@@ -161,3 +161,13 @@ def test_a_cache_phase_over_budget_names_only_the_settings_of_that_phase(capsys)
     assert "--set cache.vae_tiling=true" in out
     written, chosen = _tables(out)
     assert chosen["cache_latents"][0] < 0.4 * written["cache_latents"][0]
+
+
+def test_a_samples_phase_over_budget_names_the_sample_grids(capsys):
+    """The SD3 example at 6 GiB: only its sample grids (the text encoders on the GPU for their
+    prompts) are over; the message says how to leave them out, and without them it fits."""
+    rc, _, err = _plan(capsys, SD3M, "--model", "sd3-medium", "--vram", "6GiB")
+    assert rc == 2 and "in the samples phase" in err and "sample.every_steps = 0 leaves the grids out" in err
+    rc, _, err = _plan(capsys, SD3M, "--model", "sd3-medium", "--vram", "6GiB", "--set", "sample.every_steps=0",
+                       "--set", "sample.prompts=[]")
+    assert rc == 0, err

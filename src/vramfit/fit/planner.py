@@ -807,6 +807,10 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         blocking = _blocking_settings(cfg, facts, knobs, usable, captions, phase)
         if blocking:
             lines.append(blocking)
+        if phase == "samples":
+            lines.append("the samples phase renders the sample grids (sample.every_steps) with the text encoders "
+                         "on the GPU for their prompts: sample.every_steps = 0 leaves the grids out (render them "
+                         "after training with vramfit generate)")
         if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
         raise PlanError("; ".join(lines))
