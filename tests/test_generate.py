@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +21,8 @@ from vramfit.cli import main
 from vramfit.config.schema import ModelConfig
 from vramfit.data.synth import make_synthetic_dataset
 from vramfit.generate import (
-    GenerateError, add_generate_parser, build_pipeline, compare_grid, generate, parse_lora, read_lora,
-    run_generate, sample_grid,
+    GenerateError, add_generate_parser, build_pipeline, compare_grid, generate, load_loras, parse_lora,
+    read_lora, run_generate, sample_grid, unload_loras,
 )
 from vramfit.models.adapter import Source
 from vramfit.models.registry import detect_family
@@ -219,6 +222,28 @@ def test_lora_of_another_family_is_refused(pipes, bundles, tmp_path):
     assert not any(pipe.get_list_adapters().values())
     with pytest.raises(FileNotFoundError):
         generate(pipe, ["a cat"], loras=[(tmp_path / "missing.safetensors", 1.0)], **FAST)
+
+
+def test_lora_for_another_layout_of_the_family_warns(pipes, bundles, tmp_path, caplog):
+    # tiny:sdxl's UNet has a mid-block attention (2 blocks x 2 attentions x q, k, v, out: 16
+    # layers) that tiny:ssd1b's has not: diffusers leaves those out without a word
+    pipe = pipes("tiny:ssd1b")
+    own = make_lora(bundles("tiny:ssd1b"), tmp_path / "own.safetensors", seed=1)
+    sdxl = make_lora(bundles("tiny:sdxl"), tmp_path / "sdxl.safetensors", seed=1)
+    kohya = make_lora(bundles("tiny:sdxl"), tmp_path / "kohya.safetensors", seed=1, kohya=True)
+    for lora, warned in ((own, False), (sdxl, True), (kohya, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vramfit.generate"):
+            names = load_loras(pipe, [(lora, 1.0)])
+        unload_loras(pipe, names)
+        text = " ".join(r.getMessage() for r in caplog.records if r.name == "vramfit.generate")
+        assert bool(text) == warned, (lora.name, text)
+        if warned:
+            assert f"--lora {lora}: 16 of its 136 layers are not in this sdxl model" in text
+            assert ("mid_block.attentions.0.transformer_blocks.0.attn1.to_k" in text
+                    or "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn1_to_k" in text), text
+            assert "and 13 more" in text
+    assert not any(pipe.get_list_adapters().values())
 
 
 def test_broken_lora_files_are_refused_and_removed(pipes, bundles, tmp_path):
@@ -514,10 +539,73 @@ def test_bad_flags_are_error_lines(bundles, tmp_path, capsys):
         (["--model", "tiny:sd3", "--width", "72"], "--width 72"),
         (["--model", "tiny:ssd1b", "--lora", str(sd3_lora)], "sd3.safetensors"),
     ]
+    # refused before anything is resolved, loaded or written (the cache and --out stay unmade)
+    devices = "auto, cpu, cuda or cuda:N"
+    early = [
+        (["--device", "tpu"], "--device 'tpu' is not a device vramfit renders on; use " + devices),
+        (["--device", "cuda:99"], "--device cuda:99: "),
+        (["--guidance", "nan"], "--guidance must be a finite number, 0 or more (got nan)"),
+        (["--guidance", "-1"], "--guidance must be a finite number, 0 or more (got -1.0)"),
+        (["--lora", f"{sd3_lora}:nan"], f"--lora {sd3_lora}:nan: a LoRA's scale must be a finite number"),
+        (["--lora", f"{sd3_lora}:inf"], f"--lora {sd3_lora}:inf: "),
+    ]
+    if not torch.cuda.is_available():  # the GPU of a CPU-only machine (on one with GPUs: cuda:99)
+        early.append((["--device", "cuda"], "--device cuda: no CUDA GPU is visible on this machine; "
+                       f"use --device cpu or auto (--device takes {devices})"))
     for argv, expected in cases:
         assert cli("--prompt", "p", "--steps", "1", "--out", str(tmp_path / "out"), *argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()[-1]  # after any import notice of a library
         assert err.startswith("error: ") and expected in err and "model." not in err, (argv, err)
+    for argv, expected in early:
+        assert cli("--model", "tiny:ssd1b", "--prompt", "p", "--out", str(tmp_path / "early"),
+                   "--cache-dir", str(tmp_path / "cache"), *argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
+        assert not (tmp_path / "cache").exists() and not (tmp_path / "early").exists(), argv
     with pytest.raises(SystemExit) as exit_:
         cli("--model", "tiny:ssd1b", "--prompt", "p", "--lora", str(tmp_path / "missing.safetensors"))
     assert exit_.value.code == 2 and "missing.safetensors is not a file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a read-only tmpfs mount: writes fail there even for root."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_folders_that_cannot_be_written_are_named_before_loading(read_only_folder, tmp_path, capsys):
+    ro = read_only_folder
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    assert cli("--model", "tiny:ssd1b", "--prompt", "p", "--out", str(ro), "--cache-dir", str(cache)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --out: cannot write in {ro}: Read-only file system; choose a folder you can write to"]
+    assert not cache.exists(), "refused before the model was made"
+    # the cache is written where a tiny model is made (or a pickle file converted) the first time
+    assert cli("--model", "tiny:ssd1b", "--prompt", "p", "--out", str(out),
+               "--cache-dir", str(ro / "cache")) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --cache-dir: cannot write in {ro} (where {ro / 'cache'} would be made): "
+        "Read-only file system; choose a folder you can write to"]
+    assert not out.exists()
+
+
+def test_base_of_another_family_is_compared_with_a_warning(module_cache, tmp_path, capsys, caplog):
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="vramfit.generate"):
+        assert cli("--model", "tiny:ssd1b", "--base", "tiny:sd3", "--prompt", "p", "--steps", "1",
+                   "--width", str(SIZE), "--height", str(SIZE), "--out", str(out),
+                   "--cache-dir", str(module_cache)) == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "vramfit.generate"]
+    assert warned == ["--base tiny:sd3 is an SD3 model and --model tiny:ssd1b an SDXL-family model: "
+                      "compare.png shows two model families side by side, not a model and its fine-tune"]
+    assert size_of(out / "compare.png") == (SIZE, 2 * SIZE)
+    capsys.readouterr()

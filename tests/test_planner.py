@@ -276,7 +276,7 @@ def test_vramfit_plan_prints_the_table_and_the_choice(capsys):
     assert main(["plan", "--set", "model.path=tiny:ssd1b", "--vram", "8 gigs"]) == 2
     assert "not a size" in capsys.readouterr().err
     assert main(["plan", "--set", "model.path=tiny:ssd1b", "--set", f"data.resolution={SIZE}", "--vram", "1KiB"]) == 2
-    assert "nothing fits" in capsys.readouterr().err
+    assert "--vram 1KiB is below the smallest GPU vramfit plans for" in capsys.readouterr().err
 
 
 def test_a_bad_budget_is_a_config_error(capsys):

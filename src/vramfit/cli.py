@@ -23,6 +23,7 @@ from vramfit.config import ConfigError, load_config
 # The library's user errors (CheckpointError, SourceError and ResumeError are ValueErrors); the
 # others live in torch-heavy modules: user_error() imports them only once an error is met.
 USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
+MIN_VRAM = 256 * 2**20  # the smallest GPU `vramfit plan --vram` takes: below it is a typo (10MiB for 10GiB)
 
 
 def user_error(exc: BaseException) -> bool:
@@ -116,7 +117,8 @@ def print_summary(result) -> None:
     print(f"\ntrained {len(result.loop.losses)} steps on {len(result.scan.items)} images "
           f"({len(result.scan.problems)} skipped); final loss {last}")
     print("\nmemory by phase:\n" + result.report.table())
-    print("\ncheckpoints: " + ", ".join(str(p) for p in result.checkpoints))
+    print("\ncheckpoints: " + (", ".join(str(p) for p in result.checkpoints) if result.checkpoints else
+                               "none written (stopped before the end)"))
     print(f"memory report, config and logs: {result.output_dir}")
 
 
@@ -137,6 +139,10 @@ def cmd_plan(args) -> int:
                 + "|".join(shipped_layouts()))
         problems = [p + hint if p.startswith("model.path:") else p for p in exc.problems]
         raise ConfigError(problems, str(args.config or "config")) from None
+    budget = budget_of(cfg, args.vram)  # a bad --vram is named before any model file is read
+    if args.vram is not None and budget < MIN_VRAM:
+        raise ValueError(f"--vram {args.vram} is below the smallest GPU vramfit plans for "
+                         f"({MIN_VRAM // 2**20} MiB); give the GPU memory to plan for, e.g. 8GiB")
     facts = facts_for_layout(args.model) if args.model else read_facts(cfg, cache_root(cfg))
     problems = FAMILIES[facts.family].config_problems(cfg)  # what `train` would refuse for this model
     if cfg.model.family not in ("auto", facts.family):
@@ -144,7 +150,7 @@ def cmd_plan(args) -> int:
                            f"{facts.family} model")
     if problems:
         raise ConfigError(problems, f"config for this {facts.family} model")
-    print(plan_report(cfg, facts, budget_of(cfg, args.vram)))
+    print(plan_report(cfg, facts, budget))
     return 0
 
 
@@ -169,7 +175,7 @@ def cmd_inspect(args) -> int:
     from vramfit.config.schema import ModelConfig
     from vramfit.formats.lora import describe_lora
     from vramfit.models.registry import detect_family
-    from vramfit.models.sources import resolve_source
+    from vramfit.models.sources import SourceError, resolve_source
 
     path = Path(args.path).expanduser()
     repo_id = args.path.startswith("tiny:") or (args.path.count("/") == 1 and not path.suffix)
@@ -187,7 +193,11 @@ def cmd_inspect(args) -> int:
                 value = f"{value['modules']} modules ({kinds})"
             print(f"  {key.replace('_', ' ')}: {value}")
         return 0
-    source = resolve_source(ModelConfig(path=args.path))
+    try:
+        source = resolve_source(ModelConfig(path=args.path))
+    except SourceError as exc:  # worded for model.path, which inspect's user did not write
+        text = str(exc).removeprefix("model.path: ").replace("set model.path to", "give")
+        raise SourceError(text) from None
     info = detect_family(source).describe(source)
     info["source"] = {"kind": source.kind, "path": str(source.path),
                       "tokenizers": str(source.tokenizers) if source.tokenizers else None}
@@ -219,10 +229,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from vramfit.memory.accounting import pick_device
+    from vramfit.generate import generate_device
     from vramfit.train.setup import use_cpu_threads
 
-    use_cpu_threads("auto", pick_device(args.device))  # on the CPU, as train.cpu_threads = "auto" does
+    # on the CPU, as train.cpu_threads = "auto" does; a --device that cannot be used stops here
+    use_cpu_threads("auto", generate_device(args.device))
     return args.func(args)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vramfit.config import load_config
+from vramfit.config.load import folder_problem
 from vramfit.data.synth import make_synthetic_dataset
 
 DEMO_SIZE = 128
@@ -30,10 +31,13 @@ def run_demo(output: Path, steps: int = 30, progress: bool = True):
     from vramfit.run import train_run
 
     output = Path(output)
+    problem = folder_problem("--output", str(output))  # before anything is written or loaded
+    if problem:
+        raise ValueError(problem)
     images = output / "images"
     # each caption is written after its image: all captions there means a whole set (a stopped demo
     # may have left part of one, which is made again, the same)
     if not all((images / f"{i:04d}.txt").is_file() for i in range(DEMO_IMAGES)):
         make_synthetic_dataset(images, n=DEMO_IMAGES, size=DEMO_SIZE, seed=0)
     cfg = load_config(None, demo_overrides(output, steps))
-    return train_run(cfg, progress=progress)
+    return train_run(cfg, progress=progress, warn_earlier=False)  # a demo starts over by design

@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import logging
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -21,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from vramfit.config.load import default_cache_root, folder_problem
 from vramfit.config.schema import ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
@@ -30,12 +34,17 @@ from vramfit.models.tiny import shipped_config
 
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = {"sdxl": 5.0, "sd3": 7.0}
+FAMILY_NAMES = {"sdxl": "SDXL-family", "sd3": "SD3"}
 DEFAULT_SIZE = 1024
 VAE_FACTOR = 8  # every SDXL-family and SD3 VAE; read from the VAE where one is loaded
 SD3_MAX_TOKENS = 512  # the most T5 tokens diffusers' SD3 pipeline takes
 SD3_MAX_SEQUENCE_LENGTH = 256  # the T5 tokens diffusers' SD3 pipeline uses
+DEVICES = "auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)"
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+log = logging.getLogger(__name__)
 
 
 class GenerateError(ValueError):
@@ -188,8 +197,11 @@ def load_loras(pipe, loras: Sequence[tuple[Path, float]], allow_pickle: bool = F
     Files are read by diffusers' `load_lora_weights` (diffusers/peft keys with `unet.`,
     `transformer.`, `text_encoder.` prefixes, or kohya `lora_unet_*` / `lora_te*_*` keys).
     A file none of whose tensors fits the model is refused; so is a pickle file (.bin, .pt, .ckpt,
-    .pth) unless `allow_pickle`, which reads it weights-only. Returns the adapter names.
+    .pth) unless `allow_pickle`, which reads it weights-only, and a scale that is not finite. A
+    file only some of whose layers are in the model (a LoRA for another layout of the family) is
+    loaded with a warning naming those left out. Returns the adapter names.
     """
+    check_numbers(None, loras)
     names: list[str] = []
     try:
         for i, (path, _) in enumerate(loras):
@@ -207,12 +219,63 @@ def load_loras(pipe, loras: Sequence[tuple[Path, float]], allow_pickle: bool = F
             if not any(name in found for found in pipe.get_list_adapters().values()):
                 raise ValueError(f"--lora {path}: none of its tensors match a layer of this "
                                  f"{_family(pipe)} model (is it a LoRA for another model family?)")
+            _warn_unmatched(pipe, path, weights, name)
         if names:
             pipe.set_adapters(names, adapter_weights=[float(scale) for _, scale in loras])
     except BaseException:
         unload_loras(pipe, names)
         raise
     return names
+
+
+# A LoRA layer's down (A) matrix, in every key style diffusers reads: peft `.lora_A.`, diffusers'
+# older `.lora.down.` and `_lora.down.` (attention processors), kohya `.lora_down.`
+_LORA_DOWN = re.compile(r"^(.+?)(?:\.lora_A|\.lora\.down|_lora\.down|\.lora_down)\.(?:[^.]+\.)?weight$")
+_KOHYA_PARTS = (("lora_unet_", ("unet",)), ("lora_transformer_", ("transformer",)),
+                ("lora_te1_", ("text_encoder",)), ("lora_te2_", ("text_encoder_2",)),
+                ("lora_te3_", ("text_encoder_3",)), ("lora_te_", ("text_encoder",)))
+
+
+def lora_layers(weights) -> list[str]:
+    """The layers a LoRA file adapts, as its keys name them (one per down/A matrix)."""
+    keys = read_header(Path(weights))[0] if isinstance(weights, str) else weights
+    return sorted({m.group(1) for key in keys if (m := _LORA_DOWN.match(key))})
+
+
+def _adapted(pipe, name: str) -> dict[str, set[str]]:
+    """Per pipeline component, the names of its layers that carry adapter `name`."""
+    found: dict[str, set[str]] = {}
+    for part, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            found[part] = {n for n, m in module.named_modules()
+                           if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
+                           and name in m.lora_A}
+    return found
+
+
+def _warn_unmatched(pipe, path: Path, weights, name: str) -> None:
+    """Warn when some of a LoRA's layers are not in the model (diffusers leaves them out quietly):
+    how many, and the first few names where the file's keys name them as the model does."""
+    layers = lora_layers(weights)
+    adapted = _adapted(pipe, name)
+    missing = len(layers) - sum(len(found) for found in adapted.values())
+    if missing <= 0:
+        return
+    kohya = {prefix + n.replace(".", "_") for prefix, parts in _KOHYA_PARTS
+             for part in parts for n in adapted.get(part, ())}
+
+    def in_model(layer: str) -> bool:
+        part, _, rest = layer.partition(".")
+        return rest in adapted.get(part, ()) or layer in kohya
+
+    unknown = [layer for layer in layers if not in_model(layer)]
+    names = ""
+    if len(unknown) == missing:  # the file's names agree with the count: list them
+        more = f" and {missing - 3} more" if missing > 3 else ""
+        names = f": {', '.join(unknown[:3])}{more}"
+    log.warning("--lora %s: %d of its %d layers are not in this %s model and are left out%s; "
+                "it was probably trained for another model of the family", path, missing, len(layers),
+                _family(pipe), names)
 
 
 def read_lora(path: Path, allow_pickle: bool = False):
@@ -343,6 +406,7 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
     """
     guidance = DEFAULT_GUIDANCE[_family(pipe)] if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, count)
+    check_numbers(guidance, loras)
     place(pipe, device, dtype, offload=offload)
     names = load_loras(pipe, loras, allow_pickle)
     try:
@@ -506,7 +570,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help=f"denoising steps per image (default {DEFAULT_STEPS})")
     p.add_argument("--guidance", type=float, default=None,
-                   help="classifier-free guidance scale (default 5.0 for SDXL, 7.0 for SD3; 1 turns it off)")
+                   help="classifier-free guidance scale, 0 or more (default 5.0 for SDXL, 7.0 for SD3; "
+                   "1 turns it off)")
     p.add_argument("--width", type=int, default=None,
                    help="image width (default: the model's own size: the modelspec.resolution of its file, "
                    "else its denoiser's sample size; 1024 for SDXL and SD3, 128 for tiny:ssd1b)")
@@ -514,7 +579,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=1, help="images per prompt (default 1)")
     p.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="PATH[:SCALE]",
                    help="LoRA .safetensors (diffusers or kohya keys) with its scale, default 1.0 "
-                   "(repeatable; all are applied together, to --model only)")
+                   "(repeatable; all are applied together, to --model only; a LoRA's layers that the "
+                   "model does not have are left out with a warning)")
     p.add_argument("--compare", action="store_true",
                    help="also render the same prompts and seeds without the LoRAs (or with --base MODEL) "
                    "and write compare.png (that row above --model's)")
@@ -540,6 +606,23 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_generate)
     return p
+
+
+def generate_device(text: str) -> torch.device:
+    """--device as a torch device; one that vramfit does not render on, or a GPU this machine does
+    not show, is refused naming the flag, before anything loads."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", text):
+        raise GenerateError(f"--device {text!r} is not a device vramfit renders on; use {DEVICES}")
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = text.partition(":")[2]
+        if not count:
+            raise GenerateError(f"--device {text}: no CUDA GPU is visible on this machine; use --device "
+                                "cpu or auto (--device takes auto, cpu, cuda or cuda:N)")
+        if index and int(index) >= count:
+            raise GenerateError(f"--device {text}: this machine shows {count} GPU(s), cuda:0 to "
+                                f"cuda:{count - 1}; use one of them, or auto or cpu")
+    return pick_device(text)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -571,10 +654,18 @@ def run_generate(args) -> int:
     base_text = getattr(args, "base", None)
     compare = bool(args.compare or base_text)
     _check_flags(args, loras, compare)
-    device = pick_device(args.device)
+    device = generate_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    problem = folder_problem("--out", str(args.out))  # now: not once the models have rendered
+    if problem:
+        raise GenerateError(problem)
     model = _resolve(args.model, "--model", args)
     base = _resolve(base_text, "--base", args) if base_text else None
+    if base is not None and base[1].name != model[1].name:
+        log.warning("--base %s is an %s model and --model %s an %s model: compare.png shows two model "
+                    "families side by side, not a model and its fine-tune", base_text,
+                    FAMILY_NAMES.get(base[1].name, base[1].name), args.model,
+                    FAMILY_NAMES.get(model[1].name, model[1].name))
     if "sd3" not in {model[1].name, base[1].name if base else None}:
         for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):
             if value is not None:
@@ -665,6 +756,7 @@ def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> No
     n = args.max_sequence_length
     if n is not None and not 1 <= n <= SD3_MAX_TOKENS:
         raise GenerateError(f"--max-sequence-length must be from 1 to {SD3_MAX_TOKENS} (got {n})")
+    check_numbers(args.guidance, loras)
     for path, _ in loras:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--lora: {path} is not a file")
@@ -672,8 +764,20 @@ def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> No
             read_lora(path, False)  # refuses a pickle file
 
 
+def check_numbers(guidance: Optional[float], loras: Sequence[tuple[Path, float]]) -> None:
+    """A guidance scale below 0 or not finite, or a LoRA scale that is not finite (NaN renders
+    black images), is refused naming the flag."""
+    if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):
+        raise GenerateError(f"--guidance must be a finite number, 0 or more (got {guidance}); "
+                            "1 turns classifier-free guidance off")
+    for path, scale in loras:
+        if not math.isfinite(scale):
+            raise GenerateError(f"--lora {path}:{scale}: a LoRA's scale must be a finite number, "
+                                f"e.g. {path}:0.8")
+
+
 def _output_folder(out: Path) -> Path:
-    """--out, created now: a folder that cannot be written is found before any model loads."""
+    """--out, created now (run_generate has tried writing in it before any model loads)."""
     if out.exists() and not out.is_dir():
         raise GenerateError(f"--out: {out} is a file; give a folder for the images")
     try:
@@ -698,7 +802,15 @@ def _resolve(text: str, flag: str, args):
     config = ModelConfig(path=text, tokenizers=None if own else args.tokenizers,
                          allow_pickle=bool(getattr(args, "allow_pickle", False)))
     try:
-        source = resolve_source(config, args.cache_dir)
+        try:
+            source = resolve_source(config, args.cache_dir)
+        except OSError:  # a tiny model or a converted pickle file could not be written in the cache
+            given = args.cache_dir is not None
+            problem = folder_problem("--cache-dir" if given else "--cache-dir (not set: the default folder)",
+                                     str(args.cache_dir if given else default_cache_root()))
+            if problem:
+                raise GenerateError(problem) from None
+            raise
         if own and source.tokenizers is None and args.tokenizers:
             source = dataclasses.replace(source, tokenizers=Path(args.tokenizers).expanduser())
         family = detect_family(source)

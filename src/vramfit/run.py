@@ -17,6 +17,7 @@ from vramfit.data.scan import ScanResult
 from vramfit.fit import probe
 from vramfit.fit.planner import budget_of, fit_to_budget, with_values
 from vramfit.fit.spill import SpillWatch
+from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_stale_temps, write_text_atomic
 from vramfit.memory.accounting import MemoryTracker, pick_device
 from vramfit.models.adapter import Family, ModelBundle
@@ -69,7 +70,11 @@ def graphs_chosen_by(user: RunConfig, run: RunConfig) -> Optional[str]:
 
 
 @stopped_as("before training began: nothing was trained, what is cached is kept; run the same command again")
-def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None) -> RunResult:
+def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = None,
+              warn_earlier: bool = True) -> RunResult:
+    """Train `cfg` (from the training state `resume` names, if any). Without `resume`, where output.dir
+    holds an earlier run that this one will write over, a warning says so first (unless not
+    `warn_earlier`: the demo starts over by design)."""
     user = cfg
     cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
     graphs_by = graphs_chosen_by(user, cfg)
@@ -84,6 +89,11 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     check_resumable(cfg, resume, ranks.world)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
+    earlier = _earlier_run(out, cfg.save.name) if ranks.main and warn_earlier and not resume else []
+    if earlier:
+        log.warning("output.dir %s holds an earlier run (%s): this run writes over them; --resume latest "
+                    "continues that run instead (with a larger train.steps where it had finished)", out,
+                    ", ".join(earlier))
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:
         clean_stale_temps([out, state_root(out)])  # left by killed runs (the cache cleans its own)
@@ -114,6 +124,9 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     generator = torch.Generator().manual_seed(cfg.train.seed)
     state = resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks)
     start = state.step
+    if resume and start == cfg.train.steps:  # check_resumable lets this through only without a final save
+        log.info("the training state is at train.steps (%d): nothing to train; writing the final checkpoint",
+                 start)
     saved: list[Path] = []
     config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
 
@@ -126,8 +139,8 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     flag = StopFlag()
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
                       on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
-                          save_on_main(ranks, family, bundle, cfg, p.step))),
-                      on_state=_held("saving the training state", (state_root(out),), flag, write_state))
+                          save_on_main(ranks, family, bundle, cfg, p.step)), out),
+                      on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples")
 
@@ -163,11 +176,12 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                  else "as training ended: ")
         stopped = Interrupted(signal_name(exc), ended + kept)
     with held_signals("saving the checkpoint, the training state and the run's records",
-                      (out, state_root(out)), flag):
+                      (out, state_root(out)), flag, resumable=out):
         with tracker.phase("save"):
             write_state(state)  # also at the end, so a finished run can be extended with more steps
             if not result.interrupted:
                 saved += save_on_main(ranks, family, bundle, cfg, None)
+        saved = [p for p in saved if p.exists()]  # intermediate saves pruned since (save.keep_last) are gone
         free_device_memory(device)
         report = tracker.report
         report.write(out / ranks.report_name(cfg.save.name))
@@ -180,13 +194,29 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
 
 
-def _held(what: str, folders: tuple[Path, ...], flag: StopFlag,
-          save: Callable[[Progress], None]) -> Callable[[Progress], None]:
-    """`save` (a LoopHooks callback) under held_signals."""
+def _held(what: str, folders: tuple[Path, ...], flag: StopFlag, save: Callable[[Progress], None],
+          out: Path) -> Callable[[Progress], None]:
+    """`save` (a LoopHooks callback) under held_signals (a second signal names the state in `out` to
+    continue from)."""
     def run(p: Progress) -> None:
-        with held_signals(what, folders, flag):
+        with held_signals(what, folders, flag, resumable=out):
             save(p)
     return run
+
+
+def _earlier_run(out: Path, name: str) -> list[str]:
+    """What of an earlier run in output.dir `out` a new run writes over: its run.json, its final
+    and intermediate checkpoints under save.name `name`, its training states."""
+    found = ["run.json"] if (out / "run.json").is_file() else []
+    found += [p.name for s in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values())
+              if (p := out / f"{name}{s}").exists()]
+    steps = list(out.glob(f"{name}-step*")) if out.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} intermediate checkpoint{'s' if len(steps) > 1 else ''} ({name}-step*)")
+    states = sorted(p.name for p in state_root(out).glob("step-*") if p.is_dir())
+    if states:
+        found.append(f"state/ ({states[0]}{f' to {states[-1]}' if len(states) > 1 else ''})")
+    return found
 
 
 def _second_stop_note(out: Path, state: Progress) -> str:

@@ -840,9 +840,17 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
 
 
 def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
-    """Bytes of --vram (`override`), else of memory.vram_budget; None without either."""
-    text = override or cfg.memory.vram_budget
-    return parse_size(text) if text else None
+    """Bytes of --vram (`override`), else of memory.vram_budget; None without either. A size that
+    does not parse is a PlanError naming the flag or key."""
+    name, text = "--vram", override
+    if override is None:
+        name, text = "memory.vram_budget", cfg.memory.vram_budget
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise PlanError(f"{name}: {exc}") from None
 
 
 def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from vramfit.formats.lora import describe_lora, detect_format
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.models.adapter import Family, Source, resolution_problems
 from vramfit.models.names import TINY_MODELS, unknown_tiny
@@ -22,19 +23,29 @@ _KNOWN_OTHERS = {
 
 
 def detect_family(source: Source, requested: str = "auto") -> Family:
-    if requested != "auto":
-        return FAMILIES[requested]
+    """The family of `source` (`requested` where the config names one); a LoRA file, or a
+    checkpoint of a family vramfit does not train, is a CheckpointError saying what it is."""
     if source.kind == "single_file":
         keys = set(read_header(source.path)[0])
-        for family in FAMILIES.values():
-            if family.detect_single_file(keys):
-                return family
-        for key, name in _KNOWN_OTHERS.items():
-            if key in keys:
-                raise CheckpointError(f"{source.path}: this is a {name} checkpoint, which this "
-                                      f"version of vramfit cannot train (families: {', '.join(FAMILIES)})")
-        raise CheckpointError(f"{source.path}: no known model family found in its keys "
-                              f"(first keys: {sorted(keys)[:3]})")
+        if requested == "auto":
+            for family in FAMILIES.values():
+                if family.detect_single_file(keys):
+                    return family
+            for key, name in _KNOWN_OTHERS.items():
+                if key in keys:
+                    raise CheckpointError(f"{source.path}: this is a {name} checkpoint, which this version "
+                                          f"of vramfit cannot train (families: {', '.join(FAMILIES)})")
+        lora = describe_lora(source.path) if detect_format(keys) != "unknown" else None
+        if lora is not None:
+            target = lora["for"].split(";")[0].split(", module names")[0]  # "SDXL-family UNet", ...
+            raise CheckpointError(f"{source.path}: this is a LoRA file ({lora['format']} format, for "
+                                  f"{target}), not a model: give it to `vramfit generate --lora` beside its "
+                                  "base model, and train on the base model itself")
+        if requested == "auto":
+            raise CheckpointError(f"{source.path}: no known model family found in its keys "
+                                  f"(first keys: {sorted(keys)[:3]})")
+    if requested != "auto":
+        return FAMILIES[requested]
     index = json.loads((source.path / "model_index.json").read_text())
     for family in FAMILIES.values():
         if family.detect_diffusers(index):

@@ -23,6 +23,7 @@ from vramfit.config.load import ConfigError, default_cache_root, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
+from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_temps, discard, writing
 from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.lora_compute import lora_in_base_dtype
@@ -36,7 +37,8 @@ from vramfit.train import distributed
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopResult, NonFiniteLoss, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
-from vramfit.train.state import Progress, check_compatible, find_state, kept_note, load_state, read_meta
+from vramfit.train.state import (Progress, ResumeError, check_compatible, find_state, kept_note, load_state,
+                                 read_meta)
 
 log = logging.getLogger("vramfit")
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -111,18 +113,20 @@ def stop_on_signals(flag: StopFlag):
 
 
 @contextmanager
-def held_signals(what: str, folders: tuple[Path, ...] = (), flag: Optional[StopFlag] = None):
+def held_signals(what: str, folders: tuple[Path, ...] = (), flag: Optional[StopFlag] = None,
+                 resumable: Optional[Path] = None):
     """Saves: a SIGINT/SIGTERM waits until the block is done (a save is short; a torn one is worth
     nothing), then reaches the handler outside it (the loop's stop flag, or the CLI's stop). A second
     one (counting the one that set `flag`) stops at once: the files from before are kept, and this
-    process's temporaries in `folders` are removed. Nested blocks hold as the outermost does."""
+    process's temporaries in `folders` are removed; where output folder `resumable` holds a saved
+    training state, the message says to continue from it. Nested blocks hold as the outermost does."""
     held: list[int] = []
 
     def hold(signum, frame):
         name = signal.Signals(signum).name
         if held or (flag is not None and flag.requested):
             raise Interrupted(name, f"a second time while {what}: it was left unfinished, and the files "
-                              "from before it are kept as they were")
+                              f"from before it are kept as they were{_resume_note(resumable)}")
         held.append(signum)
         log.warning("%s received while %s: finishing that first (send it again to stop at once)", name, what)
 
@@ -142,6 +146,18 @@ def held_signals(what: str, folders: tuple[Path, ...] = (), flag: Optional[StopF
     if held:
         with stopped_as(f"while {what}: that was finished first"):
             signal.raise_signal(held[0])
+
+
+def _resume_note(output_dir: Optional[Path]) -> str:
+    """The end of a stop message naming the saved state in `output_dir` to resume; "" without one."""
+    if output_dir is None:
+        return ""
+    try:
+        last = find_state(output_dir, "latest")
+    except ResumeError:  # none saved yet
+        return ""
+    return (f"; the last saved training state, {last.name} ({last}), is kept: continue from it with "
+            "--resume latest")
 
 
 def cpu_threads(setting: int | str) -> int:
@@ -359,10 +375,8 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
         family.save_diffusers(bundle, folder, dtype)
         paths.append(folder)
     if step is not None:
-        from vramfit.formats.lora import LORA_FILE_SUFFIXES
-
         for suffix in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values()):
-            _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last)
+            _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last, step)
     return paths
 
 
@@ -400,8 +414,11 @@ def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig
         return save_checkpoint(family, whole, cfg, step)
 
 
-def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int) -> None:
-    found = sorted(p for p in out.glob(f"{prefix}*{suffix}") if p.name[len(prefix):-len(suffix)].isdigit())
+def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int, newest: int) -> None:
+    """Keep the newest `keep` intermediate saves up to step `newest`, the one just written; later
+    steps are an earlier run's (as train/state.py prune leaves them), not older than this one."""
+    steps = {p: p.name[len(prefix):-len(suffix)] for p in out.glob(f"{prefix}*{suffix}")}
+    found = sorted(p for p, s in steps.items() if s.isdigit() and int(s) <= newest)
     for old in found[:-keep]:
         discard(old)  # renamed away first: a kill mid-delete leaves no half folder under its name
 
@@ -422,8 +439,16 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
     """Fail before any weight loads when --resume cannot work."""
     if resume:
         path = find_state(cfg.output_dir, resume)
-        saved, now = distributed.resume_configs(read_meta(path)["config"], cfg.model_dump(mode="json"), world, path)
+        meta = read_meta(path)
+        saved, now = distributed.resume_configs(meta["config"], cfg.model_dump(mode="json"), world, path)
         check_compatible(saved, now, path)
+        step, steps = meta["progress"]["step"], cfg.train.steps
+        # at train.steps exactly, a run whose final save failed (a full disk) resumes to write it
+        finals = (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values())
+        saved_final = any((cfg.output_dir / f"{cfg.save.name}{s}").exists() for s in finals)
+        if step > steps or (step == steps and saved_final):
+            raise ResumeError(f"--resume: the state is at step {step} and train.steps is {steps}: nothing "
+                              "to train; raise train.steps to continue the run")
 
 
 def package_version() -> str:

@@ -86,7 +86,7 @@ def save_state(output_dir: Path, model: torch.nn.Module, optimizer, schedule, ge
         final = root / name
         commit_folder(tmp, final)  # a state of the same step from an earlier attempt is replaced whole
         write_text_atomic(root / "latest", name + "\n")
-    prune(root, "step-", keep_last)
+    prune(root, "step-", keep_last, newest=name)
     return final
 
 
@@ -119,10 +119,14 @@ def _save_torch(path: Path, obj) -> None:
             raise
 
 
-def prune(folder: Path, prefix: str, keep: int) -> None:
+def prune(folder: Path, prefix: str, keep: int, newest: Optional[str] = None) -> None:
     """Delete all but the newest `keep` entries named prefix + zero-padded step (each renamed away
-    first, so a kill mid-delete leaves no half state under a state's name)."""
-    entries = sorted(p for p in folder.iterdir() if p.name.startswith(prefix))
+    first, so a kill mid-delete leaves no half state under a state's name). With `newest` (the
+    entry just written), entries named after it are left alone: they are an earlier run's (a new
+    run in the same output.dir, or a resume from an older state), and pruning by name would
+    delete the one just written in their favour."""
+    entries = sorted(p for p in folder.iterdir() if p.name.startswith(prefix)
+                     and (newest is None or p.name <= newest))
     for old in entries[:-keep] if keep else []:
         discard(old)
 
@@ -151,6 +155,10 @@ def find_state(output_dir: Path, which: str) -> Path:
     `latest` passes over it (with a warning) to the newest complete one."""
     if which != "latest":
         path = Path(which).expanduser()
+        if not path.exists():
+            raise ResumeError(f"--resume {which}: {path} does not exist; give `latest` (the newest state "
+                              "in output.dir/state) or the path of a state folder "
+                              "(output.dir/state/step-NNNNNN)")
         missing = missing_parts(path)
         if len(missing) == len(STATE_FILES):
             raise ResumeError(f"--resume {which}: not a vramfit state folder (no trainer.json in it)")
