@@ -1,4 +1,4 @@
-"""The GPU bench of issue 5: seed recipes and vramfit's own training path, side by side.
+"""The GPU bench: seed recipes and vramfit's own training path, side by side.
 
 For each reference workload it runs, each in a fresh process so that peaks do not mix:
   - the FLOP count of one training step (bench/seeds.py WORKLOAD flops, on the meta device);
@@ -54,7 +54,7 @@ class Case:
 
 
 # memory.vram_budget set to the seed recipe's measured peak: the planner picks the fastest settings
-# that fit where the seed fits (the target of issue 5). "{seed_peak}" is filled in at run time.
+# that fit where the seed fits (the memory-saving target). "{seed_peak}" is filled in at run time.
 BUDGET_CASE = Case("budget", "planner at the seed's peak (memory.vram_budget)", ["memory.vram_budget={seed_peak}"],
                    ["memory.vram_budget"], bare=True)
 

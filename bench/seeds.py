@@ -3,7 +3,7 @@ FLOP count of one training step of each workload.
 
 Adapted from the project's reference script (../shared/reference/seed_baseline.py): the same
 cases, built here from the architecture configs vramfit ships (so seed and vramfit rows train the
-same architecture), with the workloads of issue 5 in one table. Random weights: memory and speed
+same architecture), with the reference workloads in one table. Random weights: memory and speed
 of training do not depend on the weight values. Each call measures one case in this fresh
 process and prints one JSON line.
 
@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-# Reference workloads of issue 5. kind: the model; res/batch: the training shape; mode: full or lora.
+# Reference workloads. kind: the model; res/batch: the training shape; mode: full or lora.
 WORKLOADS = {
     "ssd1b": dict(kind="unet", layout="ssd1b", res=1024, batch=1, mode="full",
                   title="SSD-1B full fine-tune, 1024, batch 1"),
