@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
 from tqdm.auto import tqdm
 
 from vramfit.config.load import default_cache_root, folder_problem
@@ -64,6 +66,7 @@ def build_pipeline(bundle) -> Any:
         vae, encoders = FAMILIES[bundle.family].load_encoders(bundle.source)
         encoders = list(encoders)
     if bundle.family == "sdxl":
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
         scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
@@ -72,6 +75,7 @@ def build_pipeline(bundle) -> Any:
             tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
             force_zeros_for_empty_prompt=True, add_watermarker=False)
     elif bundle.family == "sd3":
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
         has_t5 = len(encoders) > 2 and len(tokenizers) > 2
@@ -476,8 +480,6 @@ def _short(text: str, limit: int = 40) -> str:
 
 def _label(image, text: str, *, top: bool = True) -> None:
     """Small text in a dark box at the top-left (or bottom-left) corner, drawn in place."""
-    from PIL import ImageDraw, ImageFont
-
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
     try:
@@ -498,8 +500,6 @@ def image_grid(rows: Sequence[Sequence[Any]], cell_labels: Optional[Sequence[Seq
     Labels are drawn onto copies of the images (row label at the top-left of the row's first
     image, cell labels at the bottom-left of each image); the grid has no margins.
     """
-    from PIL import Image
-
     cells = [im for row in rows for im in row]
     if not cells:
         raise ValueError("no images for the grid")
@@ -634,8 +634,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def save_png(image, path: Path, info: dict[str, str]) -> None:
-    from PIL.PngImagePlugin import PngInfo
-
     meta = PngInfo()
     for key, value in info.items():
         meta.add_itxt(key, value)

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from typing import Sequence
 
+import torch
+
+from vramfit.config.load import ConfigError
 from vramfit.config.schema import RunConfig
+from vramfit.train.distributed import composition_problems
 
 
 def without_gpus(argv: Sequence[str]) -> list[str]:
@@ -46,11 +50,6 @@ def launch_command(n: int, argv: Sequence[str]) -> list[str]:
 def relaunch(n: int, argv: Sequence[str], cfg: RunConfig) -> int:
     """Check `cfg` for n processes, then run `vramfit <argv>` on n processes and wait; returns the
     launcher's exit status."""
-    import torch
-
-    from vramfit.config.load import ConfigError
-    from vramfit.train.distributed import composition_problems
-
     problems = composition_problems(cfg, n)
     if problems:
         raise ConfigError(problems, f"config for --gpus {n}")

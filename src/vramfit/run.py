@@ -9,7 +9,9 @@ import platform
 from pathlib import Path
 from typing import Callable, Optional
 
+import diffusers
 import torch
+import transformers
 
 from vramfit.config.load import dump_config
 from vramfit.config.schema import RunConfig
@@ -245,8 +247,5 @@ def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, 
 
 
 def _versions() -> dict:
-    import diffusers
-    import transformers
-
     return {"vramfit": package_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}

@@ -21,8 +21,17 @@ from typing import Optional
 import torch
 
 from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
+from vramfit.formats.ldm_vae import vae_config_from_ldm
+from vramfit.formats.safetensors_io import meta_tensors, read_header
+from vramfit.formats.sd3_mmdit import sd3_config_from_keys
+from vramfit.formats.sgm_unet import unet_config_from_sgm
 from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
+from vramfit.models import sd3, sdxl
+from vramfit.models.registry import FAMILIES, detect_family
+from vramfit.models.sdxl import vae_tile
+from vramfit.models.sources import resolve_source
+from vramfit.models.tiny import shipped_config
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
 
 
@@ -67,8 +76,6 @@ class _Files:
 
 
 def _family_files() -> dict[str, _Files]:
-    from vramfit.models import sd3, sdxl
-
     return {
         "sdxl": _Files(sdxl.UNET, "unet", sdxl.VAE, (("CLIP-L", sdxl.CLIP_L, "text_encoder", "clip"),
                                                      ("bigG", sdxl.CLIP_G, "text_encoder_2", "clip"))),
@@ -79,16 +86,13 @@ def _family_files() -> dict[str, _Files]:
 
 
 def _denoiser_class(family: str):
+    # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
     return {"sdxl": UNet2DConditionModel, "sd3": SD3Transformer2DModel}[family]
 
 
 def _config_from_header(family: str, header: dict, prefix: str) -> dict:
-    from vramfit.formats.safetensors_io import meta_tensors
-    from vramfit.formats.sd3_mmdit import sd3_config_from_keys
-    from vramfit.formats.sgm_unet import unet_config_from_sgm
-
     reader = {"sdxl": unet_config_from_sgm, "sd3": sd3_config_from_keys}[family]
     return reader(meta_tensors(header, prefix))
 
@@ -127,8 +131,6 @@ def encoder_facts(name: str, kind: str, header: dict, prefix: str = "") -> Optio
 
 
 def _headers(folder: Path) -> dict:
-    from vramfit.formats.safetensors_io import read_header
-
     merged: dict = {}
     for f in sorted(folder.glob("*.safetensors")):
         merged.update(read_header(f)[0])
@@ -137,12 +139,6 @@ def _headers(folder: Path) -> dict:
 
 def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     """Everything the planner needs from cfg.model, from headers and configs only."""
-    from vramfit.formats.ldm_vae import vae_config_from_ldm
-    from vramfit.formats.safetensors_io import meta_tensors, read_header
-    from vramfit.models.registry import detect_family
-    from vramfit.models.sdxl import vae_tile
-    from vramfit.models.sources import resolve_source
-
     source = resolve_source(cfg.model, cache_root)
     family = detect_family(source, cfg.model.family).name
     files = _family_files()[family]
@@ -224,8 +220,6 @@ class UnknownLayout(ValueError):
 
 def shipped_layouts() -> dict[str, tuple[str, tuple]]:
     """{name: (family, (denoiser, VAE, encoder configs))} of every family's shipped layouts."""
-    from vramfit.models.registry import FAMILIES
-
     return {name: (family, parts) for family, fam in FAMILIES.items()
             for name, parts in fam.shipped_layouts.items()}
 
@@ -245,11 +239,9 @@ def facts_for_layout(layout: str, *, t5: bool = True) -> ModelFacts:
 
 @functools.lru_cache(maxsize=None)
 def _layout_facts(layout: str, t5: bool) -> ModelFacts:
+    # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    from vramfit.models.sdxl import vae_tile
-    from vramfit.models.tiny import shipped_config
 
     family, (denoiser_cfg, vae_cfg, encoder_cfgs) = shipped_layouts()[layout]
     names = [name for name, _, _, _ in _family_files()[family].encoders]  # as read_facts names them

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -64,11 +65,15 @@ from typing import Callable, Optional
 import torch
 
 from vramfit.config.schema import RunConfig, parse_size
+from vramfit.data.buckets import make_buckets
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
-                                     state_bytes)
+                                     read_facts, state_bytes)
+from vramfit.memory.offload import block_modules, split_units
 from vramfit.optim.base import ParamOptimizer
 from vramfit.optim.build import optimizer_class, streamed_step_on_device
+from vramfit.train.distributed import composition_problems, launched_world
+from vramfit.train.lora import target_modules
 
 GIB = 2**30
 MIB = 2**20
@@ -259,8 +264,6 @@ class _Tensor:
 
 
 def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
-    from vramfit.train.lora import target_modules
-
     out = []
     for name in target_modules(facts.denoiser, cfg.lora):
         lin = facts.denoiser.get_submodule(name)
@@ -273,8 +276,6 @@ def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
 def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
     """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
     first (the slots of memory/offload.py take the largest units' sizes: STREAM_SLOTS)."""
-    from vramfit.memory.offload import block_modules, split_units
-
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
     lora = cfg.train.mode == "lora"
     method = cfg.lora.base_quantization if lora else "none"
@@ -337,8 +338,6 @@ def _size(n: int) -> str:
 
 
 def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
-    from vramfit.data.buckets import make_buckets
-
     return max(make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect),
                key=lambda b: b[0] * b[1])
 
@@ -347,8 +346,6 @@ def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """The VAE encoding one image of the largest bucket: whole, or tiled (models/sdxl.py
     `set_vae_tiling`: tiles of at most facts.vae_tile on a side, one at a time, while the whole
     image stays on the device; an image no larger than a tile is encoded whole)."""
-    from vramfit.data.buckets import make_buckets
-
     dtype = cfg.cache.vae_dtype
     item = 4 if dtype == "fp32" else 2
     tile = facts.vae_tile if cfg.cache.vae_tiling else 1 << 30
@@ -646,8 +643,6 @@ def _valid(cfg: RunConfig, combo: dict[str, object]) -> bool:
     """Whether the config with `combo` passes its own checks and adds no problem of composing
     with the processes it was launched with: train/distributed.py's own check (one problem per
     refused key) decides."""
-    from vramfit.train.distributed import composition_problems, launched_world
-
     trial = with_values(cfg, combo)
     data = trial.model_dump()
     if "cuda_graphs" not in cfg.train.model_fields_set and "train.cuda_graphs" not in combo:
@@ -878,10 +873,6 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
 def fit_to_budget(cfg: RunConfig, cache_root=None) -> RunConfig:
     """`cfg` with the planner's choice applied when memory.vram_budget is set (and logged);
     before any weight loads. Raises PlanError when nothing fits."""
-    import logging
-
-    from vramfit.fit.model_facts import read_facts
-
     budget = budget_of(cfg)
     if budget is None:
         return cfg

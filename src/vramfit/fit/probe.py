@@ -23,8 +23,17 @@ from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
 import torch
+from accelerate import init_empty_weights
 
 from vramfit.config.schema import RunConfig
+from vramfit.fit.model_facts import read_facts
+from vramfit.fit.planner import PlanError, budget_of, choose, setting
+from vramfit.optim.build import build_optimizer, build_schedule
+from vramfit.train.data import free_device_memory
+from vramfit.train.graphs import release_cublas_workspaces
+from vramfit.train.loop import run_loop
+from vramfit.train.setup import place_denoiser
+from vramfit.train.state import Progress
 
 log = logging.getLogger("vramfit")
 GIB = 2**30
@@ -76,8 +85,6 @@ class _SyntheticData:
 
 def stand_in(bundle, dtype: torch.dtype):
     """A copy of `bundle` whose denoiser has the same architecture and zero weights, on the CPU."""
-    from accelerate import init_empty_weights
-
     real = bundle.denoiser
     with init_empty_weights(include_buffers=False):
         model = type(real).from_config(real.config)
@@ -106,11 +113,6 @@ def cuda_peak(device: torch.device, reserved: bool = False) -> Measure:
 def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tuple[int, int]) -> Callable[[], object]:
     """The probe's work: place a stand-in and train it two steps; returns the callable that
     runs the steps (placement happens first, outside the measured part)."""
-    from vramfit.optim.build import build_optimizer, build_schedule
-    from vramfit.train.loop import run_loop
-    from vramfit.train.setup import place_denoiser
-    from vramfit.train.state import Progress
-
     train = cfg.train.model_copy(update={"steps": 2, "grad_accum": min(cfg.train.grad_accum, 2),
                                          "warmup_steps": 0, "nonfinite": "skip"})
     dtype = torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32
@@ -132,8 +134,6 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
     """Measure the training peak at the largest bucket; raise FitProbeError when it exceeds
     `limit` (default: memory.vram_budget, else the GPU's total). Returns the peak, or None when
     skipped (memory.fit_probe off, or no CUDA and no `measure` given)."""
-    from vramfit.fit.planner import budget_of
-
     if not cfg.memory.fit_probe or not buckets:
         return None
     if measure is None:
@@ -154,12 +154,9 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         log.warning("fit probe could not run (%s: %s); continuing without it", type(exc).__name__, exc)
         return None
     finally:
-        from vramfit.train.data import free_device_memory
-
         free_device_memory(device)
         if cfg.train.cuda_graphs and device.type == "cuda":
             # the cuBLAS workspaces the probe's recordings made would pin their pool through caching
-            from vramfit.train.graphs import release_cublas_workspaces
 
             if release_cublas_workspaces():
                 torch.cuda.empty_cache()
@@ -181,9 +178,6 @@ def _graphs_note(cfg: RunConfig) -> str:
 
 
 def _suggestion(cfg: RunConfig, limit: int) -> str:
-    from vramfit.fit.model_facts import read_facts
-    from vramfit.fit.planner import PlanError, choose, setting
-
     try:
         choice = choose(cfg, limit, read_facts(cfg))
     except PlanError as exc:

@@ -44,6 +44,7 @@ from safetensors.torch import load_file
 
 from vramfit.formats.safetensors_io import read_header, save_atomic
 from vramfit.formats.sgm_unet import unet_key_map
+from vramfit.models.tiny import shipped_config
 
 Alpha = Union[float, int, Mapping[str, float], None]
 
@@ -396,8 +397,6 @@ def _diffusers_alphas(meta: Mapping[str, str], prefix: Optional[str], ranks: Map
 def _shipped_kohya_names() -> dict[str, str]:
     """kohya names of the SDXL and SSD-1B layouts together (SGM block numbering is the same grid,
     so one SGM name means the same diffusers module in both)."""
-    from vramfit.models.tiny import shipped_config
-
     out: dict[str, str] = {}
     for name in ("sdxl_unet", "ssd1b_unet"):
         for k, d in kohya_unet_names(shipped_config(name)).items():
@@ -515,8 +514,6 @@ def module_kind(module: str, ndim: int) -> str:
 
 def _sdxl_layouts(names: set[str], kohya: bool) -> str:
     """Which shipped SDXL-family layouts have every module the LoRA adapts (by name)."""
-    from vramfit.models.tiny import shipped_config
-
     fits = []
     for layout, config in (("SDXL", "sdxl_unet"), ("SSD-1B", "ssd1b_unet")):
         cfg = shipped_config(config)

@@ -17,6 +17,8 @@ from typing import Iterator, Optional
 import psutil
 import torch
 
+from vramfit.formats.safetensors_io import write_text_atomic
+
 GIB = 2**30
 
 
@@ -92,8 +94,6 @@ class MemoryReport:
                 "phases": [asdict(p) for p in self.phases]}
 
     def write(self, path: Path) -> None:
-        from vramfit.formats.safetensors_io import write_text_atomic
-
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
 
     def table(self) -> str:

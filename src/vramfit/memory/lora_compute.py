@@ -27,6 +27,7 @@ class BaseDtypeLinear(torch.nn.Linear):
 def lora_in_base_dtype(model: torch.nn.Module) -> int:
     """Make every peft LoRA layer of `model` compute in its input's dtype; returns how many
     adapter matrices now do. The parameters (and so state dicts and exports) are unchanged."""
+    # heavy: peft (~1.3 s, pulls transformers); `vramfit plan` imports this module via train/setup.py
     from peft.tuners.lora import LoraLayer
 
     swapped = 0

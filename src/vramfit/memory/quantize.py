@@ -76,6 +76,7 @@ def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
         _swap_linears(module, Fp8Linear)
         return module
     if mode == "int8":
+        # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(module, Int8WeightOnlyConfig(set_inductor_config=False))
@@ -98,6 +99,7 @@ NF4_BLOCK = 64  # weights per absmax; torchao's NF4 default, as QLoRA
 def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Tensor]:
     """The linear's weight as a torchao quantized tensor, or None when its shape cannot be."""
     if method == "nf4":
+        # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
         from torchao.quantization import to_nf4
 
         weight = linear.weight.detach().contiguous()
@@ -105,6 +107,7 @@ def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Ten
             return None
         # The absmax values are themselves int8-quantized in groups; the group must divide them.
         return to_nf4(weight, NF4_BLOCK, math.gcd(weight.numel() // NF4_BLOCK, 256))
+    # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     if method == "fp8" and bool((linear.weight.detach().abs().amax(dim=1) == 0).any()):

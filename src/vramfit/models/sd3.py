@@ -14,8 +14,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import diffusers
 import torch
+from accelerate import init_empty_weights
 
+from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.safetensors_io import (
@@ -25,6 +28,8 @@ from vramfit.formats.safetensors_io import (
 from vramfit.formats.sd3_mmdit import (
     diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
 )
+from vramfit.memory.encoder_stream import encoder_on
+from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ModelBundle, Source, resolution_problems
 from vramfit.models.sdxl import (
     SDXLFamily, _build, _count, _merge, as_stored, check_folder_shapes, check_shapes, sample_latent,
@@ -121,6 +126,7 @@ class SD3Family:
                            extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH})
 
     def _scheduler(self, folder: Optional[Path]):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         if folder is not None and (folder / "scheduler" / "scheduler_config.json").is_file():
@@ -132,6 +138,7 @@ class SD3Family:
         """CLIP-L and CLIP-G tokenizers (CLIP-G pads with "!", as SDXL's), then T5's when T5 is used."""
         tokenizers = _SDXL.load_tokenizers(folder)
         if t5:
+            # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
             from transformers import T5TokenizerFast
 
             if not (folder / "tokenizer_3").is_dir():
@@ -141,6 +148,7 @@ class SD3Family:
         return tokenizers
 
     def _load_single_file(self, path: Path, source: Optional[Source] = None):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import SD3Transformer2DModel
 
         header, _ = read_header(path)
@@ -157,6 +165,7 @@ class SD3Family:
     def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None):
         """VAE from the file; each text encoder from its own file when one is given
         (model.clip_l / clip_g / t5), else from the single file."""
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
         files = {part: source.encoder_file(part) for part in ("clip_l", "clip_g", "t5")} if source else {}
@@ -190,7 +199,7 @@ class SD3Family:
         return vae, encoders
 
     def _t5(self, state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
-        from accelerate import init_empty_weights
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from transformers import T5Config, T5EncoderModel
 
         try:
@@ -214,6 +223,7 @@ class SD3Family:
         return model.eval()
 
     def _load_diffusers(self, folder: Path):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
@@ -244,8 +254,6 @@ class SD3Family:
 
     # ---- encoding ----------------------------------------------------------------------------
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
-        from vramfit.data.fingerprint import module_fingerprint
-
         if part == "vae":
             return "sd3-vae:" + module_fingerprint(bundle.vae)
         prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
@@ -266,8 +274,6 @@ class SD3Family:
         One encoder is on the device at a time and goes back to the CPU after; with
         memory.stream_encoders (bundle.extra) only its embedding and a layer or two are there.
         """
-        from vramfit.memory.encoder_stream import encoder_on
-
         stream = bundle.extra.get("stream_encoders", False)
         n_t5 = self._max_len(bundle, max_sequence_length)
         joint = bundle.denoiser.config.joint_attention_dim
@@ -312,8 +318,6 @@ class SD3Family:
 
     def prepare_encoders(self, bundle: ModelBundle) -> None:
         """Store T5 as model.t5_precision asks (bundle.extra), or leave it out for "none"."""
-        from vramfit.memory.quantize import quantize_encoder
-
         mode = bundle.extra.get("t5_precision", "bf16")
         if len(bundle.text_encoders) < 3:
             return
@@ -418,8 +422,6 @@ class SD3Family:
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
         """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""
-        import diffusers
-
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \

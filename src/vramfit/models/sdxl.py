@@ -11,14 +11,19 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+import diffusers
 import torch
+from accelerate import init_empty_weights
 
+from vramfit.config.schema import ModelConfig, TrainConfig
+from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae, sgm_unet
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
+from vramfit.memory.encoder_stream import encoder_on
 from vramfit.models.adapter import ModelBundle, Source, resolution_problems
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
@@ -70,8 +75,6 @@ def set_vae_tiling(vae, tiling: bool) -> None:
 def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
            file_key: Optional[Callable[[str], str]] = None):
     """Instantiate without allocating random weights, then take the checkpoint's tensors."""
-    from accelerate import init_empty_weights
-
     with init_empty_weights():
         model = cls(**config)
     return _assign(model, state, what, path, file_key)
@@ -95,8 +98,6 @@ def check_shapes(model, state: Mapping[str, torch.Tensor], what: str, path: Path
 def check_folder_shapes(cls, folder: Path, sub: str) -> None:
     """check_shapes for a diffusers/transformers model folder: its config built on the meta device
     against the shapes in its safetensors headers (no weights read)."""
-    from accelerate import init_empty_weights
-
     where = folder / sub
     try:
         with init_empty_weights():
@@ -174,8 +175,6 @@ class SDXLFamily:
 
     def config_problems(self, cfg) -> list[str]:
         """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
-        from vramfit.config.schema import ModelConfig, TrainConfig
-
         # Values that differ from the defaults, not keys given: a resolved config.toml lists them all.
         train, model = TrainConfig(), ModelConfig()
         problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
@@ -195,6 +194,7 @@ class SDXLFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import DDPMScheduler
 
         scheduler = DDPMScheduler.from_config(shipped_config("sdxl_scheduler"))
@@ -208,6 +208,7 @@ class SDXLFamily:
                            tokenizers, scheduler)
 
     def load_tokenizers(self, folder: Path) -> list[Any]:
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from transformers import CLIPTokenizer
 
         # SDXL's second tokenizer pads with "!" (id 0) rather than end-of-text.
@@ -215,6 +216,7 @@ class SDXLFamily:
                 CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
 
     def _load_single_file(self, path: Path):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import UNet2DConditionModel
 
         header, _ = read_header(path)
@@ -231,6 +233,7 @@ class SDXLFamily:
         return unet, vae, encoders
 
     def _single_file_encoders(self, path: Path, header: dict):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
         for prefix, what in ((VAE, "VAE"), (CLIP_L, "CLIP-L text encoder"), (CLIP_G, "bigG text encoder")):
@@ -247,7 +250,7 @@ class SDXLFamily:
         return vae, [enc1, enc2]
 
     def _clip(self, state: dict, act: str, projection: bool, path: Path):
-        from accelerate import init_empty_weights
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
         cfg = clipfmt.clip_config_from_keys(state, hidden_act=act, with_projection=projection)
@@ -266,6 +269,7 @@ class SDXLFamily:
         return _assign(model, state, "text encoder", path)
 
     def _load_diffusers(self, folder: Path):
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -296,8 +300,6 @@ class SDXLFamily:
 
     # ---- encoding ----------------------------------------------------------------------------
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
-        from vramfit.data.fingerprint import module_fingerprint
-
         if part == "vae":
             return "sdxl-vae:" + module_fingerprint(bundle.vae)
         return "sdxl-text:" + "+".join(module_fingerprint(m) for m in bundle.text_encoders)
@@ -307,8 +309,6 @@ class SDXLFamily:
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Penultimate hidden states of both encoders (one on the device at a time; streamed layer
         by layer with memory.stream_encoders, bundle.extra) and bigG's pooled."""
-        from vramfit.memory.encoder_stream import encoder_on
-
         hidden, pooled = [], None
         for tokenizer, encoder in zip(bundle.tokenizers, bundle.text_encoders):
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
@@ -396,7 +396,7 @@ class SDXLFamily:
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
         """A diffusers SDXL folder that StableDiffusionXLPipeline.from_pretrained loads."""
-        import diffusers
+        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import EulerDiscreteScheduler
 
         tmp = begin_folder(folder)

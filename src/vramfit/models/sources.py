@@ -7,15 +7,19 @@ when online, taken from the local Hugging Face cache when offline), or tiny:<nam
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+
 from vramfit.config.load import default_cache_root
 from vramfit.config.schema import ModelConfig
-from vramfit.formats.safetensors_io import CheckpointError, commit_folder, temp_path
+from vramfit.data.fingerprint import file_digest
+from vramfit.formats.safetensors_io import CheckpointError, commit_folder, save_atomic, temp_path
 from vramfit.models.adapter import Source
 from vramfit.models.names import unknown_tiny
 from vramfit.models.tiny_sd3 import materialize_tiny
@@ -78,9 +82,6 @@ def _from_folder(path: Path, tokenizers: Optional[Path], label: str) -> Source:
 
 
 def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path]) -> Source:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
@@ -103,9 +104,6 @@ def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path])
 
 
 def _cached_or_fail(repo_id: str, revision: Optional[str]) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
                                       local_files_only=True))
@@ -127,8 +125,6 @@ def find_tokenizers(checkpoint: Path) -> Optional[Path]:
         if (folder / "tokenizer").is_dir() and (folder / "tokenizer_2").is_dir():
             return folder
     try:
-        from huggingface_hub import snapshot_download
-
         cached = Path(snapshot_download(SDXL_TOKENIZER_REPO, allow_patterns=["tokenizer*/*"],
                                         local_files_only=True))
         if (cached / "tokenizer").is_dir() and (cached / "tokenizer_2").is_dir():
@@ -212,10 +208,6 @@ def convert_pickle(path: Path, folder: Path, allowed: bool) -> Path:
             f"model.path: {path} is a pickle checkpoint; pickle files can run code when loaded. "
             "Convert it to .safetensors, or set model.allow_pickle=true to read it with "
             "torch.load(weights_only=True)")
-    import torch
-
-    from vramfit.data.fingerprint import file_digest
-    from vramfit.formats.safetensors_io import save_atomic
 
     target = folder / f"{path.stem}-{file_digest(path)[:16]}.safetensors"
     if target.is_file():

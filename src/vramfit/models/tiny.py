@@ -65,6 +65,7 @@ def write_tiny_tokenizers(folder: Path) -> None:
 
 def build_tiny_sgm_state(name: str) -> dict[str, torch.Tensor]:
     """The full single-file state dict (SGM/LDM keys) of a seeded tiny model."""
+    # heavy: diffusers/transformers classes (~2 s), kept off `vramfit plan` and pre-load checks
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 

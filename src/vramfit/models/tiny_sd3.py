@@ -43,6 +43,7 @@ def t5_vocab() -> list[tuple[str, float]]:
 def write_t5_tokenizer(folder: Path) -> None:
     """Write a T5 tokenizer (tokenizer.json + tokenizer_config.json) that
     ``T5TokenizerFast.from_pretrained(folder)`` loads: pad id 0, eos id 1, unk id 2."""
+    # heavy: diffusers/transformers classes (~2 s), kept off `vramfit plan` and pre-load checks
     from transformers import T5TokenizerFast
 
     tok = T5TokenizerFast(vocab=t5_vocab(), extra_ids=0, model_max_length=512)
@@ -58,6 +59,7 @@ def write_sd3_tokenizers(folder: Path) -> None:
 
 def build_tiny_sd3_state(with_t5: bool = True) -> dict[str, torch.Tensor]:
     """The full single-file state dict (SAI keys) of the seeded tiny SD3 model."""
+    # heavy: diffusers/transformers classes (~2 s), kept off `vramfit plan` and pre-load checks
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config,
                               T5EncoderModel)

@@ -145,6 +145,7 @@ class AdamW8bit(AdamW):
     def _moment(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         if p.numel() < QUANTIZED_MIN_NUMEL or p.numel() % BLOCK:
             return super()._moment(p, signed)
+        # heavy: torchao (~0.25 s, prints kernel-load warnings); `vramfit plan` imports this module
         from torchao.optim.subclass_8bit import OptimState8bit
 
         return OptimState8bit.zeros(p.shape, signed, BLOCK, p.device, dtype=p.dtype)

@@ -61,6 +61,7 @@ from typing import Optional
 
 import torch
 
+from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.stochastic_rounding import copy_stochastic_
 
 
@@ -635,7 +636,5 @@ def fp32(t: torch.Tensor) -> torch.Tensor:
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in optimizer state tensors (for the it-saves tests and the planner)."""
-    from vramfit.memory.accounting import tensor_bytes
-
     return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
                if torch.is_tensor(v))

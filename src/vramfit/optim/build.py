@@ -13,18 +13,18 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from diffusers.optimization import get_scheduler
 
 from vramfit.config.schema import TrainConfig
+from vramfit.optim.adafactor import Adafactor
+from vramfit.optim.adamw import AdamW, AdamW8bit
 from vramfit.optim.base import ParamOptimizer, RoundingGenerators
 
 
 def optimizer_class(name: str) -> type[ParamOptimizer]:
     """The class of train.optimizer `name`."""
     if name == "adafactor":
-        from vramfit.optim.adafactor import Adafactor
-
         return Adafactor
-    from vramfit.optim.adamw import AdamW, AdamW8bit
 
     return AdamW8bit if name == "adamw8bit" else AdamW
 
@@ -61,7 +61,5 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> P
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-    from diffusers.optimization import get_scheduler
-
     name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else "cosine"
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)

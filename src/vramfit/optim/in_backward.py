@@ -60,7 +60,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.memory.accounting import concrete_device
+from vramfit.memory.accounting import concrete_device, tensor_bytes
 from vramfit.memory.stochastic_rounding import copy_stochastic_
 from vramfit.optim.base import ChunkedGrad, ParamOptimizer, norm_checks
 
@@ -328,8 +328,6 @@ class BackwardSteps:
 
     def grad_bytes(self) -> int:
         """Bytes of gradients held now, in p.grad, the accumulation buffers and the pending list."""
-        from vramfit.memory.accounting import tensor_bytes
-
         lent = {id(p.grad) for p in self.params if p.grad is not None}  # kept buffers lent as p.grad
         return (sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
                 + sum(tensor_bytes(b) for b in self._buffers.values() if id(b) not in lent)

@@ -17,6 +17,7 @@ per code object would leave the rest eager, so `compile_blocks` raises it to REC
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 
 # The repeated blocks of each denoiser class, by class name (diffusers' own classes).
 REPEATED_BLOCKS = {
@@ -28,8 +29,6 @@ RECOMPILE_LIMIT = 64
 
 def compile_blocks(denoiser: torch.nn.Module) -> int:
     """Compile each repeated block of `denoiser` in place; returns how many were compiled."""
-    import torch._dynamo
-
     names = REPEATED_BLOCKS.get(type(denoiser).__name__)
     if names is None:
         raise ValueError(f"train.compile: no repeated blocks are known for {type(denoiser).__name__}; "

@@ -15,6 +15,7 @@ say) and training cannot go on: CacheEntriesLost stops it, and the loop saves th
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from vramfit.config.schema import CacheConfig, DataConfig
 from vramfit.data.buckets import assign_bucket, fit_to_bucket, image_to_tensor, make_buckets
@@ -269,14 +271,11 @@ def _ordered(items: list, generator: torch.Generator, shuffle: bool) -> list:
 def _bar(iterable, desc: str, enabled: bool):
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, leave=False)
 
 
 def free_device_memory(device: Optional[torch.device]) -> None:
-    import gc
-
     gc.collect()
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()

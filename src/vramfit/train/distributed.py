@@ -39,12 +39,21 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from datetime import timedelta
 from typing import Iterator, Optional
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
+from vramfit.config.load import ConfigError
 from vramfit.config.schema import RunConfig
 from vramfit.data.fingerprint import digest
+from vramfit.train.state import ResumeError
 
 
 def launched_world() -> int:
@@ -171,7 +180,6 @@ class DataParallel:
         if self.sharded:
             self.fsdp_root = shard_denoiser(module, self.accelerator.device, self.world)
             return
-        from torch.nn.parallel import DistributedDataParallel
 
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
         # Frozen weights and buffers are identical on every rank (loaded from one file), so DDP
@@ -263,8 +271,6 @@ class DataParallel:
         return _Weights(weights), _Saved(saved)
 
     def _as_dtensor(self, index: int, value):
-        from torch.distributed.tensor import DTensor
-
         p, local = self._pairs[index]
         if torch.is_tensor(value) and value.shape == local.shape and value.dim():
             return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
@@ -300,9 +306,6 @@ def shard_denoiser(module: torch.nn.Module, device: torch.device, world: int) ->
     element of its top-level block lists (SDXL: down/up blocks; SD3: transformer blocks) is one unit,
     gathered for its forward and backward and freed after; the rest (embeddings, mid block, heads)
     is the root unit. Parameters become DTensors holding 1/world of each tensor."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(device.type, (world,))
     for child in module.children():
         if isinstance(child, torch.nn.ModuleList):
@@ -315,8 +318,6 @@ def shard_denoiser(module: torch.nn.Module, device: torch.device, world: int) ->
 def _gather(tensors: dict, keep: bool) -> dict:
     """Whole copies (on the CPU) of a dict's DTensors, in key order on every rank (each gather is a
     collective); other values as they are. Only a rank with `keep` holds the result."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for key in sorted(tensors, key=str):
         value = tensors[key]
@@ -368,8 +369,6 @@ class _ShardTarget:
 
 def _shard_of(whole: torch.Tensor, like) -> torch.Tensor:
     """This rank's shard of a whole tensor, sharded as the DTensor `like` is (no communication)."""
-    from torch.distributed.tensor import distribute_tensor
-
     return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
@@ -391,13 +390,7 @@ def start(cfg: RunConfig) -> DataParallel:
         return DataParallel()
     problems = composition_problems(cfg, world)
     if problems:
-        from vramfit.config.load import ConfigError
-
         raise ConfigError(problems, f"config for {world} processes")
-    from datetime import timedelta
-
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
 
     cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
     # Rank 0 alone converts or downloads the model and generates class images while the others
@@ -412,8 +405,6 @@ def resume_configs(saved: dict, current: dict, world: int, path) -> tuple[dict, 
     """Saved and current config dicts made comparable across world sizes. A state continues
     exactly when an optimizer step consumes as many micro-batches as before (world x grad_accum):
     then the same groups, noise and averaged gradients follow. Otherwise a ResumeError says so."""
-    from vramfit.train.state import ResumeError
-
     saved_world = int(saved.get("distributed", {}).get("world_size", 1))
     a_saved, a_now = saved.get("train", {}).get("grad_accum"), current["train"]["grad_accum"]
     if a_saved is None or (saved_world == world and a_saved == a_now):

@@ -88,6 +88,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from vramfit.memory.offload import streamer_of
+from vramfit.optim.in_backward import RecordedStep, RecordedSums
 
 log = logging.getLogger("vramfit")
 
@@ -337,8 +338,6 @@ class GraphedDenoiser(torch.nn.Module):
         shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
 
         def prepare(outs):
-            from vramfit.optim.in_backward import RecordedStep, RecordedSums
-
             used = self._used[key] = used_parameters(outs)
             if self._steps is not None:
                 return RecordedStep(self._steps, used, self.device)

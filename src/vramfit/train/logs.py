@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
 
 from vramfit.config.schema import RunConfig
 
@@ -27,17 +29,14 @@ class RunLogger:
         self.images_per_step = cfg.train.batch_size * cfg.train.grad_accum * world
         self.bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True)
         self.tb = None
         if cfg.logging.tensorboard and main:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb = SummaryWriter(log_dir=str(out / "logs"))
         self.wandb = None
         if cfg.logging.wandb and main:
+            # optional: wandb
             import wandb
 
             self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(out),

@@ -7,6 +7,7 @@ run resumed at any optimizer-step boundary continues exactly as if it had never 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import time
@@ -23,6 +24,7 @@ from vramfit.optim.build import steps_streamed_on_device
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train.data import CacheEntriesLost, Record, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
+from vramfit.train.graphs import GraphedDenoiser, check_device
 from vramfit.train.state import Progress
 
 
@@ -192,8 +194,6 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     # train/graphs.py: record the denoiser per input signature, replay after. RunConfig decides "auto"
     # when it loads; a TrainConfig built alone that still says so trains without graphs
     if cfg.cuda_graphs is True:
-        from vramfit.train.graphs import GraphedDenoiser, check_device
-
         check_device(device)
         # with the step inside backward, the recorded backward steps the weights too; else it may
         # sum bf16 gradients of several micro-batches with stochastic rounding
@@ -337,7 +337,6 @@ def _nonfinite(cfg: TrainConfig, progress: Progress, value: float, used: list[Re
         raise NonFiniteLoss(f"step {progress.step + 1}: {what}; the batch held {files}.{applied} "
                             "(train.nonfinite = \"skip\" skips such steps instead)")
     progress.nonfinite_skipped += 1
-    import logging
 
     logging.getLogger("vramfit").warning("step %d: %s; step skipped (batch: %s)", progress.step + 1, what, files)
 

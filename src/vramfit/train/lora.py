@@ -13,6 +13,7 @@ import logging
 import torch
 
 from vramfit.config.schema import LoraSettings
+from vramfit.memory.quantize import quantize_base
 
 log = logging.getLogger("vramfit")
 
@@ -39,6 +40,7 @@ def target_modules(denoiser: torch.nn.Module, settings: LoraSettings) -> list[st
 
 def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """Freeze the denoiser and add a trainable fp32 LoRA adapter; returns the adapted modules."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
     from peft import LoraConfig
 
     targets = target_modules(denoiser, settings)
@@ -54,6 +56,7 @@ def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
 
 def lora_state(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trained LoRA tensors in peft naming (`<module>.lora_A.weight`), on the CPU in fp32."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
     from peft.utils import get_peft_model_state_dict
 
     return {k: v.detach().to("cpu", torch.float32).contiguous()
@@ -65,7 +68,6 @@ def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, devi
     the whole model to `device` (each linear arrives there quantized). None when "none"."""
     if settings.base_quantization == "none":
         return None
-    from vramfit.memory.quantize import quantize_base
 
     summary = quantize_base(denoiser, settings.base_quantization, device)
     denoiser.to(device)

@@ -22,9 +22,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from PIL import Image
+from tqdm.auto import tqdm
 
 from vramfit.config.schema import RunConfig
+from vramfit.data.buckets import assign_bucket, make_buckets
 from vramfit.data.scan import IMAGE_EXTENSIONS, scan_dataset
+from vramfit.generate import build_pipeline, cast_floating, generate, save_png
 
 log = logging.getLogger("vramfit")
 SLOT_NAME = "class-{:05d}.png"
@@ -86,8 +90,6 @@ def ensure_class_images(cfg: RunConfig, family, bundle, buckets: list[tuple[int,
 def _check_prompts(present: dict[int, Path], prompt: str, folder: Path) -> None:
     """Refuse class images this project generated for another class prompt (they would train
     under the wrong caption); images without that record (the user's own) are taken as they are."""
-    from PIL import Image
-
     others = []
     for path in present.values():
         if not path.name.startswith("class-"):
@@ -108,8 +110,6 @@ def _check_prompts(present: dict[int, Path], prompt: str, folder: Path) -> None:
 
 def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int, tuple[int, int]]],
               device: torch.device, progress: bool) -> None:
-    from vramfit.generate import build_pipeline, cast_floating, generate, save_png
-
     modules = {"vae": bundle.vae, **{f"te{i}": m for i, m in enumerate(bundle.text_encoders)},
                "denoiser": bundle.denoiser}
     dtypes = {k: next(m.parameters()).dtype for k, m in modules.items()}
@@ -134,7 +134,6 @@ def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int
 def _bar(items, enabled: bool):
     if not enabled:
         return items
-    from tqdm.auto import tqdm
 
     return tqdm(items, desc="class images", leave=False)
 
@@ -143,8 +142,6 @@ def class_items(cfg: RunConfig, folder: Path, slots: list[tuple[int, int]]):
     """The class images as scanned items with their buckets: a generated image has its slot's
     (it was rendered at that size); the user's own take the bucket of their own aspect, as
     instance images do, so they are never cropped to another shape."""
-    from vramfit.data.buckets import assign_bucket, make_buckets
-
     buckets = make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect)
     result = scan_dataset(folder, instance_prompt=cfg.prior.class_prompt, min_size=1,
                           max_pixels=cfg.data.max_pixels)

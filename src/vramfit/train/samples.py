@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 from vramfit.config.schema import RunConfig
+from vramfit.generate import build_pipeline, sample_grid, save_png
+from vramfit.train.data import free_device_memory
+from vramfit.train.graphs import release_recordings
 
 log = logging.getLogger("vramfit")
 
@@ -44,10 +47,6 @@ class SampleGrids:
             self.render(step)
 
     def render(self, step: int) -> Path:
-        from vramfit.generate import build_pipeline, sample_grid, save_png
-        from vramfit.train.data import free_device_memory
-        from vramfit.train.graphs import release_recordings
-
         if release_recordings():  # CUDA graphs' pools and gradient buffers: the grid's memory now
             log.info("train.cuda_graphs: recordings dropped for the sample grid; the next step records again")
             free_device_memory(self.device)

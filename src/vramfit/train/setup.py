@@ -19,21 +19,26 @@ from typing import Callable, Optional
 import psutil
 import torch
 
+from vramfit import __version__
 from vramfit.config.load import ConfigError, default_cache_root, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.scan import ScanResult, scan_dataset
+from vramfit.formats import lora as lora_formats
 from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_temps, discard, writing
 from vramfit.memory.accounting import MemoryReport, MemoryTracker
+from vramfit.memory.checkpointing import checkpointing_function
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
 from vramfit.models.adapter import Family, ModelBundle
-from vramfit.models.registry import detect_family
+from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
 from vramfit.models.sources import resolve_source, write_tokenizers
 from vramfit.data.fingerprint import file_digest
-from vramfit.train import distributed
+from vramfit.optim.build import optimizer_class, streamed_step_in_cpu_memory
+from vramfit.train import distributed, prior
+from vramfit.train.compile import compile_blocks
 from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
 from vramfit.train.loop import LoopResult, NonFiniteLoss, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
@@ -260,8 +265,6 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
 def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
                         progress: bool, ranks: distributed.DataParallel) -> tuple[list[Record], int]:
     """Instance records plus one record per class image (generated first where missing, by rank 0)."""
-    from vramfit.train import prior
-
     with ranks.main_first():
         folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, [r.bucket for r in records],
                                                               device, progress)
@@ -274,8 +277,6 @@ def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], d
 
 
 def _class_images_note(cfg: RunConfig) -> str:
-    from vramfit.train import prior
-
     folder = prior.class_dir(cfg)
     done = len(list(folder.glob(prior.SLOT_NAME.replace("{:05d}", "*")))) if folder.is_dir() else 0
     return (f"while generating class images: {done} of {cfg.prior.num_images} are in {folder} and kept; "
@@ -306,15 +307,12 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
             lora_in_base_dtype(unet)
         quantize_frozen_base(unet, cfg.lora, device)
     if cfg.train.gradient_checkpointing is not False:  # every block, or a share of them
-        from vramfit.memory.checkpointing import checkpointing_function
 
         unet.enable_gradient_checkpointing(checkpointing_function(cfg.train.gradient_checkpointing,
                                                                   graph_safe=cfg.train.cuda_graphs))
     else:
         unet.disable_gradient_checkpointing()
     if cfg.train.compile:
-        from vramfit.train.compile import compile_blocks
-
         log.info("compiling %d repeated blocks of the denoiser (the first step of each bucket shape "
                  "compiles them)", compile_blocks(unet))
     streamer = stream_weights(unet, device, cfg.memory, stream_trainable=cfg.train.mode == "full")
@@ -327,8 +325,6 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
 def streamed_step_hint(cfg: RunConfig) -> Optional[str]:
     """What to change, when a full fine-tune's streamed weights step in CPU memory (a step bound by
     the host's optimizer pass over every streamed weight), or None."""
-    from vramfit.optim.build import optimizer_class, streamed_step_in_cpu_memory
-
     if not streamed_step_in_cpu_memory(cfg):
         return None
     needed = []
@@ -383,9 +379,6 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
 def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta: dict) -> list[Path]:
     """The LoRA files of `formats` that the family writes (models/*.py lora_formats, primary first):
     the primary one as <name>.safetensors, the others as <name>-diffusers / -kohya.safetensors."""
-    from vramfit.formats import lora as lora_formats
-    from vramfit.models.registry import FAMILIES
-
     own = FAMILIES[bundle.family].lora_formats
     state = lora_state(bundle.denoiser)
     alpha = cfg.lora.alpha or cfg.lora.rank
@@ -452,6 +445,4 @@ def check_resumable(cfg: RunConfig, resume: Optional[str], world: int = 1) -> No
 
 
 def package_version() -> str:
-    from vramfit import __version__
-
     return __version__

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
+from vramfit.config.schema import RunConfig
 from vramfit.formats.safetensors_io import (atomic_file, commit_folder, discard, save_atomic, temp_path,
                                             write_text_atomic, writing)
 
@@ -198,8 +199,6 @@ def read_meta(path: Path) -> dict:
 
 
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    from vramfit.config.schema import RunConfig
-
     default = RunConfig().model_dump(mode="json")  # what a state saved before a key existed meant
     diffs = [f"{s}.{k}: saved {saved.get(s, {}).get(k, default[s][k])!r}, now {current[s][k]!r}"
              for s, k in _MUST_MATCH if saved.get(s, {}).get(k, default[s][k]) != current.get(s, {}).get(k)]
