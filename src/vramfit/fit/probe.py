@@ -29,8 +29,8 @@ from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import PlanError, budget_of, choose, setting
 from vramfit.optim.build import build_optimizer, build_schedule
+from vramfit.train import graphs
 from vramfit.train.data import free_device_memory
-from vramfit.train.graphs import release_cublas_workspaces
 from vramfit.train.loop import run_loop
 from vramfit.train.setup import place_denoiser
 from vramfit.train.state import Progress
@@ -158,7 +158,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         if cfg.train.cuda_graphs and device.type == "cuda":
             # the cuBLAS workspaces the probe's recordings made would pin their pool through caching
 
-            if release_cublas_workspaces():
+            if graphs.release_cublas_workspaces():
                 torch.cuda.empty_cache()
     if peak > limit:
         measured = "ran out of GPU memory" if failed else f"peaked at {peak / GIB:.2f} GiB"

@@ -22,9 +22,10 @@ from vramfit.models.adapter import Family, ModelBundle
 from vramfit.memory.offload import streamer_of
 from vramfit.optim.build import steps_streamed_on_device
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
+from vramfit.train import graphs
 from vramfit.train.data import CacheEntriesLost, Record, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
-from vramfit.train.graphs import GraphedDenoiser, check_device
+from vramfit.train.graphs import GraphedDenoiser
 from vramfit.train.state import Progress
 
 
@@ -194,7 +195,7 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     # train/graphs.py: record the denoiser per input signature, replay after. RunConfig decides "auto"
     # when it loads; a TrainConfig built alone that still says so trains without graphs
     if cfg.cuda_graphs is True:
-        check_device(device)
+        graphs.check_device(device)
         # with the step inside backward, the recorded backward steps the weights too; else it may
         # sum bf16 gradients of several micro-batches with stochastic rounding
         stepping = grad_hooks if cfg.optimizer_in_backward else None
