@@ -1,9 +1,10 @@
 """Shared fixtures: a per-session cache root (tiny models are written once), small datasets."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +59,18 @@ def train_args(images: Path, out: Path, cache: Path, *extra: str, model: str = "
     for s in sets:
         args += ["--set", s]
     return args
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a read-only tmpfs mount: writes fail there even for root."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -107,21 +106,6 @@ def test_folders_that_are_files_or_under_files_are_named(capsys, base, tmp_path)
     assert f"output.dir: {link} is a link to nothing" in err
     assert f"prior.class_dir: {a_file} is a file, not a folder" in err
     assert not (tmp_path / "cache").exists()  # refused before anything was written
-
-
-@pytest.fixture
-def read_only_folder(tmp_path):
-    """A folder on a read-only tmpfs mount: writes fail there even for root."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_read_only_folder_is_named_before_loading(capsys, base, read_only_folder):

@@ -5,9 +5,7 @@ import argparse
 import copy
 import json
 import logging
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -565,21 +563,6 @@ def test_bad_flags_are_error_lines(bundles, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli("--model", "tiny:ssd1b", "--prompt", "p", "--lora", str(tmp_path / "missing.safetensors"))
     assert exit_.value.code == 2 and "missing.safetensors is not a file" in capsys.readouterr().err
-
-
-@pytest.fixture
-def read_only_folder(tmp_path):
-    """A folder on a read-only tmpfs mount: writes fail there even for root."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_folders_that_cannot_be_written_are_named_before_loading(read_only_folder, tmp_path, capsys):

@@ -4,10 +4,8 @@ model, inspect's, plan's and demo's messages, and what an interrupted run says (
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -123,21 +121,6 @@ def test_plan_names_vram_and_refuses_a_budget_below_any_gpu(tmp_path, capsys):
         assert f"error: {said}" in capsys.readouterr().err
     assert main(["plan", "--model", "ssd1b", "--vram", "256MiB"]) == 2  # planned: nothing fits in it
     assert "nothing fits in 0.25 GiB" in capsys.readouterr().err
-
-
-@pytest.fixture
-def read_only_folder(tmp_path):
-    """A folder on a read-only tmpfs mount: writes fail there even for root."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_demo_output_that_cannot_be_written_is_named_before_starting(read_only_folder, tmp_path, capsys):
