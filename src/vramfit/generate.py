@@ -26,8 +26,8 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 from tqdm.auto import tqdm
 
-from vramfit.config.load import default_cache_root, folder_problem
-from vramfit.config.schema import ModelConfig
+from vramfit.config.load import cuda_problem, default_cache_root, folder_problem
+from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
 from vramfit.models.registry import FAMILIES, detect_family
@@ -41,7 +41,6 @@ DEFAULT_SIZE = 1024
 VAE_FACTOR = 8  # every SDXL-family and SD3 VAE; read from the VAE where one is loaded
 SD3_MAX_TOKENS = 512  # the most T5 tokens diffusers' SD3 pipeline takes
 SD3_MAX_SEQUENCE_LENGTH = 256  # the T5 tokens diffusers' SD3 pipeline uses
-DEVICES = "auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)"
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -611,17 +610,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
 def generate_device(text: str) -> torch.device:
     """--device as a torch device; one that vramfit does not render on, or a GPU this machine does
     not show, is refused naming the flag, before anything loads."""
-    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", text):
-        raise GenerateError(f"--device {text!r} is not a device vramfit renders on; use {DEVICES}")
-    if text.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = text.partition(":")[2]
-        if not count:
-            raise GenerateError(f"--device {text}: no CUDA GPU is visible on this machine; use --device "
-                                "cpu or auto (--device takes auto, cpu, cuda or cuda:N)")
-        if index and int(index) >= count:
-            raise GenerateError(f"--device {text}: this machine shows {count} GPU(s), cuda:0 to "
-                                f"cuda:{count - 1}; use one of them, or auto or cpu")
+    if not re.fullmatch(DEVICE_PATTERN, text):
+        raise GenerateError(f"--device {text!r} is not a device vramfit renders on; use {DEVICE_CHOICES}")
+    problem = cuda_problem(text) if text.startswith("cuda") else None
+    if problem and problem.startswith("no CUDA GPU"):
+        raise GenerateError(f"--device {text}: {problem}; use --device cpu or auto (--device takes auto, cpu, "
+                            "cuda or cuda:N)")
+    if problem:
+        raise GenerateError(f"--device {text}: {problem}; use one of them, or auto or cpu")
     return pick_device(text)
 
 

@@ -10,6 +10,7 @@ import difflib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from vramfit.config.schema import KeyProblems, RunConfig
+from vramfit.config.schema import DEVICE_PATTERN, KeyProblems, RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -171,6 +172,19 @@ def default_cache_root() -> Path:
     return Path(base) / "vramfit"
 
 
+def cuda_problem(device: str) -> Optional[str]:
+    """Why this machine cannot run on `device` (cuda or cuda:N), or None."""
+    import torch  # here: a config without a GPU device is checked without importing torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        return "no CUDA GPU is visible on this machine"
+    index = device.partition(":")[2]
+    if index and int(index) >= count:
+        return f"this machine shows {count} GPU(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
 def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list[str]:
     """Problems that pydantic cannot see: files that do not exist, folders that cannot be written,
     missing optional packages, GPUs that are not there.
@@ -209,15 +223,10 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
     if log.get("wandb") is True and importlib.util.find_spec("wandb") is None:
         problems.append("logging.wandb: wandb is not installed (pip install wandb) or set it to false")
     device = train.get("device")
-    if isinstance(device, str) and device.startswith("cuda"):
-        import torch
-
-        index, count = device.partition(":")[2], torch.cuda.device_count()
-        if not torch.cuda.is_available():
-            problems.append(f"train.device: {device} asked for but no CUDA GPU is visible")
-        elif index.isdigit() and int(index) >= count:
-            problems.append(f"train.device: {device} asked for but this machine shows {count} GPU(s), "
-                            f"cuda:0 to cuda:{count - 1}")
+    if isinstance(device, str) and re.fullmatch(DEVICE_PATTERN, device) and device.startswith("cuda"):
+        problem = cuda_problem(device)
+        if problem:
+            problems.append(f"train.device: {device} asked for but {problem}")
     given_cache = _text(v["cache"].get("dir"))
     folders = [("cache.dir" if given_cache else "cache.dir (not set: the default folder)",
                 given_cache or str(default_cache_root()))]

@@ -14,6 +14,9 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The devices vramfit runs on (train.device, generate --device), and how messages list them.
+DEVICE_PATTERN = r"auto|cpu|cuda(:[0-9]+)?"
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)"
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -302,9 +305,8 @@ class TrainConfig(_Section):
     @field_validator("device")
     @classmethod
     def _a_device(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
-            raise ValueError(f"{value!r} is not a device vramfit trains on; use auto, cpu, cuda or cuda:N "
-                             "(N: a GPU index, e.g. cuda:1)")
+        if not re.fullmatch(DEVICE_PATTERN, value):
+            raise ValueError(f"{value!r} is not a device vramfit trains on; use {DEVICE_CHOICES}")
         return value
 
     @model_validator(mode="after")
