@@ -482,7 +482,8 @@ def _texture_vae(sample_size: int):
 def test_tiled_encoding_runs_tiles_smaller_than_the_image_and_gives_its_latents():
     from types import SimpleNamespace
 
-    from vramfit.models.sdxl import SDXLFamily, vae_tile
+    from vramfit.memory.vae_tiling import vae_tile
+    from vramfit.models.sdxl import SDXLFamily
 
     vae, image = _texture_vae(384)
     tile = vae_tile(vae.config.sample_size)

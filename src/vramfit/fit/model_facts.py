@@ -29,7 +29,7 @@ from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
 from vramfit.models import sd3, sdxl
 from vramfit.models.registry import FAMILIES, detect_family
-from vramfit.models.sdxl import vae_tile
+from vramfit.memory.vae_tiling import vae_tile
 from vramfit.models.sources import resolve_source
 from vramfit.models.tiny import shipped_config
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
@@ -62,7 +62,7 @@ class ModelFacts:
     config: dict
     denoiser: torch.nn.Module  # meta device, float32
     vae_params: int
-    vae_tile: int  # the side in pixels of the tiles cache.vae_tiling encodes (models/sdxl.py `vae_tile`)
+    vae_tile: int  # the side in pixels of the tiles cache.vae_tiling encodes (memory/vae_tiling.py `vae_tile`)
     encoders: list[EncoderFacts] = field(default_factory=list)
     layout: str = ""  # the shipped layout the facts were built from, without a checkpoint; "" when read
 

@@ -24,6 +24,7 @@ from vramfit.formats.safetensors_io import (
     save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
+from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source, resolution_problems
 from vramfit.models.sources import require_tokenizers
 from vramfit.models.tiny import shipped_config
@@ -51,25 +52,6 @@ def layout_name(config: dict) -> str:
         if depths == ref_depths and config["block_out_channels"] == ref["block_out_channels"]:
             return name
     return "sdxl-custom"
-
-
-def vae_tile(sample_size) -> int:
-    """The side in pixels of the tiles cache.vae_tiling encodes: half the VAE's sample_size (512 for
-    SDXL's and SD3's VAE). diffusers' default, the whole sample_size, leaves an image of up to
-    1024 px on a side untiled, so tiling would save nothing at SDXL's resolutions."""
-    side = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
-    return int(side) // 2
-
-
-def set_vae_tiling(vae, tiling: bool) -> None:
-    """Tile `vae`'s encoding in tiles of `vae_tile` (overlapping by diffusers' quarter), or not."""
-    if not tiling:
-        vae.disable_tiling()
-        return
-    side = vae_tile(vae.config.sample_size)
-    vae.tile_sample_min_size = side
-    vae.tile_latent_min_size = side // 2 ** (len(vae.config.block_out_channels) - 1)
-    vae.enable_tiling()
 
 
 def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,

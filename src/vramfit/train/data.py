@@ -31,7 +31,7 @@ from vramfit.data.cache import DiskCache, latent_key, text_key
 from vramfit.data.fingerprint import digest, file_digest
 from vramfit.data.scan import Item, load_image
 from vramfit.models.adapter import Family, ModelBundle
-from vramfit.models.sdxl import vae_tile
+from vramfit.memory.vae_tiling import vae_tile
 
 log = logging.getLogger("vramfit.data")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
