@@ -84,6 +84,17 @@ class CropInfo:
         return [*self.original_size, *self.crop_top_left, *self.target_size]
 
 
+def resized_size(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) fit_to_bucket resizes a ``width`` x ``height`` image to before cropping.
+
+    Public so that masks and other per-pixel data can follow the image's geometry exactly.
+    """
+    bucket_w, bucket_h = bucket
+    scale = max(bucket_w / width, bucket_h / height)
+    # max() guards against float rounding leaving the image one pixel short of the bucket.
+    return max(bucket_w, round(width * scale)), max(bucket_h, round(height * scale))
+
+
 def fit_to_bucket(
     image: Image.Image,
     bucket: tuple[int, int],
@@ -98,10 +109,7 @@ def fit_to_bucket(
     """
     bucket_w, bucket_h = bucket
     width, height = image.size
-    scale = max(bucket_w / width, bucket_h / height)
-    # max() guards against float rounding leaving the image one pixel short of the bucket.
-    resized_w = max(bucket_w, round(width * scale))
-    resized_h = max(bucket_h, round(height * scale))
+    resized_w, resized_h = resized_size(width, height, bucket)
     if (resized_w, resized_h) != (width, height):
         image = image.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
 

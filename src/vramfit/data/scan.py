@@ -25,7 +25,7 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError, features
@@ -51,7 +51,7 @@ _ANIMATED_FORMATS = ("GIF", "PNG", "WEBP", "AVIF")
 # Left alone without a word: operating-system litter, never training data.
 _JUNK_NAMES = frozenset({".ds_store", "thumbs.db", "desktop.ini", "__macosx", ".localized"})
 _ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
-_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # the ones that rotate by 90 or 270 degrees
+SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # the ones that rotate by 90 or 270 degrees
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,15 @@ class Item:
 
     path: Path
     key: str
-    caption: str
+    caption: str  # its captions joined into one (a caption file's lines, a metadata list)
     width: int
     height: int
     sha256: str = ""  # of the file's bytes: the cache key and duplicate detection use it
+    captions: tuple[str, ...] = ()  # each line of its caption file (or entry of a metadata list)
+
+    @property
+    def caption_lines(self) -> tuple[str, ...]:
+        return self.captions or (self.caption,)
 
 
 @dataclass(frozen=True)
@@ -152,11 +157,15 @@ def scan_dataset(
     min_size: int = 256,
     max_pixels: int = 178_956_970,
     instance_prompt: str | None = None,
+    default_caption: str | None = None,
+    item_problem: Callable[[Path, Path, tuple[int, int]], str | None] | None = None,
 ) -> ScanResult:
     """Scan ``root`` and return the usable items plus a problem for every unusable one.
 
     ``metadata`` ending in ``.json`` selects the kohya layout, ``.jsonl`` the imagefolder one;
-    without it ``root/metadata.jsonl`` is used when present, else caption files.
+    without it ``root/metadata.jsonl`` is used when present, else caption files. ``default_caption``
+    captions the images of a caption folder that have no caption file. ``item_problem(image, root,
+    (width, height))`` may name a further reason to skip an image (a missing mask, say).
     """
     root = Path(os.path.abspath(root))
     if not root.exists():
@@ -174,7 +183,8 @@ def scan_dataset(
     ignored: list[Problem] = []
     if metadata is None:
         source = "captions"
-        candidates = _from_caption_files(root, real_root, caption_extension, instance_prompt, ignored)
+        candidates = _from_caption_files(root, real_root, caption_extension, instance_prompt, ignored,
+                                         default_caption)
     else:
         metadata = _locate_metadata(Path(metadata), root, real_root)
         suffix = metadata.suffix.lower()
@@ -191,7 +201,7 @@ def scan_dataset(
 
     items: list[Item] = []
     seen: dict[tuple[str, str], str] = {}
-    with _pil_limits(max_pixels):
+    with pil_limits(max_pixels):
         for cand in candidates:
             key = cand.path.relative_to(root).as_posix()
             if _has_surrogates(key):
@@ -210,6 +220,11 @@ def scan_dataset(
             if cand.caption_problem is not None:
                 problems.append(Problem(key, cand.caption_problem))
                 ok = False
+            if ok and item_problem is not None:
+                reason = item_problem(cand.path, root, (width, height))
+                if reason:
+                    problems.append(Problem(key, reason))
+                    ok = False
             if not ok:
                 continue
             digest = file_digest(cand.path)
@@ -218,7 +233,9 @@ def scan_dataset(
                 # Same bytes and same caption: training on both would silently double its weight.
                 problems.append(Problem(key, f"duplicate of {first} (same image and caption)"))
                 continue
-            items.append(Item(cand.path, key, cand.caption, width, height, digest))
+            lines = tuple(cand.caption.split("\n"))
+            items.append(Item(cand.path, key, " ".join(lines), width, height, digest,
+                              lines if len(lines) > 1 else ()))
     return ScanResult(items=items, problems=problems, source=source, ignored=ignored,
                       metadata=metadata if source != "captions" else None,
                       caption_extension=caption_extension if instance_prompt is None else None)
@@ -238,7 +255,7 @@ def _locate_metadata(metadata: Path, root: Path, real_root: Path) -> Path:
             raise FileNotFoundError(f"metadata file {metadata} does not exist")
         metadata = root / metadata
     metadata = Path(os.path.abspath(metadata))
-    odd = _not_a_file(metadata)
+    odd = not_a_file(metadata)
     if odd:
         raise ValueError(f"metadata file {metadata} is {odd}; it must be a JSON or JSON Lines file")
     # One inside the folder is part of the dataset, and like its images may not lead out of it
@@ -251,7 +268,7 @@ def _locate_metadata(metadata: Path, root: Path, real_root: Path) -> Path:
     return metadata
 
 
-def _not_a_file(path: Path) -> str | None:
+def not_a_file(path: Path) -> str | None:
     """What ``path`` is when it is not a regular file (after following links), else None."""
     try:
         mode = os.stat(path).st_mode
@@ -276,7 +293,7 @@ def _not_a_file(path: Path) -> str | None:
 
 
 def _from_caption_files(root: Path, real_root: Path, caption_extension: str, instance_prompt: str | None,
-                        ignored: list[Problem]) -> list[_Candidate]:
+                        ignored: list[Problem], default_caption: str | None = None) -> list[_Candidate]:
     images, captions = _walk(root, caption_extension, ignored)
     out = []
     for image in images:
@@ -288,6 +305,9 @@ def _from_caption_files(root: Path, real_root: Path, caption_extension: str, ins
             continue
         caption_path = image.with_suffix(caption_extension)
         captions.pop(caption_path, None)
+        if default_caption is not None and not os.path.lexists(caption_path):
+            out.append(_Candidate(image, _clean_caption(default_caption), None))
+            continue
         try:
             caption = _read_caption_file(caption_path, real_root)
             out.append(_Candidate(image, caption, None))
@@ -346,7 +366,7 @@ def _walk(root: Path, caption_extension: str, ignored: list[Problem]) -> tuple[l
                                            "(its contents are searched)"))
                 folders.append(path)
                 continue
-            odd = _not_a_file(path)
+            odd = not_a_file(path)
             if name.lower().endswith(caption_extension.lower()) and not hidden:
                 captions[path] = f"caption file is {odd}" if odd else ""
                 continue
@@ -378,7 +398,7 @@ def _rel(path: Path, root: Path) -> str:
 def _read_caption_file(path: Path, real_root: Path) -> str:
     if not os.path.lexists(path):
         raise _Rejected(f"missing caption file {path.name}")
-    odd = _not_a_file(path)
+    odd = not_a_file(path)
     if odd:
         raise _Rejected(f"caption file {path.name} is {odd}")
     _check_inside(path, real_root, what=f"caption file {path.name}: ")
@@ -416,8 +436,9 @@ def _clean_caption(text: str) -> str:
         raise _Rejected("caption holds NUL characters")
     if _has_surrogates(text):  # half a pair, from a JSON escape: no tokenizer takes it
         raise _Rejected("caption holds an invalid character (a lone UTF-16 surrogate)")
-    # Multi-line caption files are joined; a caption is a single prompt for the text encoders.
-    caption = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    # A caption's lines, each stripped, held as one text: Item.caption joins them (one prompt for
+    # the text encoders), Item.captions keeps them apart (data.caption_per_line)
+    caption = "\n".join(line.strip() for line in text.splitlines() if line.strip())
     if not caption:
         raise _Rejected("empty caption")
     return caption
@@ -520,8 +541,10 @@ def _jsonl_caption(record: dict) -> str:
     for column in ("text", "caption"):
         if column in record:
             value = record[column]
+            if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                return "\n".join(_clean_caption(v) for v in value)  # several captions of one image
             if not isinstance(value, str):
-                raise _Rejected(f"metadata '{column}' is not a string")
+                raise _Rejected(f"metadata '{column}' is not a string or a list of strings")
             return _clean_caption(value)
     raise _Rejected("metadata line has no caption column ('text' or 'caption')")
 
@@ -546,7 +569,7 @@ def _resolve_image(root: Path, name: str, *, allow_missing_extension: bool) -> P
             if candidate.is_file():
                 return candidate
     if os.path.lexists(path):  # there, but a FIFO, a folder, a broken or looping link
-        raise _Rejected(f"image file is {_not_a_file(path)}")
+        raise _Rejected(f"image file is {not_a_file(path)}")
     raise _Rejected("image file not found")
 
 
@@ -559,7 +582,7 @@ def _display_name(root: Path, name: str) -> str:
 
 
 @contextlib.contextmanager
-def _pil_limits(max_pixels: int) -> Iterator[None]:
+def pil_limits(max_pixels: int) -> Iterator[None]:
     """Temporarily apply our pixel limit and strict truncation handling to PIL.
 
     PIL's limits are module globals; they are restored on exit so callers and other
@@ -595,7 +618,7 @@ def _check_image(path: Path, min_size: int, max_pixels: int) -> tuple[int, int]:
         # which is what catches truncated files.
         with Image.open(path) as im:
             im.load()
-            orientation = _exif_orientation(im)
+            orientation = exif_orientation(im)
             _check_pixels(im)
     except _Rejected:
         raise
@@ -605,8 +628,8 @@ def _check_image(path: Path, min_size: int, max_pixels: int) -> tuple[int, int]:
             f"image is over the limit of {max_pixels:,} pixels (possible decompression bomb)"
         ) from exc
     except Exception as exc:  # PIL raises many types on malformed input; none may stop a scan
-        raise _Rejected(_describe_decode_error(exc)) from exc
-    if orientation in _SWAPPING_ORIENTATIONS:
+        raise _Rejected(describe_decode_error(exc)) from exc
+    if orientation in SWAPPING_ORIENTATIONS:
         width, height = height, width
     if min(width, height) < min_size:
         raise _Rejected(f"image too small: {width}x{height} px, minimum side is {min_size}")
@@ -629,7 +652,7 @@ def _non_finite(arr: np.ndarray) -> int:
     return int(arr.size - np.count_nonzero(np.isfinite(arr))) if np.issubdtype(arr.dtype, np.floating) else 0
 
 
-def _describe_decode_error(exc: Exception) -> str:
+def describe_decode_error(exc: Exception) -> str:
     if isinstance(exc, UnidentifiedImageError):
         return "not an image (cannot identify image file)"
     message = str(exc)
@@ -640,7 +663,7 @@ def _describe_decode_error(exc: Exception) -> str:
     return f"corrupt image file ({type(exc).__name__}: {message[:200]})"
 
 
-def _exif_orientation(im: Image.Image) -> int:
+def exif_orientation(im: Image.Image) -> int:
     try:
         value = im.getexif().get(_ORIENTATION_TAG, 1)
         return int(value)
@@ -655,7 +678,7 @@ def load_image(path: Path) -> Image.Image:
     """Open ``path`` as an upright 8-bit RGB image; transparency is composited on white."""
     with Image.open(path) as im:
         im.load()
-        if _exif_orientation(im) != 1:
+        if exif_orientation(im) != 1:
             try:
                 im = ImageOps.exif_transpose(im)
             except Exception:  # broken EXIF: keep the pixels as stored rather than fail
@@ -680,11 +703,11 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     if mode.startswith("I") or mode == "F":
         # PIL's own conversion clips high-bit-depth values at 255, turning most of a 16-bit
         # image white; rescale to 8 bits instead.
-        return Image.fromarray(_high_depth_to_uint8(np.asarray(im))).convert("RGB")
+        return Image.fromarray(high_depth_to_uint8(np.asarray(im))).convert("RGB")
     return im.convert("RGB")
 
 
-def _high_depth_to_uint8(arr: np.ndarray) -> np.ndarray:
+def high_depth_to_uint8(arr: np.ndarray) -> np.ndarray:
     """8-bit values of a wide single-channel image.
 
     Floats in [0, 1] and 16-bit integers are scaled by their type's range, so a dark picture stays
