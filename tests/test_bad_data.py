@@ -14,7 +14,7 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.data.scan import IMAGE_EXTENSIONS, load_image, printable, scan_dataset
 from vramfit.data.synth import make_synthetic_dataset
-from vramfit.train.setup import scan
+from vramfit.data.datasets import scan_datasets as scan
 
 
 def _image(path: Path, caption: "str | bytes | None" = "a picture", image: "Image.Image | None" = None,

@@ -518,7 +518,7 @@ def test_the_planned_tile_is_the_tile_encoded_and_part_of_the_cache_key():
     another side (the same VAE weights, another sample_size) get another key."""
     from types import SimpleNamespace
 
-    from vramfit.config.schema import CacheConfig, DataConfig
+    from vramfit.config.schema import CacheConfig
     from vramfit.train.data import Record, TrainingData
 
     cfg = _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}, cache={"vae_tiling": True})
@@ -527,8 +527,8 @@ def test_the_planned_tile_is_the_tile_encoded_and_part_of_the_cache_key():
     assert bundle.vae.use_tiling and bundle.vae.tile_sample_min_size == read_facts(cfg).vae_tile
 
     def key(vae, tiling: bool) -> str:
-        record = Record(SimpleNamespace(key="a.png", caption="a"), (SIZE, SIZE), "digest", 0)
-        data = TrainingData(family, SimpleNamespace(vae=vae), [record], DataConfig(),
+        record = Record(SimpleNamespace(key="a.png", caption="a", caption_lines=("a",)), (SIZE, SIZE), "digest", 0)
+        data = TrainingData(family, SimpleNamespace(vae=vae), [record],
                             CacheConfig(text=False, vae_tiling=tiling), None, torch.device("cpu"),
                             identities={"vae": "the same weights"})
         data.assign_keys()

@@ -177,7 +177,7 @@ def test_cpu_threads_reach_torch_and_auto_follows_omp_num_threads(images, tmp_pa
         raise ValueError("stopped here by the test")
 
     before = torch.get_num_threads()
-    monkeypatch.setattr(setup, "scan", scan)
+    monkeypatch.setattr(setup, "scan_datasets", scan)
     args = train_args(images, tmp_path / "run", cache_root / "threads", "train.device=cpu",
                       "train.cpu_threads=3")
     assert main(["cache", *args[2:]]) == 2

@@ -211,8 +211,8 @@ def test_data_shuffle_decides_the_order(images, tmp_path, cache_root, monkeypatc
 
     orders, batches = [], TrainingData.batches
 
-    def spy(self, batch_size, generator, shuffle_arg):
-        groups = list(batches(self, batch_size, generator, shuffle_arg))
+    def spy(self, batch_size, generator, shuffle_arg, epoch):
+        groups = list(batches(self, batch_size, generator, shuffle_arg, epoch))
         orders.append([r.item.key for g in groups for r in g])
         return iter(groups)
 

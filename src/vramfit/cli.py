@@ -72,6 +72,14 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
                    f"instead of model.path, before downloading it: {layouts}")
     p = sub.add_parser("cache", help="only scan the dataset and fill the latent and text cache")
     _add_config_args(p)
+    p = sub.add_parser("data", help="preview the datasets: counts, skipped files, buckets, caption lengths, "
+                       "a contact sheet; trains nothing")
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, metavar="PNG",
+                   help="the contact sheet's file (default: <output.dir>/data-preview.png)")
+    p.add_argument("--html", type=Path, metavar="HTML", help="the report as a self-contained HTML page too")
+    p.add_argument("--per-bucket", type=int, default=4, metavar="N",
+                   help="images of each bucket on the contact sheet (default 4; 0: no contact sheet)")
     p = sub.add_parser("inspect", help="show a checkpoint's family, layout, parameter counts and dtypes")
     p.add_argument("path", help="single file, diffusers folder, repo id or tiny:<name>")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -93,8 +101,16 @@ def _named_model_problems(cfg) -> list[str]:
     return named_model_problems(cfg)
 
 
+def _run_problems(cfg) -> list[str]:
+    """What the models and data layers see wrong in a valid config of a command that reads the data:
+    the model (models/registry.py) and the datasets (data/datasets.py: folders, kohya configs)."""
+    from vramfit.data.datasets import dataset_problems
+
+    return _named_model_problems(cfg) + dataset_problems(cfg)
+
+
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, args.overrides, model_checks=_named_model_problems)
+    cfg = load_config(args.config, args.overrides, model_checks=_run_problems)
     if args.gpus is not None and args.gpus > 1:
         from vramfit.launch import relaunch
 
@@ -155,7 +171,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    cfg = load_config(args.config, args.overrides, model_checks=_named_model_problems)
+    cfg = load_config(args.config, args.overrides, model_checks=_run_problems)
     from vramfit.memory.accounting import MemoryTracker, pick_device
     from vramfit.fit.planner import fit_to_budget
     from vramfit.train.setup import cache_root, prepare
@@ -168,6 +184,29 @@ def cmd_cache(args) -> int:
     print(f"{len(scanned.items)} images usable, {len(scanned.problems)} skipped")
     print("cache: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     print("\nmemory by phase:\n" + tracker.report.table())
+    return 0
+
+
+def cmd_data(args) -> int:
+    if args.per_bucket < 0:
+        raise ValueError(f"--per-bucket {args.per_bucket}: give 0 (no contact sheet) or more images a bucket")
+    if args.out is not None and not args.per_bucket:
+        raise ValueError(f"--out {args.out} names a contact sheet, which --per-bucket 0 turns off; "
+                         "leave one of them out")
+    cfg = load_config(args.config, args.overrides, model_checks=_run_problems)
+    from vramfit.data.contact_sheet import png_bytes
+    from vramfit.train.preview import html_report, preview, sheet_image, text_report, write_file
+
+    progress = not args.no_progress and cfg.logging.progress
+    found = preview(cfg, args.per_bucket, progress, name=str(args.config or "config"))
+    print(text_report(found))  # first: a file that cannot be written loses none of it
+    if args.per_bucket:
+        out = args.out or Path(cfg.output.dir).expanduser() / "data-preview.png"
+        write_file(out, "--out" if args.out else "output.dir", png_bytes(sheet_image(found)))
+        print(f"contact sheet: {out}")
+    if args.html:
+        write_file(args.html, "--html", html_report(found))
+        print(f"HTML report: {args.html}")
     return 0
 
 
@@ -237,14 +276,15 @@ def cmd_generate(args) -> int:
     return args.func(args)
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "inspect": cmd_inspect,
-            "demo": cmd_demo, "generate": cmd_generate}
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "data": cmd_data,
+            "inspect": cmd_inspect, "demo": cmd_demo, "generate": cmd_generate}
 # What a stop signal leaves behind where the library has not said it (it does for each phase of
 # train, cache and demo: train/setup.py Interrupted).
 STOPPED = {"train": "while starting: nothing was written", "cache": "while starting: nothing was written",
            "demo": "while starting: run `vramfit demo` again to continue (what it wrote is reused)",
            "plan": "before the plan was done (planning writes nothing)",
            "inspect": "(inspect writes nothing)",
+           "data": "(the preview writes each of its files whole or not at all)",
            "generate": "before every image was rendered: those whose paths are printed above are kept"}
 # Library notices about optional kernels and deprecations, not about the user's run, by the logger
 # that emits them: torchao's compiled extras that do not load with this torch build, Triton's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,8 +28,10 @@ from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
 from vramfit.train.data import free_device_memory
 from vramfit.train.logs import RunLogger
-from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop
+from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop, training_dtype
+from vramfit.train.epochs import EpochClock
 from vramfit.train.samples import SampleGrids
+from vramfit.train.validation import Validation
 from vramfit.train.setup import (Interrupted, RunResult, assert_finite, cache_root, check_resumable, held_signals,
                                  package_version, place_denoiser, prepare, resume_progress, save_on_main,
                                  signal_name, stop_on_signals, stopped_as, streamed_step_hint)
@@ -88,7 +91,8 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     device = ranks.device or pick_device(cfg.train.device)
     if cfg.train.cuda_graphs:  # before any weight loads
         graphs.check_device(device)
-    check_resumable(cfg, resume, ranks.world)
+    if cfg.train.epochs is None:  # with train.epochs the steps are known once the data is read
+        check_resumable(cfg, resume, ranks.world)
     torch.manual_seed(cfg.train.seed)
     out = cfg.output_dir
     earlier = _earlier_run(out, cfg.save.name) if ranks.main and warn_earlier and not resume else []
@@ -112,6 +116,10 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                                             probe=None if ranks.sharded else probe)
     if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
         write_text_atomic(out / "config.toml", dump_config(cfg))
+    clock = EpochClock(data, cfg.train.batch_size, cfg.train.grad_accum * ranks.world)
+    if cfg.train.epochs is not None:
+        cfg = _steps_of_epochs(cfg, clock)
+        check_resumable(cfg, resume, ranks.world)
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
@@ -140,11 +148,18 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
 
     flag = StopFlag()
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
+                      save_at=clock.due(cfg.save.every_epochs) if cfg.save.every_epochs else None,
                       on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
                           save_on_main(ranks, family, bundle, cfg, p.step)), out),
                       on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
-    grids = SampleGrids(cfg, family, bundle, device, out / "samples")
+    grids = SampleGrids(cfg, family, bundle, device, out / "samples",
+                        clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None)
+    validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, training_dtype(bundle, cfg.train))
+    if validation.enabled:
+        log.info("validation: %d held-out images at %d timesteps, every %s", validation.images,
+                 cfg.validation.timesteps, f"{cfg.validation.every_steps} steps and at the end"
+                 if cfg.validation.every_steps else "run's end")
 
     spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
 
@@ -153,8 +168,14 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         logger.step(step, loss, lr)
         if spill is not None:
             spill.step_done()
+        if validation.due(step):
+            started = time.perf_counter()
+            value = validation.loss()
+            if value is not None:
+                state.validation.append([step, value])
+                logger.validation(step, value, time.perf_counter() - started)
         if ranks.main:
-            grids.maybe(step)
+            grids.maybe(step, state)
 
     hooks.on_step = on_step
     second = stopped_as(lambda: _second_stop_note(out, state))  # a second signal stops the loop at once
@@ -188,12 +209,24 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         report = tracker.report
         report.write(out / ranks.report_name(cfg.save.name))
         if ranks.main:
-            _write_run_json(out, cfg, ranks.world, scanned, data.stats, start, state, result, saved,
-                            grids.paths)
+            _write_run_json(out, cfg, ranks.world, scanned, data.stats, data.summary(), start, state, result,
+                            saved, grids.paths)
         ranks.close()
     if stopped is not None:
         raise stopped
     return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
+
+
+def _steps_of_epochs(cfg: RunConfig, clock: EpochClock) -> RunConfig:
+    """`cfg` with train.steps derived from train.epochs (and said so)."""
+    epochs = cfg.train.epochs
+    steps = clock.steps_for(epochs)
+    if cfg.train.warmup_steps >= steps:
+        raise ValueError(f"train.warmup_steps ({cfg.train.warmup_steps}) must be smaller than the {steps} steps "
+                         f"that train.epochs = {epochs} takes; lower it")
+    log.info("train.epochs = %d: %d micro-batches (an epoch: %d) at %d a step: train.steps = %d", epochs,
+             clock.end(epochs - 1), clock.end(0), clock.per_step, steps)
+    return with_values(cfg, {"train.steps": steps})
 
 
 def _held(what: str, folders: tuple[Path, ...], flag: StopFlag, save: Callable[[Progress], None],
@@ -232,17 +265,18 @@ def _second_stop_note(out: Path, state: Progress) -> str:
             "--resume latest")
 
 
-def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, cache_stats: dict, start: int,
-                    state: Progress, result: LoopResult, saved: list[Path], samples: list[Path]) -> None:
+def _write_run_json(out: Path, cfg: RunConfig, world: int, scanned: ScanResult, cache_stats: dict,
+                    datasets: list[dict], start: int, state: Progress, result: LoopResult, saved: list[Path],
+                    samples: list[Path]) -> None:
     """run.json: what this run did, for the record and for the tests."""
     write_text_atomic(out / "run.json", json.dumps(
         {"versions": _versions(), "seed": cfg.train.seed, "world_size": world, "items": len(scanned.items),
          "skipped": [{"path": p.path, "reason": p.reason} for p in scanned.problems],
          "ignored": [{"path": p.path, "reason": p.reason} for p in scanned.ignored],
-         "cache": cache_stats, "start_step": start, "end_step": state.step, "epoch": state.epoch,
+         "cache": cache_stats, "datasets": datasets, "start_step": start, "end_step": state.step, "epoch": state.epoch,
          "micro_batches": state.micro_batches, "resumes": state.resumes, "resumed_from": state.resumed_from,
          "interrupted": result.interrupted, "losses": state.losses,
-         "nonfinite_steps_skipped": state.nonfinite_skipped,
+         "nonfinite_steps_skipped": state.nonfinite_skipped, "validation": state.validation,
          "checkpoints": [str(p) for p in saved], "samples": [str(p) for p in samples]}, indent=2))
 
 

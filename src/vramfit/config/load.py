@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import logging
 import os
 import re
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -70,6 +72,8 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     for part in loc:
         field = model.model_fields.get(str(part)) if isinstance(part, str) else None
         ann = getattr(field, "annotation", None) if field else None
+        if typing.get_origin(ann) is list:
+            ann = typing.get_args(ann)[0]
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
         else:
@@ -91,10 +95,30 @@ def _key_path(loc: tuple) -> tuple:
         elif model is not None and part in model.model_fields:
             path.append(part)
             ann = model.model_fields[part].annotation
+            if typing.get_origin(ann) is list:  # a list of tables (data.datasets): its members' keys
+                ann = typing.get_args(ann)[0]
             model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         elif model is not None:  # an unknown key: reported as such
             path.append(part)
     return tuple(path)
+
+
+def _dotted(loc) -> str:
+    """A key path as a user writes it: data.datasets[0].repeats."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _named_datasets(problems: list[str], data: dict) -> list[str]:
+    """Problems of data.datasets[i] naming the dataset too: data.datasets[0] ('dogs')."""
+    entries = (data.get("data") or {}).get("datasets") if isinstance(data.get("data"), dict) else None
+    if not isinstance(entries, list):
+        return problems
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and isinstance(entry.get("name") or entry.get("path"), str):
+            label = entry.get("name") or Path(entry["path"]).name or entry["path"]
+            key = f"data.datasets[{i}]"
+            problems = [p.replace(key, f"{key} ({label!r})", 1) if p.startswith(key) else p for p in problems]
+    return problems
 
 
 def _describe_all(errors: list[dict]) -> list[str]:
@@ -108,15 +132,15 @@ def _describe_all(errors: list[dict]) -> list[str]:
 
 def _describe(err: dict) -> list[tuple[str, str, str]]:
     """(key path, what is wrong, the value given) of each problem of a pydantic error."""
-    loc = tuple(str(p) for p in _key_path(tuple(err["loc"])))
+    loc = tuple(_key_path(tuple(err["loc"])))
     error = (err.get("ctx") or {}).get("error")
     if isinstance(error, KeyProblems):  # a check across keys names its keys, relative to its section
-        return [(".".join([*loc, key]), text, "") for key, text in error.problems]
-    path = ".".join(loc) or "(top level)"
+        return [(_dotted([*loc, key]), text, "") for key, text in error.problems]
+    path = _dotted(loc) or "(top level)"
     if err["type"] == "extra_forbidden":
-        known = _known_keys(RunConfig, loc[:-1])
-        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
-        hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else ""
+        known = _known_keys(RunConfig, tuple(p for p in loc[:-1] if not isinstance(p, int)))
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
+        hint = f"; did you mean {_dotted([*loc[:-1], close[0]])}?" if close else ""
         return [(path, f"unknown key{hint} (valid here: {', '.join(known)})", "")]
     msg = err["msg"]
     for prefix in _PYDANTIC_PREFIXES:
@@ -213,8 +237,10 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
     if tok and not Path(tok).expanduser().is_dir():
         problems.append(f"model.tokenizers: {tok} is not a folder")
     path = _text(dat.get("path"))
-    if need_data and dat.get("path") is None:
-        problems.append("data.path: required (a folder of images), e.g. --set data.path=my-images")
+    several = bool(dat.get("datasets") or dat.get("kohya"))  # their folders: data/datasets.py checks them
+    if need_data and dat.get("path") is None and not several:
+        problems.append("data.path: required (a folder of images), e.g. --set data.path=my-images; or "
+                        "[[data.datasets]] tables, or data.kohya")
     elif need_data and path and not Path(path).expanduser().is_dir():
         problems.append(f"data.path: {path} is not a folder")
     meta = _text(dat.get("metadata"))
@@ -260,7 +286,7 @@ def load_config(
     if cfg is not None and model_checks is not None:
         problems += model_checks(cfg)
     if problems or cfg is None:
-        raise ConfigError(problems, source)
+        raise ConfigError(_named_datasets(problems, data), source)
     for note in cfg.start_warnings():
         logging.getLogger("vramfit").warning("%s", note)
     return cfg
@@ -289,24 +315,34 @@ def _read(path: Path, source: str) -> dict:
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as TOML, written into every output folder. train.cuda_graphs left to
     its default is written as "auto" with what it resolved to beside it, so the file, given
-    again (another machine, --gpus N), decides afresh."""
+    again (another machine, --gpus N), decides afresh; train.steps is left out where train.epochs
+    derives it."""
     data = cfg.model_dump(mode="json")
     notes = {}
     if "cuda_graphs" not in cfg.train.model_fields_set:
         notes[("train", "cuda_graphs")] = f"resolved for this run: {'on' if cfg.train.cuda_graphs else 'off'}"
         data["train"]["cuda_graphs"] = "auto"
+    if cfg.train.epochs is not None:
+        del data["train"]["steps"]
+    data["data"]["datasets"] = [{k: v for k, v in d.model_dump(mode="json").items() if k in d.model_fields_set}
+                                for d in cfg.data.datasets]  # only what each sets: the rest is [data]'s
     return _to_toml(data, notes)
 
 
 def _to_toml(data: dict, notes: Optional[dict] = None) -> str:
-    import json
-
-    lines = []
+    """Sections of keys, and lists of tables (data.datasets) as [[section.key]] tables."""
+    lines, tables = [], []
     for section, values in data.items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if value is not None:
+            if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                tables += [(f"{section}.{key}", v) for v in value]
+            elif value is not None and value != []:
                 note = (notes or {}).get((section, key))
                 lines.append(f"{key} = {json.dumps(value)}" + (f"  # {note}" if note else ""))
+        lines.append("")
+    for name, table in tables:
+        lines.append(f"[[{name}]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in table.items() if value is not None]
         lines.append("")
     return "\n".join(lines)

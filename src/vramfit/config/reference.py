@@ -12,9 +12,10 @@ import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from vramfit.config.schema import RunConfig
+from vramfit.config.schema import DATASET_DEFAULTS, RunConfig
 
 DOC = Path("docs") / "config.md"
 REGENERATE = "python -m vramfit.config.reference --write"
@@ -32,6 +33,7 @@ SECTIONS = {
     "lora": "The LoRA adapter of `train.mode = \"lora\"`.",
     "prior": "DreamBooth prior preservation: class images trained beside the instance images.",
     "sample": "Sample grids during training: fixed prompts times fixed seeds, every N steps.",
+    "validation": "The validation loss of held-out images, at fixed timesteps and fixed noise.",
     "save": "What is saved, in which formats and precision, and how often.",
     "output": "Where the run writes.",
     "logging": "Progress bars and training logs.",
@@ -83,6 +85,8 @@ def type_text(annotation: Any, metadata: list = ()) -> str:
         return text + (", or unset" if len(kinds) < len(args) else "")
     if origin is Literal:
         text = " or ".join(f'`{json.dumps(a)}`' for a in args)
+    elif origin is list and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        text = "list of tables (the table below)"
     elif origin is list:
         text = f"list, each {type_text(args[0])}"
     elif origin is tuple:
@@ -113,11 +117,27 @@ def render() -> str:
     for section, info in RunConfig.model_fields.items():
         lines += [f"## [{section}]", "", SECTIONS[section], "", "| key | type | default | description |",
                   "|---|---|---|---|"]
+        tables = []
         for key, field in info.annotation.model_fields.items():
             cells = [f"`{section}.{key}`", type_text(field.annotation, field.metadata), default_text(field),
                      field.description or ""]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            if get_origin(field.annotation) is list and isinstance(get_args(field.annotation)[0], type) \
+                    and issubclass(get_args(field.annotation)[0], BaseModel):
+                tables.append((f"{section}.{key}", get_args(field.annotation)[0], info.annotation))
         lines.append("")
+        for name, model, _ in tables:  # [[data.datasets]]: the keys of its own; the rest are [data]'s
+            own = [k for k in model.model_fields if k not in DATASET_DEFAULTS]
+            lines += [f"### [[{name}]]", "", textwrap.fill(
+                f"Each table also takes every [{section}] key that describes a dataset "
+                f"({', '.join(f'`{k}`' for k in DATASET_DEFAULTS)}); one it leaves out is [{section}]'s. "
+                "Its own keys:", 100), "", "| key | type | default | description |", "|---|---|---|---|"]
+            for key in own:
+                field = model.model_fields[key]
+                cells = [f"`{key}`", type_text(field.annotation, field.metadata),
+                         default_text(field) if not field.is_required() else "required", field.description or ""]
+                lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            lines.append("")
     return "\n".join(lines)
 
 

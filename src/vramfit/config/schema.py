@@ -92,18 +92,14 @@ class ModelConfig(_Section):
         "can run code when loaded by other tools, so they are refused unless this is set.")
 
 
-class DataConfig(_Section):
-    path: Optional[str] = Field(None, description="Folder of training images.")
-    metadata: Optional[str] = Field(
-        None,
-        description="kohya metadata .json or Hugging Face metadata.jsonl; default: "
-        "<path>/metadata.jsonl when present, else same-name caption files.",
-    )
+class _DatasetKeys(_Section):
+    """Keys every dataset has; set in [data] they are the default of every [[data.datasets]] entry."""
+
     caption_extension: str = Field(".txt", description="Suffix of the caption file beside each image "
                                    "(the leading dot is optional).")
-    instance_prompt: Optional[str] = Field(
-        None, min_length=1, description="DreamBooth: use this prompt for every image (caption "
-        "files are then not needed), e.g. \"a photo of sks dog\".")
+    default_caption: Optional[str] = Field(
+        None, min_length=1, description="Caption of the images that have no caption file (kohya's class "
+        "tokens); without it such images are skipped and named.")
     resolution: int = Field(1024, ge=64, le=4096, description="Base bucket side in pixels.")
     bucket_step: int = Field(64, ge=8, le=512, description="Bucket sides are multiples of this many "
                              "pixels (of 8, and of 16 for SD3; it divides data.resolution). A smaller step "
@@ -117,9 +113,32 @@ class DataConfig(_Section):
     random_crop: bool = Field(False, description="Crop each image to its bucket at a random offset "
                               "instead of the centre: one offset per image, fixed by train.seed, so its "
                               "cached latent is reused (SDXL's crop conditioning records the offset).")
-    shuffle: bool = Field(True, description="Train the images of each bucket, and the batches, in a new "
-                          "order every epoch, seeded by train.seed; false: bucket by bucket in the order "
-                          "they were read.")
+    caption_dropout: float = Field(0.0, ge=0, lt=1, description="Share of the draws that train on the empty "
+                                   "caption instead of the image's (its encoding is cached once).")
+    shuffle_tags: bool = Field(False, description="Shuffle the caption's comma-separated tags (after the "
+                               "first keep_tokens); the shuffles are cached as caption_variants.")
+    keep_tokens: int = Field(0, ge=0, le=1000, description="With shuffle_tags: the leading tags that stay "
+                             "in place (e.g. the trigger word).")
+    tag_separator: str = Field(",", min_length=1, description="What separates the tags of a caption for "
+                               "shuffle_tags and keep_tokens.")
+    caption_per_line: bool = Field(False, description="A caption file (or a metadata caption list) holds "
+                                   "several captions, one per line; each epoch trains one of them. False: "
+                                   "the lines are joined into one caption.")
+    caption_variants: int = Field(4, ge=1, le=64, description="Most cached text encodings per image (its "
+                                  "captions and their tag shuffles); each draw picks one. The text cache "
+                                  "grows with it: one entry per distinct variant.")
+    flip: bool = Field(False, description="Train each draw of an image mirrored left-right at random (one "
+                       "in two); the mirrored latent is cached beside it, with SDXL's crop conditioning "
+                       "measured on the mirrored image.")
+    masks: Optional[str] = Field(None, description="Folder of mask images named as the images (any image "
+                                 "suffix; white: trained, black: masked out), for masked loss.")
+    alpha_mask: bool = Field(False, description="Masked loss with the image's alpha channel as the mask "
+                             "(opaque: trained); images without alpha train unmasked.")
+    mask_min_weight: float = Field(0.0, ge=0, le=1, description="Loss weight of the masked-out area (with "
+                                   "masks or alpha_mask): 0 ignores it, 1 trains it fully.")
+    validation_share: float = Field(0.0, ge=0, lt=1, description="Share of the images held out of "
+                                    "training as the validation set (picked by a hash of the file name, "
+                                    "the same every run).")
 
     @field_validator("caption_extension")
     @classmethod
@@ -132,19 +151,132 @@ class DataConfig(_Section):
                              "such as .txt")
         return value
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "DataConfig":
+    def _key_problems(self) -> list[tuple[str, str]]:
         problems = []
-        if self.instance_prompt is not None and self.metadata is not None:
-            problems.append(("instance_prompt", "data.metadata gives captions too; use one of them"))
         if self.bucket_step % 8:
             problems.append(("bucket_step", f"{self.bucket_step} is not a multiple of 8 (the VAE "
                              "downsamples by 8)"))
         elif self.resolution % self.bucket_step:
-            problems.append(("resolution", f"{self.resolution} is not a multiple of data.bucket_step "
+            problems.append(("resolution", f"{self.resolution} is not a multiple of bucket_step "
                              f"({self.bucket_step})"))
+        if self.masks is not None and self.alpha_mask:
+            problems.append(("alpha_mask", "given beside masks; use one source of masks"))
+        return problems
+
+
+DATASET_DEFAULTS = tuple(_DatasetKeys.model_fields)  # the keys a dataset takes from [data] when not set
+
+
+class DatasetConfig(_DatasetKeys):
+    """One dataset of a run ([[data.datasets]]): its images, how often an epoch trains them, its rules."""
+
+    name: Optional[str] = Field(None, min_length=1, description="Name in messages and `vramfit data`; "
+                                "default: the folder's name.")
+    path: str = Field(description="Folder of the dataset's images.")
+    metadata: Optional[str] = Field(None, description="kohya metadata .json or Hugging Face metadata.jsonl "
+                                    "of this dataset (as data.metadata).")
+    instance_prompt: Optional[str] = Field(None, min_length=1, description="Caption of every image of "
+                                           "this dataset (caption files are then not needed).")
+    class_prompt: Optional[str] = Field(None, min_length=1, description="A regularization dataset: caption "
+                                        "of every class image (as instance_prompt).")
+    repeats: Optional[int] = Field(None, ge=1, le=10**6, description="Times an epoch trains each image "
+                                   "(kohya's num_repeats); default 1.")
+    weight: Optional[float] = Field(None, ge=0.01, le=10**6, description="Instead of repeats: images an epoch "
+                                    "trains, as a multiple of the dataset's size (0.5: half of them, a "
+                                    "different half each epoch; exact over the epochs).")
+    regularization: bool = Field(False, description="Class images of prior preservation: each batch of "
+                                 "the other datasets' images carries as many of these of its bucket, "
+                                 "weighted by prior.loss_weight.")
+    validation: bool = Field(False, description="Held out: not trained, its loss is the validation loss "
+                             "([validation]).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DatasetConfig":
+        problems = self._key_problems()
+        if self.repeats is not None and self.weight is not None:
+            problems.append(("weight", "given beside repeats; use one of them"))
+        if self.instance_prompt is not None and self.metadata is not None:
+            problems.append(("instance_prompt", "metadata gives captions too; use one of them"))
+        if self.class_prompt is not None and not self.regularization:
+            problems.append(("class_prompt", "only for a regularization dataset (regularization = true); "
+                             "use instance_prompt"))
+        if self.regularization and self.instance_prompt is not None:
+            problems.append(("instance_prompt", "a regularization dataset's caption is class_prompt"))
+        if self.regularization and self.validation:
+            problems.append(("validation", "a dataset is either regularization or validation"))
+        if self.validation and self.validation_share:
+            problems.append(("validation_share", "the whole dataset is held out already (validation = true)"))
         _raise_any(problems)
         return self
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name or self.path
+
+    @property
+    def times(self) -> float:
+        """Images an epoch trains per image of the dataset (repeats, or weight)."""
+        return float(self.weight) if self.weight is not None else float(self.repeats or 1)
+
+
+class DataConfig(_DatasetKeys):
+    path: Optional[str] = Field(None, description="Folder of training images (the short form of one "
+                                "dataset; with data.datasets leave it out).")
+    metadata: Optional[str] = Field(
+        None,
+        description="kohya metadata .json or Hugging Face metadata.jsonl; default: "
+        "<path>/metadata.jsonl when present, else same-name caption files.",
+    )
+    instance_prompt: Optional[str] = Field(
+        None, min_length=1, description="DreamBooth: use this prompt for every image (caption "
+        "files are then not needed), e.g. \"a photo of sks dog\".")
+    datasets: list[DatasetConfig] = Field(
+        default_factory=list, description="Several datasets ([[data.datasets]] tables), each with its "
+        "path, repeats and rules; the other [data] keys are their defaults. docs/data.md.")
+    kohya: Optional[str] = Field(None, description="A kohya dataset config (.toml) or a kohya train_data_dir "
+                                 "(subfolders named like 10_sks dog: 10 repeats, caption 'sks dog' for "
+                                 "images without one), read as data.datasets.")
+    kohya_reg: Optional[str] = Field(None, description="A kohya reg_data_dir: its N_class subfolders become "
+                                     "regularization datasets.")
+    shuffle: bool = Field(True, description="Train the images of each bucket, and the batches, in a new "
+                          "order every epoch, seeded by train.seed; false: bucket by bucket in the order "
+                          "they were read.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DataConfig":
+        problems = self._key_problems()
+        if self.instance_prompt is not None and self.metadata is not None:
+            problems.append(("instance_prompt", "data.metadata gives captions too; use one of them"))
+        several = [k for k in ("datasets", "kohya") if getattr(self, k)]
+        if len(several) > 1:
+            problems.append(("kohya", "given beside data.datasets; use one of them"))
+        if several:
+            problems += [(k, f"given beside data.{several[0]}; give each dataset its own {k}")
+                         for k in ("path", "metadata", "instance_prompt") if getattr(self, k) is not None]
+        if self.kohya_reg is not None and not self.kohya:
+            problems.append(("kohya_reg", "a kohya reg_data_dir goes with data.kohya (the train_data_dir)"))
+        names = [d.label for d in self.datasets]
+        for name in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(("datasets", f"two datasets are named {name!r}; give each a distinct name"))
+        _raise_any(problems)
+        return self
+
+    def dataset_list(self) -> list[DatasetConfig]:
+        """The datasets with every key they leave out taken from [data] (the short form: one, from
+        data.path). A kohya config is read by the data layer (data/kohya.py), not here."""
+        base = {k: getattr(self, k) for k in DATASET_DEFAULTS}
+        if not self.datasets:
+            if self.path is None:
+                return []
+            return [DatasetConfig(**base, path=self.path, metadata=self.metadata,
+                                  instance_prompt=self.instance_prompt)]
+        return [inherit(d, base) for d in self.datasets]
+
+
+def inherit(dataset: DatasetConfig, base: dict) -> DatasetConfig:
+    """`dataset` with the [data] defaults `base` for the keys it does not set itself."""
+    own = {k: getattr(dataset, k) for k in dataset.model_fields_set}
+    return DatasetConfig(**{**base, **own, "path": dataset.path})
 
 
 class CacheConfig(_Section):
@@ -186,7 +318,10 @@ class LoraSettings(_Section):
 
 class TrainConfig(_Section):
     mode: Literal["full", "lora"] = Field("full", description="Train all denoiser weights, or a LoRA.")
-    steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps.")
+    steps: int = Field(1000, ge=1, le=10**9, description="Optimizer steps (or give train.epochs).")
+    epochs: Optional[int] = Field(None, ge=1, le=10**6, description="Train this many epochs (passes over "
+                                  "the datasets with their repeats) instead of train.steps, which is then "
+                                  "derived from the data and shown at the start.")
     batch_size: int = Field(1, ge=1, le=4096, description="Images per micro-batch, all of one bucket (a "
                             "bucket's last batch of an epoch may be smaller); with prior preservation each "
                             "batch carries as many class images besides.")
@@ -311,7 +446,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
-        if self.warmup_steps >= self.steps and self.warmup_steps > 0:
+        # with train.epochs the steps are known once the data is read (train/epochs.py checks then)
+        if self.epochs is None and self.warmup_steps >= self.steps and self.warmup_steps > 0:
             raise KeyProblems([("warmup_steps", f"{self.warmup_steps} must be smaller than train.steps "
                                                 f"({self.steps})")])
         return self
@@ -324,6 +460,8 @@ LORA_FORMATS = ("lora", "lora_kohya")
 class SaveConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Also save every N steps; 0 saves at the end only "
                              "(as does a value above train.steps, with a warning at the start).")
+    every_epochs: int = Field(0, ge=0, description="Also save at the end of every N-th epoch (at the step "
+                              "that finishes it); 0: off.")
     formats: Optional[list[Literal["single_file", "diffusers", "lora", "lora_kohya"]]] = Field(
         None, min_length=1,
         description="full: single_file (ComfyUI/A1111 checkpoint) and/or diffusers (folder); "
@@ -442,6 +580,8 @@ class SampleConfig(_Section):
     seeds: list[Seed] = Field(default_factory=lambda: [0], description="One grid column per seed.")
     every_steps: int = Field(0, ge=0, description="Render a grid every N optimizer steps and at the "
                              "end; 0 turns samples off (above train.steps: at the end only, with a warning).")
+    every_epochs: int = Field(0, ge=0, description="Render a grid at the end of every N-th epoch (and at "
+                              "the end of the run); 0: off.")
     steps: int = Field(20, ge=1, le=1000, description="Sampling steps.")
     guidance: Optional[float] = Field(None, ge=0, le=100.0, description="Guidance scale; default: the "
                                       "family's.")
@@ -453,9 +593,10 @@ class SampleConfig(_Section):
     @model_validator(mode="after")
     def _prompts_when_on(self) -> "SampleConfig":
         problems = []
-        if self.every_steps and not self.prompts:
-            problems.append(("prompts", "empty while sample.every_steps is set; give sample.prompts, or set "
-                             "sample.every_steps = 0"))
+        for key in ("every_steps", "every_epochs"):
+            if getattr(self, key) and not self.prompts:
+                problems.append(("prompts", f"empty while sample.{key} is set; give sample.prompts, or set "
+                                 f"sample.{key} = 0"))
         if not self.seeds:
             problems.append(("seeds", "empty; give at least one seed"))
         for side in ("width", "height"):
@@ -466,6 +607,20 @@ class SampleConfig(_Section):
         return self
 
 
+class ValidationConfig(_Section):
+    """The validation loss: the held-out images (validation datasets, validation_share) at fixed
+    timesteps and fixed noise, without gradients, every N steps and at the end."""
+
+    every_steps: int = Field(0, ge=0, description="Compute the validation loss every N optimizer steps; "
+                             "0: at the end only. Needs a validation set (a dataset with validation = "
+                             "true, or data.validation_share).")
+    timesteps: int = Field(4, ge=1, le=100, description="Fixed timesteps each held-out image is scored at, "
+                           "spread evenly over the noise schedule.")
+    seed: Seed = Field(0, description="Seed of the fixed noise (the same at every evaluation).")
+    batch_size: Optional[int] = Field(None, ge=1, le=4096, description="Images per forward pass; default "
+                                      "train.batch_size.")
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -474,6 +629,7 @@ class RunConfig(_Section):
     lora: LoraSettings = LoraSettings()
     prior: PriorConfig = PriorConfig()
     sample: SampleConfig = SampleConfig()
+    validation: ValidationConfig = ValidationConfig()
     save: SaveConfig = SaveConfig()
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -497,17 +653,22 @@ class RunConfig(_Section):
 
     @property
     def step_batch(self) -> int:
-        """Images in one forward pass: the batch, doubled by DreamBooth's class images."""
-        return self.train.batch_size * (2 if self.prior.class_prompt else 1)
+        """Images in one forward pass: the batch, doubled by class images (DreamBooth's generated
+        ones, or a regularization dataset's)."""
+        classes = self.prior.class_prompt or any(d.regularization for d in self.data.datasets)
+        return self.train.batch_size * (2 if classes else 1)
 
     @model_validator(mode="after")
     def _switched_on_settings(self) -> "RunConfig":
         problems = []
         default = PriorConfig()
+        # a regularization dataset (or a kohya config, which may hold one) is weighted by prior.loss_weight
+        regularized = any(d.regularization for d in self.data.datasets) or self.data.kohya
         if not self.prior.class_prompt:
             problems += [(f"prior.{k}", "given without prior.class_prompt, which turns prior preservation "
                           "on; set it, or leave the [prior] settings out") for k in PriorConfig.model_fields
-                         if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)]
+                         if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)
+                         and not (k == "loss_weight" and regularized)]
         moving = [k for k in ("stream_weights", "offload_activations") if getattr(self.memory, k)]
         if self.train.compile and moving:
             problems.append(("train.compile", f"cannot be used with memory.{' and memory.'.join(moving)}: "
@@ -531,7 +692,12 @@ class RunConfig(_Section):
                                  "their kernels, which these settings need (moving weights, hooks that act "
                                  "differently from one micro-batch to the next, dropout masks); turn one of "
                                  "them off"))
-        if self.sample.every_steps and self.memory.stream_weights:
+        if self.train.epochs is not None and "steps" in self.train.model_fields_set:
+            problems.append(("train.steps", "given beside train.epochs, which derives it; use one of them"))
+        for section in ("save", "sample"):
+            if getattr(self, section).every_epochs and getattr(self, section).every_steps:
+                problems.append((f"{section}.every_epochs", f"given beside {section}.every_steps; use one"))
+        if (self.sample.every_steps or self.sample.every_epochs) and self.memory.stream_weights:
             problems.append(("sample.every_steps", "cannot be used with memory.stream_weights: sample "
                              "grids would put the whole denoiser on the GPU while they render; render them "
                              "after training with vramfit generate, or turn streaming off"))
@@ -573,6 +739,8 @@ class RunConfig(_Section):
         """What a run of this config will not do although a key seems to ask for it: intervals
         longer than the run (the end still saves and renders, as always)."""
         notes = []
+        if self.train.epochs is not None:  # the steps are known once the data is read
+            return notes
         for key, value, what in (
                 ("save.every_steps", self.save.every_steps, "intermediate checkpoint"),
                 ("save.state_every_steps", self.save.state_every_steps, "intermediate training state"),

@@ -337,9 +337,15 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f}G" if n >= GIB // 10 else f"{n / MIB:.1f}M"
 
 
+def all_buckets(cfg: RunConfig) -> list[tuple[int, int]]:
+    """The buckets of every dataset of the config (those of data.kohya are planned with [data]'s
+    resolution: reading them is the data layer's)."""
+    datasets = cfg.data.dataset_list() or [cfg.data]
+    return sorted({b for d in datasets for b in make_buckets(d.resolution, d.bucket_step, d.max_aspect)})
+
+
 def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
-    return max(make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect),
-               key=lambda b: b[0] * b[1])
+    return max(all_buckets(cfg), key=lambda b: b[0] * b[1])
 
 
 def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
@@ -355,8 +361,7 @@ def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
         return {"activations": VAE_BYTES_PER_PIXEL[dtype] * encoded,
                 "image": VAE_IMAGE_CHANNELS * item * (w * h - encoded)}  # the rest of the image, waiting
 
-    buckets = make_buckets(cfg.data.resolution, cfg.data.bucket_step, cfg.data.max_aspect)
-    worst = max((parts(w, h) for w, h in buckets), key=lambda x: sum(x.values()))
+    worst = max((parts(w, h) for w, h in all_buckets(cfg)), key=lambda x: sum(x.values()))
     return {"vae": facts.vae_params * item, **worst}
 
 

@@ -75,8 +75,9 @@ class _SyntheticData:
 
     def __init__(self, batch: dict[str, torch.Tensor], size: int):
         self._batch, self._size = batch, size
+        self.trained = [PROBE_RECORD]
 
-    def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool) -> Iterator[list]:
+    def batches(self, batch_size: int, generator: torch.Generator, shuffle: bool, epoch: int = 0) -> Iterator[list]:
         return iter([[PROBE_RECORD] * self._size] * 64)
 
     def batch(self, records: list) -> dict[str, torch.Tensor]:

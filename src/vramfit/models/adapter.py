@@ -68,6 +68,11 @@ class Family(Protocol):
 
     def load(self, source: Source) -> ModelBundle: ...
 
+    def caption_tokenizers(self, source: Source, cfg: Any) -> list:
+        """The tokenizers training encodes captions with, without loading any weight, each with its
+        model_max_length set to the tokens its encoder keeps (`vramfit data` counts with them)."""
+        ...
+
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str: ...
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -87,11 +92,14 @@ class Family(Protocol):
         ...
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict[str, torch.Tensor], cfg: Any,
-                    generator: torch.Generator, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+                    generator: torch.Generator, dtype: Optional[torch.dtype] = None,
+                    at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Everything the loss of one micro-batch needs from the host, as CPU tensors: its
         conditioning and every random draw (so the training loop can make them ahead and copy them
         to the device without holding the host up, train/loop.py). With `dtype` (the training's)
-        the conditioning `loss_from` casts to it is cast already."""
+        the conditioning `loss_from` casts to it is cast already. `at` (one position in [0, 1] per
+        sample, 0 the least noise) fixes the timesteps instead of drawing them (the validation
+        loss); the batch's `loss_mask` and `sample_weight`, where present, weight the loss."""
         ...
 
     def loss_from(self, bundle: ModelBundle, inputs: dict[str, torch.Tensor], cfg: Any, device: torch.device,
@@ -109,10 +117,11 @@ class Family(Protocol):
 
 
 def resolution_problems(family: Family, cfg: Any) -> list[str]:
-    """data.resolution and data.bucket_step that are not multiples of the family's
-    resolution_multiple: every bucket side is a multiple of the step, the base side of both."""
+    """data.resolution and data.bucket_step (and each dataset's) that are not multiples of the
+    family's resolution_multiple: every bucket side is a multiple of the step, the base side of both."""
     multiple = family.resolution_multiple
-    return [f"data.{key}: {value} is not a multiple of {multiple}, which the {family.name} family needs "
+    named = [("data", cfg.data)] + [(f"data.datasets[{i}]", d) for i, d in enumerate(cfg.data.datasets)]
+    return [f"{where}.{key}: {value} is not a multiple of {multiple}, which the {family.name} family needs "
             f"(every bucket side must be); use e.g. {max(multiple, value // multiple * multiple)}"
-            for key, value in (("resolution", cfg.data.resolution), ("bucket_step", cfg.data.bucket_step))
-            if value % multiple]
+            for where, d in named for key in ("resolution", "bucket_step")
+            if (value := getattr(d, key)) % multiple and (where == "data" or key in d.model_fields_set)]

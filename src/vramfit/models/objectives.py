@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 
-def epsilon_draws(shape: torch.Size, scheduler, generator: torch.Generator, noise_offset: float) -> dict[str, torch.Tensor]:
+def epsilon_draws(shape: torch.Size, scheduler, generator: torch.Generator, noise_offset: float,
+                  at: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The random draws of `epsilon_inputs`, on the CPU, in the order SDXL's training scripts
-    draw them: the noise, the offset noise (with noise_offset > 0), the timesteps."""
+    draw them: the noise, the offset noise (with noise_offset > 0), the timesteps; `at` (positions
+    in [0, 1], one per sample) fixes the timesteps instead (the validation loss)."""
     draws = {"noise": torch.randn(shape, generator=generator, dtype=torch.float32)}
     if noise_offset > 0:
         draws["offset_noise"] = torch.randn(tuple(shape[:2]) + (1, 1), generator=generator, dtype=torch.float32)
-    draws["timesteps"] = torch.randint(0, scheduler.config.num_train_timesteps, (shape[0],), generator=generator)
+    last = scheduler.config.num_train_timesteps - 1
+    draws["timesteps"] = (torch.randint(0, last + 1, (shape[0],), generator=generator) if at is None
+                          else (at * last).round().long())
     return draws
 
 
@@ -39,10 +43,15 @@ def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.T
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-                 sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 sample_weight: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over the batch of each sample's weighted MSE; `sample_weight` (summing to the
-    batch's total weight, e.g. DreamBooth's instance + prior terms) replaces the plain mean."""
-    per_sample = (pred.float() - target.float()).pow(2).mean(dim=tuple(range(1, pred.ndim))) * weights
+    batch's total weight, e.g. DreamBooth's instance + prior terms) replaces the plain mean.
+    `loss_mask` ([B, 1, h, w] on the latent grid) weights each element before the mean (masked
+    loss: a masked-out element counts by its weight, not at all at 0)."""
+    error = (pred.float() - target.float()).pow(2)
+    if loss_mask is not None:
+        error = error * loss_mask.to(error.device, error.dtype)
+    per_sample = error.mean(dim=tuple(range(1, pred.ndim))) * weights
     if sample_weight is None:
         return per_sample.mean()
     return (per_sample * sample_weight.to(per_sample.device)).sum()

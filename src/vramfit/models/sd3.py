@@ -147,6 +147,21 @@ class SD3Family:
             tokenizers.append(T5TokenizerFast.from_pretrained(folder / "tokenizer_3"))
         return tokenizers
 
+    def caption_tokenizers(self, source: Source, cfg) -> list[Any]:
+        """The CLIP tokenizers (77 tokens each), then T5's (model.max_sequence_length tokens) where the
+        source has a T5 encoder and model.t5_precision is not "none"; no weight is read."""
+        if source.kind == "single_file":
+            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in read_header(source.path)[0])
+        else:
+            t5 = (source.path / "text_encoder_3" / "config.json").is_file()
+        t5 = t5 and cfg.model.t5_precision != "none"
+        tokenizers = self.load_tokenizers(require_tokenizers(source), t5=t5)
+        for tok in tokenizers[:2]:
+            tok.model_max_length = CLIP_MAX_LENGTH
+        if len(tokenizers) > 2:
+            tokenizers[2].model_max_length = cfg.model.max_sequence_length
+        return tokenizers
+
     def _load_single_file(self, path: Path, source: Optional[Source] = None):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import SD3Transformer2DModel
@@ -352,29 +367,29 @@ class SD3Family:
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
-                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+                    dtype: Optional[torch.dtype] = None, at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """What `loss_from` needs from the host, on the CPU: the batch's conditioning, every random
-        draw of the loss (the latent sample, the noise, the timestep density's) and what follows
-        from them there (the sigmas, the model's timesteps, the loss weights). With `dtype` the
-        conditioning is in that dtype already, as `loss_from` casts it (the same values)."""
+        draw of the loss (the latent sample, the noise, the timestep density's; `at`, positions in
+        [0, 1] per sample, fixes the density's draw) and what follows from them there (the sigmas,
+        the model's timesteps, the loss weights). With `dtype` the conditioning is in that dtype
+        already, as `loss_from` casts it (the same values)."""
         for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
         scheme = getattr(cfg, "weighting_scheme", flow.DEFAULT_SCHEME)
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-        u = flow.sample_density(scheme, latents.shape[0], generator,
-                                logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
-                                logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
-                                mode_scale=getattr(cfg, "mode_scale", flow.DEFAULT_MODE_SCALE))
+        u = at if at is not None else flow.sample_density(
+            scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
+            logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
+            mode_scale=getattr(cfg, "mode_scale", flow.DEFAULT_MODE_SCALE))
         sched = bundle.noise_scheduler.config
         table = flow.shifted_sigmas(sched.num_train_timesteps, sched.shift)
         sigmas, timesteps = flow.lookup_sigmas(u, table)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
                   "weights": flow.loss_weighting(scheme, sigmas)}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
-        if "sample_weight" in batch:
-            inputs["sample_weight"] = batch["sample_weight"]
+        inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
 
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
@@ -383,7 +398,8 @@ class SD3Family:
         noisy, target = flow.flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
-        return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"))
+        return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"),
+                            inputs.get("loss_mask"))
 
     # ---- saving ------------------------------------------------------------------------------
     def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

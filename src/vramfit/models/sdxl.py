@@ -197,6 +197,10 @@ class SDXLFamily:
         return [CLIPTokenizer.from_pretrained(folder / "tokenizer"),
                 CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
 
+    def caption_tokenizers(self, source: Source, cfg: Any) -> list[Any]:
+        """CLIP-L's and CLIP-G's tokenizers, as `load` finds them (each keeps 77 tokens)."""
+        return self.load_tokenizers(require_tokenizers(source))
+
     def _load_single_file(self, path: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import UNet2DConditionModel
@@ -327,15 +331,16 @@ class SDXLFamily:
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
-                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+                    dtype: Optional[torch.dtype] = None, at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """What `loss_from` needs from the host, on the CPU: the batch's conditioning and every
-        random draw of the loss (the latent sample, the noise and the timesteps). With `dtype` the
-        conditioning is in that dtype already, as `loss_from` casts it (the same values)."""
+        random draw of the loss (the latent sample, the noise and the timesteps; `at`, positions in
+        [0, 1] per sample, fixes the timesteps). With `dtype` the conditioning is in that dtype
+        already, as `loss_from` casts it (the same values)."""
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
-        inputs = {"latents": latents, **epsilon_draws(latents.shape, bundle.noise_scheduler, generator, cfg.noise_offset)}
+        inputs = {"latents": latents,
+                  **epsilon_draws(latents.shape, bundle.noise_scheduler, generator, cfg.noise_offset, at)}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled", "time_ids")})
-        if "sample_weight" in batch:
-            inputs["sample_weight"] = batch["sample_weight"]
+        inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
 
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
@@ -346,7 +351,7 @@ class SDXLFamily:
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), timesteps, text, inputs["time_ids"].to(device, dtype))
         weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
-        return weighted_mse(pred, noise, weights, inputs.get("sample_weight"))
+        return weighted_mse(pred, noise, weights, inputs.get("sample_weight"), inputs.get("loss_mask"))
 
     # ---- saving ------------------------------------------------------------------------------
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -69,6 +69,20 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({"loss": loss, "lr": lr, "step_seconds": seconds, "images_per_second": rate}, step=step)
 
+    def validation(self, step: int, loss: float, seconds: float) -> None:
+        """The validation loss of `step` (its time is left out of the next step's)."""
+        if self.main:
+            message = f"step {step}: validation loss {loss:.4f} ({seconds:.1f} s)"
+            if self.bar is not None:
+                self.bar.write(message)
+            else:
+                log.info("%s", message)
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", loss, step)
+        if self.wandb is not None:
+            self.wandb.log({"validation_loss": loss}, step=step)
+        self.last = time.perf_counter()
+
     def median_step(self) -> float | None:
         """Median seconds per step, the first (warm-up) step left out when there are others."""
         times = self.seconds[1:] or self.seconds

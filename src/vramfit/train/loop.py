@@ -23,7 +23,7 @@ from vramfit.memory.offload import streamer_of
 from vramfit.optim.build import steps_streamed_on_device
 from vramfit.optim.in_backward import BackwardSteps, optional_steps
 from vramfit.train import graphs
-from vramfit.train.data import CacheEntriesLost, Record, TrainingData
+from vramfit.train.data import CacheEntriesLost, Draw, TrainingData
 from vramfit.train.distributed import DataParallel, micro_batch_generator
 from vramfit.train.graphs import GraphedDenoiser
 from vramfit.train.state import Progress
@@ -45,6 +45,7 @@ class LoopHooks:
     on_step: Optional[Callable[[int, float, float], None]] = None
     on_save: Optional[Callable[[Progress], None]] = None  # checkpoint every save_every steps
     on_state: Optional[Callable[[Progress], None]] = None  # resumable state every state_every
+    save_at: Optional[Callable[[Progress], bool]] = None  # a checkpoint too where it says so (epochs)
     save_every: int = 0
     state_every: int = 0
 
@@ -95,14 +96,14 @@ class Feeder:
     error in making them (an unreadable cache entry) is raised there too, where it was met before."""
 
     def __init__(self, family: Family, bundle: ModelBundle, data: TrainingData, cfg: TrainConfig,
-                 batches: Iterator[tuple[int, list[Record]]], progress: Progress, device: torch.device,
+                 batches: Iterator[tuple[int, list[Draw]]], progress: Progress, device: torch.device,
                  dtype: Optional[torch.dtype] = None):
         self.family, self.bundle, self.data, self.cfg = family, bundle, data, cfg
         self.batches, self.progress, self.device, self.dtype = batches, progress, device, dtype
-        self._next: Optional[tuple[int, list[Record], dict, tuple]] = None
+        self._next: Optional[tuple[int, list[Draw], dict, tuple]] = None
         self._failed: Optional[tuple[Exception, Optional[tuple]]] = None  # (error, position after the take)
 
-    def take(self) -> tuple[int, list[Record], dict]:
+    def take(self) -> tuple[int, list[Draw], dict]:
         """(global index, records, loss inputs on the device) of the next micro-batch."""
         self.ahead()
         if self._failed is not None:
@@ -150,13 +151,14 @@ class Feeder:
         self.progress.epoch, self.progress.batch_in_epoch, self.progress.micro_batches = position
 
 
-def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuffle: bool) -> Iterator[list[Record]]:
+def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuffle: bool) -> Iterator[list[Draw]]:
     """Micro-batches from the current position on, advancing `progress` as they are taken."""
+    if not data.trained:
+        raise ValueError("the datasets hold no image to train (every one is held out for validation)")
     while True:
         order_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + progress.epoch)
-        order = list(data.batches(cfg.batch_size, order_gen, shuffle))
-        if not order:
-            raise ValueError("the dataset has no usable items")
+        # an epoch of a dataset with a small weight may hold no image of it: it is then empty
+        order = list(data.batches(cfg.batch_size, order_gen, shuffle, progress.epoch))
         while progress.batch_in_epoch < len(order):
             group = order[progress.batch_in_epoch]
             progress.batch_in_epoch += 1
@@ -164,6 +166,14 @@ def epoch_batches(data: TrainingData, cfg: TrainConfig, progress: Progress, shuf
             yield group
         progress.epoch += 1
         progress.batch_in_epoch = 0
+
+
+def training_dtype(bundle: ModelBundle, cfg: TrainConfig) -> torch.dtype:
+    """The dtype the denoiser's inputs take: its weights' (under LoRA the frozen base's; its
+    trainable fp32 matrices cast for themselves), fp32 under mixed_bf16's autocast."""
+    params = bundle.denoiser.parameters()
+    base = next((p for p in bundle.denoiser.parameters() if not p.requires_grad), next(params))
+    return base.dtype if cfg.precision != "mixed_bf16" else torch.float32
 
 
 def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer, schedule,
@@ -178,9 +188,7 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
     hooks, stop = hooks or LoopHooks(), stop or StopFlag()  # fresh per call: a set flag never leaks
     ranks = ranks or DataParallel()
     unet = bundle.denoiser
-    # Inputs follow the frozen base under LoRA (its trainable fp32 matrices cast for themselves).
-    base = next((p for p in unet.parameters() if not p.requires_grad), next(unet.parameters()))
-    dtype = base.dtype if cfg.precision != "mixed_bf16" else torch.float32
+    dtype = training_dtype(bundle, cfg)
     batches = ranks.micro_batches(epoch_batches(data, cfg, progress, shuffle), progress)
     loss_bundle = ranks.forward_bundle(bundle)
     feed = Feeder(family, loss_bundle, data, cfg, batches, progress, device, dtype)
@@ -250,14 +258,14 @@ def run_loop(family: Family, bundle: ModelBundle, data: TrainingData, optimizer,
 
 def _accumulate(forward, feed: Feeder, grad_hooks: Optional[BackwardSteps], cfg: TrainConfig,
                 device: torch.device, check_last: bool,
-                ranks: Optional[DataParallel] = None) -> tuple[torch.Tensor, list[Record], bool]:
+                ranks: Optional[DataParallel] = None) -> tuple[torch.Tensor, list[Draw], bool]:
     """Forward and backward of one optimizer step's micro-batches: (mean loss, records, whether
     every backward ran). With `check_last` the mean loss is read (one host sync) before the last
     backward, which is skipped when the loss is not finite. Over several ranks each rank runs
     its share of the micro-batches and only the last backward averages gradients across them."""
     ranks = ranks or DataParallel()
     total = torch.zeros((), device=device)
-    used: list[Record] = []
+    used: list[Draw] = []
     for i in range(cfg.grad_accum):
         last = i == cfg.grad_accum - 1
         _, group, inputs = feed.take()
@@ -328,7 +336,7 @@ def _step_in_backward(forward, feed: Feeder, optimizer, grad_hooks: BackwardStep
     return value
 
 
-def _nonfinite(cfg: TrainConfig, progress: Progress, value: float, used: list[Record], held_back: int = 0) -> None:
+def _nonfinite(cfg: TrainConfig, progress: Progress, value: float, used: list[Draw], held_back: int = 0) -> None:
     files = ", ".join(r.item.key for r in used)
     what = (f"{held_back} gradient tensors are not finite and were not applied (the optimizer steps "
             "in backward, so the finite ones were)" if held_back else
@@ -346,7 +354,9 @@ def _after_step(hooks: LoopHooks, progress: Progress, value: float, schedule, cf
     if hooks.on_step is not None:
         hooks.on_step(progress.step, value, schedule.get_last_lr()[0])
     last = progress.step >= cfg.steps
-    if hooks.on_save is not None and hooks.save_every and progress.step % hooks.save_every == 0 and not last:
+    due = (hooks.save_every and progress.step % hooks.save_every == 0) or (
+        hooks.save_at is not None and hooks.save_at(progress))
+    if hooks.on_save is not None and due and not last:
         hooks.on_save(progress)
     if hooks.on_state is not None and hooks.state_every and progress.step % hooks.state_every == 0 and not last:
         hooks.on_state(progress)

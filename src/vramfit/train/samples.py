@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -19,6 +20,7 @@ from vramfit.config.schema import RunConfig
 from vramfit.generate import build_pipeline, sample_grid, save_png
 from vramfit.train.data import free_device_memory
 from vramfit.train.graphs import release_recordings
+from vramfit.train.state import Progress
 
 log = logging.getLogger("vramfit")
 
@@ -33,17 +35,22 @@ def grid_dtype(denoiser: torch.nn.Module) -> torch.dtype:
 class SampleGrids:
     """Callable with a step number; renders when the step is due. `final` renders regardless."""
 
-    def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path):
+    def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path,
+                 epoch_ended: Optional[Callable[[Progress], bool]] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
         self.folder = folder
+        self.epoch_ended = epoch_ended  # sample.every_epochs: whether a step ended an N-th epoch
         self.paths: list[Path] = []
 
     @property
     def enabled(self) -> bool:
-        return bool(self.cfg.sample.every_steps and self.cfg.sample.prompts)
+        return bool((self.cfg.sample.every_steps or self.epoch_ended) and self.cfg.sample.prompts)
 
-    def maybe(self, step: int) -> None:
-        if self.enabled and step % self.cfg.sample.every_steps == 0 and step < self.cfg.train.steps:
+    def maybe(self, step: int, progress: Optional[Progress] = None) -> None:
+        every = self.cfg.sample.every_steps
+        due = (every and step % every == 0) or (
+            self.epoch_ended is not None and progress is not None and self.epoch_ended(progress))
+        if self.enabled and due and step < self.cfg.train.steps:
             self.render(step)
 
     def render(self, step: int) -> Path:

@@ -23,7 +23,8 @@ from vramfit import __version__
 from vramfit.config.load import ConfigError, default_cache_root, dump_config
 from vramfit.config.schema import RunConfig
 from vramfit.data.cache import DiskCache
-from vramfit.data.scan import ScanResult, scan_dataset
+from vramfit.data.datasets import combined, scan_datasets
+from vramfit.data.scan import ScanResult
 from vramfit.formats import lora as lora_formats
 from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_temps, discard, writing
@@ -35,11 +36,10 @@ from vramfit.models.adapter import Family, ModelBundle
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
 from vramfit.models.sources import resolve_source, write_tokenizers
-from vramfit.data.fingerprint import file_digest
 from vramfit.optim.build import optimizer_class, streamed_step_in_cpu_memory
 from vramfit.train import distributed, prior
 from vramfit.train.compile import compile_blocks
-from vramfit.train.data import DTYPES, Record, TrainingData, free_device_memory, make_records
+from vramfit.train.data import PLAIN, DTYPES, Record, TrainingData, free_device_memory, make_records, record_of
 from vramfit.train.loop import LoopResult, NonFiniteLoss, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
 from vramfit.train.state import (Progress, ResumeError, check_compatible, find_state, kept_note, load_state,
@@ -183,20 +183,6 @@ def use_cpu_threads(setting: int | str, device: torch.device) -> None:
         torch.set_num_threads(cpu_threads(setting))
 
 
-def scan(cfg: RunConfig) -> ScanResult:
-    result = scan_dataset(Path(cfg.data.path).expanduser(),
-                          metadata=Path(cfg.data.metadata).expanduser() if cfg.data.metadata else None,
-                          caption_extension=cfg.data.caption_extension, min_size=cfg.data.min_size,
-                          max_pixels=cfg.data.max_pixels, instance_prompt=cfg.data.instance_prompt)
-    for p in result.problems:
-        log.warning("skipping %s: %s", p.path, p.reason)
-    for p in result.ignored:
-        log.warning("ignored: %s: %s", p.path, p.reason)
-    if not result.items:
-        raise ValueError(f"data.path: {result.nothing_usable(cfg.data.path)}")
-    return result
-
-
 @stopped_as("while preparing the cache: what is cached is kept; run the same command again to continue")
 def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
             ranks: Optional[distributed.DataParallel] = None,
@@ -209,7 +195,7 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     use_cpu_threads(cfg.train.cpu_threads, device)
     progress = progress and cfg.logging.progress  # bars: neither --no-progress nor logging.progress = false
     with stopped_as("while scanning the dataset: nothing was written; run the same command again"):
-        result = scan(cfg)
+        datasets = scan_datasets(cfg)
     with tracker.phase("load"), stopped_as("while loading the model: nothing was cached yet; run the same "
                                            "command again"):
         with ranks.main_first():  # one rank downloads or converts; the others find it done
@@ -233,13 +219,14 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
         identities = {part: family.encoder_identity(bundle, part)
                       for part, cached in (("vae", cfg.cache.latents), ("text", cfg.cache.text)) if cached}
         family.prepare_encoders(bundle)
-    records = make_records(result.items, cfg.data, cfg.train.seed)
+    records = make_records(datasets, cfg.train.seed)
     generated = 0
     if cfg.prior.class_prompt:
         with tracker.phase("class_images"), stopped_as(lambda: _class_images_note(cfg)):
             records, generated = _with_class_records(cfg, family, bundle, records, device, progress, ranks)
-    data = TrainingData(family, bundle, records, cfg.data, cfg.cache, DiskCache(cache_root(cfg) / "entries"),
-                        device, prior_weight=cfg.prior.loss_weight, identities=identities, share=ranks.share)
+    data = TrainingData(family, bundle, records, cfg.cache, DiskCache(cache_root(cfg) / "entries"), device,
+                        seed=cfg.train.seed, prior_weight=cfg.prior.loss_weight, identities=identities,
+                        share=ranks.share)
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
@@ -254,22 +241,28 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
         if cfg.cache.text:
             data.cache_text(progress)
     ranks.barrier()  # every rank's share is written before any rank reads the cache
+    if cfg.cache.latents or cfg.cache.text:
+        size = data.cache_size()
+        data.stats.update(size)
+        log.info("cache: %s", ", ".join(f"{size[f'{k}_entries']} {k} entries ({size[f'{k}_bytes'] / 2**20:.1f} MiB)"
+                                        for k, on in (("latents", cfg.cache.latents), ("text", cfg.cache.text)) if on))
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
         bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
-    return family, bundle, data, result
+    return family, bundle, data, combined(datasets)
 
 
 def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
                         progress: bool, ranks: distributed.DataParallel) -> tuple[list[Record], int]:
     """Instance records plus one record per class image (generated first where missing, by rank 0)."""
     with ranks.main_first():
-        folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, [r.bucket for r in records],
+        trained = [r.bucket for r in records if not r.validation and not r.prior]
+        folder, slots, generated = prior.ensure_class_images(cfg, family, bundle, trained,
                                                               device, progress)
     free_device_memory(device)
-    extra = [Record(item, bucket, item.sha256 or file_digest(item.path), 0, prior=True)
+    extra = [record_of(item, PLAIN, -1, [], cfg.train.seed, prior=True, bucket=bucket)
              for item, bucket in prior.class_items(cfg, folder, slots)]
     log.info("prior preservation: %d class images (%d generated now), loss weight %g", len(extra),
              generated, cfg.prior.loss_weight)

@@ -31,6 +31,7 @@ STATE_VERSION = 1
 STATE_FILES = ("weights.safetensors", "optimizer.pt", "schedule.pt", "rng.safetensors", "trainer.json")
 # Settings that must match for a resumed run to continue the same run. Steps may grow.
 _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"), ("data", "random_crop"),
+               ("data", "datasets"), ("data", "kohya"), ("validation", "seed"), ("validation", "timesteps"),
                ("train", "batch_size"), ("train", "grad_accum"), ("train", "optimizer"),
                ("train", "precision"), ("train", "seed"), ("train", "lr_scheduler"),
                ("lora", "base_quantization"), ("lora", "targets"), ("prior", "class_prompt")]
@@ -52,6 +53,7 @@ class Progress:
     resumed_from: Optional[str] = None
     resumes: int = 0
     losses: list[float] = field(default_factory=list)  # of every step so far, resumed runs' included
+    validation: list[list[float]] = field(default_factory=list)  # [step, validation loss] of each evaluation
 
 
 def state_root(output_dir: Path) -> Path:
