@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from vramfit.config.load import dump_config
-from vramfit.config.schema import RunConfig
+from vramfit.config.schema import RunConfig, ValidationConfig
 from vramfit.data.scan import ScanResult
 from vramfit.fit import probe
 from vramfit.fit.planner import budget_of, fit_to_budget, with_values
@@ -157,9 +157,12 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                         clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None)
     validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, training_dtype(bundle, cfg.train))
     if validation.enabled:
-        log.info("validation: %d held-out images at %d timesteps, every %s", validation.images,
-                 cfg.validation.timesteps, f"{cfg.validation.every_steps} steps and at the end"
-                 if cfg.validation.every_steps else "run's end")
+        log.info("validation: %d held-out images at %d timesteps, %s", validation.images, cfg.validation.timesteps,
+                 f"every {cfg.validation.every_steps} steps and at the end" if cfg.validation.every_steps
+                 else "at the end")
+    elif cfg.validation != ValidationConfig():
+        log.warning("[validation] is set but no image is held out: give a dataset validation = true, or "
+                    "data.validation_share; no validation loss is computed")
 
     spill = SpillWatch.for_device(device, budget_of(cfg))  # None on the CPU
 

@@ -115,8 +115,9 @@ def record_of(item: Item, d: DatasetConfig, index: int, buckets: list, seed: int
     lines = list(item.caption_lines) if d.caption_per_line else [item.caption]
     variants = captions.variants(lines, shuffle=d.shuffle_tags, keep_tokens=d.keep_tokens, separator=d.tag_separator,
                                  count=d.caption_variants, seed=seed, key=item.key)
-    held = d.validation or (d.validation_share > 0 and int(digest("validation", item.key)[:8], 16) / 2**32
-                            < d.validation_share)
+    # class images are never held out: their loss says nothing of what the run learns
+    held = d.validation or (not d.regularization and not prior and d.validation_share > 0
+                            and int(digest("validation", item.key)[:8], 16) / 2**32 < d.validation_share)
     mask = ""
     if d.masks is not None:
         mask = file_digest(masks.find_mask(Path(item.path), Path(d.path).expanduser(), Path(d.masks).expanduser()))

@@ -244,8 +244,9 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     if cfg.cache.latents or cfg.cache.text:
         size = data.cache_size()
         data.stats.update(size)
-        log.info("cache: %s", ", ".join(f"{size[f'{k}_entries']} {k} entries ({size[f'{k}_bytes'] / 2**20:.1f} MiB)"
-                                        for k, on in (("latents", cfg.cache.latents), ("text", cfg.cache.text)) if on))
+        log.info("cache: %s", ", ".join(f"{size[f'{k}_entries']} {name} entries ({size[f'{k}_bytes'] / 2**20:.1f} MiB)"
+                                        for k, name, on in (("latents", "latent", cfg.cache.latents),
+                                                            ("text", "text", cfg.cache.text)) if on))
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
