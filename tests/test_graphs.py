@@ -7,6 +7,7 @@ replayed backward adds into the accumulation buffers kept when it was recorded."
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -305,10 +306,15 @@ def test_the_stand_in_catches_sums_whose_buffers_are_made_again(images, tmp_path
 
 
 def test_by_default_graphs_record_on_a_gpu_where_nothing_refuses_them(monkeypatch):
-    """train.cuda_graphs = "auto": decided when the config loads, left unset for the planner."""
+    """train.cuda_graphs = "auto": the schema keeps it as written; the resolution step decides it for
+    the environment (fit/resolve.py), left out of the keys set for the planner."""
+    from vramfit.fit.resolve import Environment, with_automatic_values
+
     def loaded(*sets, gpu=True):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-        return load_config(None, list(sets), need_data=False).train
+        cfg = load_config(None, list(sets), need_data=False)
+        assert cfg.train.cuda_graphs in ("auto", True, False)
+        device = torch.device("cuda" if gpu and cfg.train.device != "cpu" else "cpu")
+        return with_automatic_values(cfg, Environment(device, int(os.environ.get("WORLD_SIZE", "1")))).train
 
     on = loaded()
     assert on.cuda_graphs is True and "cuda_graphs" not in on.model_fields_set
@@ -330,9 +336,10 @@ def test_a_default_that_resolved_on_does_not_stop_a_multi_gpu_launch(monkeypatch
     resolves as for one process; its N processes resolve it off."""
     from vramfit.train.distributed import composition_problems
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from vramfit.fit.resolve import Environment, with_automatic_values
+
     for sets in ([], ["train.cuda_graphs=auto"]):
-        default = load_config(None, sets, need_data=False)
+        default = with_automatic_values(load_config(None, sets, need_data=False), Environment(torch.device("cuda")))
         assert default.train.cuda_graphs is True and composition_problems(default, 2) == []
     written = load_config(None, ["train.cuda_graphs=true"], need_data=False)
     assert [p.split(":")[0] for p in composition_problems(written, 2)] == ["train.cuda_graphs"]
@@ -342,8 +349,8 @@ def test_a_default_that_resolved_on_does_not_stop_a_multi_gpu_launch(monkeypatch
 def graphs_by_default_on_the_cpu(monkeypatch):
     """The default resolves on and the fit probe measures the recorded step over the GPU (stand-ins:
     the run trains on the CPU, graphed through the stand-in recording); returns the probes' settings."""
-    from vramfit.config.schema import RunConfig
-    from vramfit.fit import probe
+    from vramfit.config.rules import graph_clashes
+    from vramfit.fit import probe, resolve
 
     probed: list = []
 
@@ -353,7 +360,7 @@ def graphs_by_default_on_the_cpu(monkeypatch):
             raise probe.FitProbeError("fit probe: two training steps at the largest bucket peaked at 9.00 GiB, "
                                       "more than the 8.00 GiB of the GPU; nothing was cached. ...")
 
-    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: not self.graph_clashes())
+    monkeypatch.setattr(resolve, "graphs_by_default", lambda cfg, env: not graph_clashes(cfg))
     monkeypatch.setattr(probe, "fit_probe", fake_probe)
     monkeypatch.setattr(graphs, "check_device", lambda device: None)
     return probed
@@ -600,10 +607,10 @@ def test_graphs_the_planner_chose_that_do_not_fit_are_turned_off(images, tmp_pat
     """Under memory.vram_budget the planner sets train.cuda_graphs; the user did not ask for them,
     so a recorded step the probe finds too large falls back as the default's does. (The planner
     offers graphs where a GPU is there: it is made to see one; the run still trains on the CPU.)"""
-    from vramfit import run
+    from vramfit.fit import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(run, "pick_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(resolve, "pick_device", lambda name: torch.device("cpu"))
     with caplog.at_level("INFO", logger="vramfit"):
         assert main(train_args(images, tmp_path / "run", cache_root / "graphs", "train.precision=mixed_bf16",
                                "train.optimizer=adamw", "memory.vram_budget=64GiB")) == 0
@@ -618,19 +625,21 @@ def test_config_toml_keeps_the_default_undecided_and_says_what_it_resolved_to(tm
     """A run's config.toml, given again on another machine or with --gpus N, must decide the
     default afresh: it says "auto", with this run's resolution beside it as a comment."""
     from vramfit.config.load import dump_config
-    from vramfit.config.schema import RunConfig
+    from vramfit.fit.resolve import Environment, with_automatic_values
     from vramfit.train.distributed import composition_problems
 
-    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: True)
-    ran = load_config(None, [], need_data=False)
+    gpu, cpu = Environment(torch.device("cuda")), Environment(torch.device("cpu"))
+    ran = with_automatic_values(load_config(None, [], need_data=False), gpu)
     assert ran.train.cuda_graphs is True
     text = dump_config(ran)
     assert 'cuda_graphs = "auto"  # resolved for this run: on' in text
     (tmp_path / "config.toml").write_text(text)
     again = load_config(tmp_path / "config.toml", [], need_data=False)
+    assert again.train.cuda_graphs == "auto" and composition_problems(again, 2) == []
+    again = with_automatic_values(again, gpu)
     assert "cuda_graphs" not in again.train.model_fields_set and composition_problems(again, 2) == []
-    monkeypatch.setattr(RunConfig, "_graphs_by_default", lambda self: False)  # a machine without a GPU
-    assert load_config(tmp_path / "config.toml", [], need_data=False).train.cuda_graphs is False
+    # a machine without a GPU
+    assert with_automatic_values(load_config(tmp_path / "config.toml", [], need_data=False), cpu).train.cuda_graphs is False
     chosen = load_config(None, ["train.cuda_graphs=false"], need_data=False)
     assert "cuda_graphs = false\n" in dump_config(chosen)  # a value the user (or a fallback) set stays
 

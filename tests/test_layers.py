@@ -27,10 +27,6 @@ LAYERS = [
     {"__init__"},
 ]
 KNOWN_UPWARD = {
-    # train.cuda_graphs "auto" and the settings that refuse graphs are resolved inside the schema;
-    # they move out with one resolution step that turns a config and an environment into a run.
-    ("config/schema.py", "vramfit.optim.build"),
-    ("config/schema.py", "vramfit.train.distributed"),
     # the kohya key names of the shipped SDXL layouts; they move with the family's key maps into
     # the family's folder.
     ("formats/lora.py", "vramfit.models.tiny"),

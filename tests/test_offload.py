@@ -453,7 +453,7 @@ def test_a_slot_still_being_copied_home_from_is_not_copied_into_at_once():
     (["train.mode=lora"], None),  # a frozen base: nothing steps
 ])
 def test_a_streamed_full_fine_tune_stepping_in_cpu_memory_is_told_what_steps_it_on_the_gpu(sets, needs):
-    from vramfit.train.setup import streamed_step_hint
+    from vramfit.config.rules import streamed_step_hint
 
     hint = streamed_step_hint(load_config(None, ["memory.stream_weights=true", *sets], need_data=False))
     if needs is None:

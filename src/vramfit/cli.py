@@ -141,6 +141,7 @@ def print_summary(result) -> None:
 def cmd_plan(args) -> int:
     from vramfit.fit.model_facts import facts_for_layout, read_facts, shipped_layouts
     from vramfit.fit.planner import budget_of, plan_report
+    from vramfit.fit.resolve import Environment, with_automatic_values
     from vramfit.models.registry import FAMILIES
     from vramfit.train.setup import cache_root
 
@@ -155,6 +156,7 @@ def cmd_plan(args) -> int:
                 + "|".join(shipped_layouts()))
         problems = [p + hint if p.startswith("model.path:") else p for p in exc.problems]
         raise ConfigError(problems, str(args.config or "config")) from None
+    cfg = with_automatic_values(cfg, Environment.detect(cfg))  # train.cuda_graphs "auto" on this machine
     budget = budget_of(cfg, args.vram)  # a bad --vram is named before any model file is read
     if args.vram is not None and budget < MIN_VRAM:
         raise ValueError(f"--vram {args.vram} is below the smallest GPU vramfit plans for "
@@ -172,12 +174,13 @@ def cmd_plan(args) -> int:
 
 def cmd_cache(args) -> int:
     cfg = load_config(args.config, args.overrides, model_checks=_run_problems)
-    from vramfit.memory.accounting import MemoryTracker, pick_device
-    from vramfit.fit.planner import fit_to_budget
+    from vramfit.memory.accounting import MemoryTracker
+    from vramfit.fit.resolve import Environment, resolve
     from vramfit.train.setup import cache_root, prepare
 
-    cfg = fit_to_budget(cfg, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys
-    device = pick_device(cfg.train.device)
+    env = Environment.detect(cfg)
+    cfg = resolve(cfg, env, cache_root(cfg))  # the budget's VAE and T5 choices are part of the cache keys
+    device = env.device
     tracker = MemoryTracker(device)
     _, _, data, scanned = prepare(cfg, tracker, device, not args.no_progress)
     _ignore_signals()  # the cache is filled; what is left is to say so

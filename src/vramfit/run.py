@@ -15,14 +15,16 @@ import torch
 import transformers
 
 from vramfit.config.load import dump_config
+from vramfit.config.rules import graph_clashes, start_hints
 from vramfit.config.schema import RunConfig, ValidationConfig
 from vramfit.data.scan import ScanResult
 from vramfit.fit import probe
-from vramfit.fit.planner import budget_of, fit_to_budget, with_values
+from vramfit.fit.planner import budget_of, with_values
+from vramfit.fit.resolve import Environment, resolve
 from vramfit.fit.spill import SpillWatch
 from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_stale_temps, write_text_atomic
-from vramfit.memory.accounting import MemoryTracker, pick_device
+from vramfit.memory.accounting import MemoryTracker
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
@@ -34,7 +36,7 @@ from vramfit.train.samples import SampleGrids
 from vramfit.train.validation import Validation
 from vramfit.train.setup import (Interrupted, RunResult, assert_finite, cache_root, check_resumable, held_signals,
                                  package_version, place_denoiser, prepare, resume_progress, save_on_main,
-                                 signal_name, stop_on_signals, stopped_as, streamed_step_hint)
+                                 signal_name, stop_on_signals, stopped_as)
 from vramfit.train.state import Progress, find_state, save_state, state_root
 
 log = logging.getLogger("vramfit")
@@ -81,15 +83,17 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     holds an earlier run that this one will write over, a warning says so first (unless not
     `warn_earlier`: the demo starts over by design)."""
     user = cfg
-    cfg = fit_to_budget(cfg, cache_root(cfg))  # memory.vram_budget: choose settings before any weight loads
+    env = Environment.detect(cfg)
+    # automatic values and memory.vram_budget's choice, before any weight loads (fit/resolve.py)
+    cfg = resolve(cfg, env, cache_root(cfg))
     graphs_by = graphs_chosen_by(user, cfg)
     if graphs_by == "auto":
-        clash = cfg.graph_clashes()
+        clash = graph_clashes(cfg)
         log.info("train.cuda_graphs (auto): %s", "on" if cfg.train.cuda_graphs else
                  f"off beside {' and '.join(clash)}" if clash else "off (no GPU, or several processes)")
-    ranks = distributed.start(cfg)  # one process unless launched on several: checks the planned config
-    device = ranks.device or pick_device(cfg.train.device)
-    if cfg.train.cuda_graphs:  # before any weight loads
+    ranks = distributed.start(cfg)  # one process unless launched on several
+    device = ranks.device or env.device
+    if cfg.train.cuda_graphs is True:  # before any weight loads
         graphs.check_device(device)
     if cfg.train.epochs is None:  # with train.epochs the steps are known once the data is read
         check_resumable(cfg, resume, ranks.world)
@@ -124,8 +128,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
     place_denoiser(bundle, cfg, device)
-    hint = streamed_step_hint(cfg)
-    if hint:
+    for hint in start_hints(cfg):
         log.warning("%s", hint)
     ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them
     optimizer = build_optimizer(ranks.trainable(bundle.denoiser), cfg.train)

@@ -14,6 +14,8 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from vramfit.config.rules import config_problems
+
 # The devices vramfit runs on (train.device, generate --device), and how messages list them.
 DEVICE_PATTERN = r"auto|cpu|cuda(:[0-9]+)?"
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)"
@@ -669,64 +671,9 @@ class RunConfig(_Section):
                           "on; set it, or leave the [prior] settings out") for k in PriorConfig.model_fields
                          if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)
                          and not (k == "loss_weight" and regularized)]
-        moving = [k for k in ("stream_weights", "offload_activations") if getattr(self.memory, k)]
-        if self.train.compile and moving:
-            problems.append(("train.compile", f"cannot be used with memory.{' and memory.'.join(moving)}: "
-                             "their hooks move weights and saved tensors between devices around each block, "
-                             "which a compiled block cannot contain; turn one of them off"))
-        if self.train.cuda_graphs == "auto":
-            # decided here, on the machine that loads the config; still unset for the planner
-            # (memory.vram_budget), which is free to choose a setting the user did not write. On a
-            # copy: a section left out is the class's one default instance
-            train = self.train.model_copy()
-            object.__setattr__(train, "cuda_graphs", self._graphs_by_default())
-            # written as "auto" or left out alike: the planner's to choose, off for several processes
-            object.__setattr__(train, "__pydantic_fields_set__", train.model_fields_set - {"cuda_graphs"})
-            object.__setattr__(self, "train", train)
-        if self.train.cuda_graphs:
-            clash = self.graph_clashes()
-            if clash:
-                problems.append(("train.cuda_graphs", f"cannot be used with {' and '.join(clash)}: a "
-                                 "recorded forward and backward replay the same weights at the same places, "
-                                 "and the same gradient-hook work at every call, with no host work between "
-                                 "their kernels, which these settings need (moving weights, hooks that act "
-                                 "differently from one micro-batch to the next, dropout masks); turn one of "
-                                 "them off"))
-        if self.train.epochs is not None and "steps" in self.train.model_fields_set:
-            problems.append(("train.steps", "given beside train.epochs, which derives it; use one of them"))
-        for section in ("save", "sample"):
-            if getattr(self, section).every_epochs and getattr(self, section).every_steps:
-                problems.append((f"{section}.every_epochs", f"given beside {section}.every_steps; use one"))
-        if (self.sample.every_steps or self.sample.every_epochs) and self.memory.stream_weights:
-            problems.append(("sample.every_steps", "cannot be used with memory.stream_weights: sample "
-                             "grids would put the whole denoiser on the GPU while they render; render them "
-                             "after training with vramfit generate, or turn streaming off"))
+        problems += config_problems(self)  # config/rules.py: which settings refuse which
         _raise_any(problems)
         return self
-
-    def graph_clashes(self) -> list[str]:
-        """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
-        from vramfit.optim.build import streamed_step_in_cpu_memory
-
-        return [name for name, on in (
-            ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
-             "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
-             streamed_step_in_cpu_memory(self)),
-            ("train.optimizer_in_backward with train.grad_accum > 1",
-             self.train.optimizer_in_backward and self.train.grad_accum > 1),
-            ("lora.dropout", self.train.mode == "lora" and self.lora.dropout > 0)) if on]
-
-    def _graphs_by_default(self) -> bool:
-        """train.cuda_graphs = "auto": on for a run that trains on a GPU of this machine, in one
-        process (several: DDP averages gradients from hooks a replay skips), beside nothing that
-        refuses them."""
-        import torch
-
-        from vramfit.train.distributed import launched_world
-
-        if self.train.device == "cpu" or launched_world() > 1:
-            return False
-        return torch.cuda.is_available() and not self.graph_clashes()
 
     @property
     def save_formats(self) -> list[str]:

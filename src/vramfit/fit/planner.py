@@ -71,7 +71,8 @@ from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_b
                                      read_facts, state_bytes)
 from vramfit.memory.offload import block_modules, split_units
 from vramfit.optim.base import ParamOptimizer
-from vramfit.optim.build import optimizer_class, streamed_step_on_device
+from vramfit.config.rules import streamed_step_on_device
+from vramfit.optim.build import optimizer_class
 from vramfit.train.distributed import composition_problems, launched_world
 from vramfit.train.lora import target_modules
 
@@ -455,7 +456,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
-    if t.cuda_graphs and not t.optimizer_in_backward:
+    if t.cuda_graphs is True and not t.optimizer_in_backward:
         # train/graphs.py: the gradient buffers stay allocated, and the recordings' pool keeps the
         # room of the activations while the optimizer steps. With the step inside backward the
         # recorded backward steps too: its pool's peak is the eager step's (below)

@@ -141,7 +141,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         if device.type != "cuda":
             log.debug("fit probe skipped: it measures CUDA memory and the device is %s", device)
             return None
-        measure = cuda_peak(device, reserved=cfg.train.cuda_graphs)
+        measure = cuda_peak(device, reserved=cfg.train.cuda_graphs is True)
     if limit is None:
         limit = budget_of(cfg) or torch.cuda.get_device_properties(device).total_memory
     bucket = max(buckets, key=lambda b: b[0] * b[1])
@@ -156,7 +156,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         return None
     finally:
         free_device_memory(device)
-        if cfg.train.cuda_graphs and device.type == "cuda":
+        if cfg.train.cuda_graphs is True and device.type == "cuda":
             # the cuBLAS workspaces the probe's recordings made would pin their pool through caching
 
             if graphs.release_cublas_workspaces():
@@ -172,7 +172,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
 
 
 def _graphs_note(cfg: RunConfig) -> str:
-    if not cfg.train.cuda_graphs:
+    if cfg.train.cuda_graphs is not True:
         return ""
     return ("With train.cuda_graphs this counts the recordings' memory pool, which stays reserved between "
             "steps; the same step without them (--set train.cuda_graphs=false) holds less. ")

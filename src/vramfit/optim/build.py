@@ -37,18 +37,6 @@ def steps_streamed_on_device(streamed: bool, mode: str, in_backward: bool, optim
     return streamed and mode == "full" and in_backward and getattr(optimizer, "compact_state", False)
 
 
-def streamed_step_on_device(cfg) -> bool:
-    """Whether a run of RunConfig `cfg` steps its streamed weights on the device inside backward."""
-    return steps_streamed_on_device(cfg.memory.stream_weights, cfg.train.mode, cfg.train.optimizer_in_backward,
-                                    optimizer_class(cfg.train.optimizer))
-
-
-def streamed_step_in_cpu_memory(cfg) -> bool:
-    """Whether a run of RunConfig `cfg` is a full fine-tune whose streamed weights step in CPU memory
-    (after backward: a step CUDA graphs cannot record, bound by the host's optimizer pass)."""
-    return cfg.memory.stream_weights and cfg.train.mode == "full" and not streamed_step_on_device(cfg)
-
-
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> ParamOptimizer:
     params = [p for p in params if p.requires_grad]
     if not params:

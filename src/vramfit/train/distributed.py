@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vramfit.config.load import ConfigError
+from vramfit.config.rules import process_problems
 from vramfit.config.schema import RunConfig
 from vramfit.data.fingerprint import digest
 from vramfit.train.state import ResumeError
@@ -62,54 +63,9 @@ def launched_world() -> int:
 
 
 def composition_problems(cfg: RunConfig, world: int) -> list[str]:
-    """What this config cannot do on `world` processes; empty when it composes (always for 1)."""
-    if world <= 1:
-        return []
-    t, problems = cfg.train, []
-    where = f"with {world} processes (data-parallel)"
-    if t.distributed == "fsdp":
-        problems += _fsdp_problems(cfg, where)
-    if t.optimizer_in_backward:
-        problems.append(f"train.optimizer_in_backward: does not compose {where}: each parameter would step "
-                        "in its gradient hook before DDP has averaged that gradient across ranks, so the "
-                        "ranks would drift apart; set it to false")
-    if (t.mode == "full" and t.precision == "full_bf16" and t.stochastic_rounding and t.grad_accum > 1):
-        problems.append(f"train.grad_accum = {t.grad_accum} with full_bf16 weights and stochastic_rounding: "
-                        f"bf16 gradient sums rounded stochastically (a gradient hook) do not compose {where}, "
-                        "as DDP reads each gradient in that hook's place; use train.grad_accum = 1 (the "
-                        "processes multiply the batch already), train.stochastic_rounding = false or "
-                        "train.precision = 'mixed_bf16'")
-    if t.cuda_graphs and "cuda_graphs" in t.model_fields_set:  # by default it is off for several processes
-        problems.append(f"train.cuda_graphs: not {where} yet: DDP averages gradients from hooks inside "
-                        "backward, which a recorded backward replays without; set it to false")
-    if cfg.memory.stream_weights:
-        problems.append(f"memory.stream_weights: does not compose {where}: streamed weights and their "
-                        "gradients live in host memory, where DDP's GPU all-reduce cannot reach them; set it "
-                        "to false (each GPU then holds the whole denoiser)")
-    return problems
-
-
-def _fsdp_problems(cfg: RunConfig, where: str) -> list[str]:
-    problems = []
-    if cfg.train.mode == "lora":
-        problems.append("train.distributed: 'fsdp' shards a full fine-tune; a LoRA's trainable weights are "
-                        "small, so train it with 'ddp'")
-    if cfg.train.optimizer != "adamw":
-        problems.append(f"train.optimizer: {cfg.train.optimizer!r} does not compose with 'fsdp' {where}: under "
-                        "FSDP each rank steps its shard of every tensor, which is exact for AdamW (element by "
-                        "element) but not for Adafactor's per-row and per-column statistics or 8-bit blocks; "
-                        "use 'adamw' or train.distributed = 'ddp'")
-    if cfg.train.compile:
-        problems.append("train.compile: not with 'fsdp', whose hooks gather each block's weights around "
-                        "the very calls that compilation replaces; set it to false or use 'ddp'")
-    if cfg.memory.offload_activations:
-        problems.append("memory.offload_activations: under 'fsdp' the tensors saved for backward include "
-                        "the gathered weights, which would be copied to host memory and back every step; "
-                        "set it to false or use 'ddp'")
-    if cfg.sample.every_steps:
-        problems.append("sample.every_steps: sample grids need the whole denoiser on one GPU, which 'fsdp' "
-                        "never holds; render from the saved checkpoints with `vramfit generate`, or use 'ddp'")
-    return problems
+    """What this config cannot do on `world` processes; empty when it composes (always for 1).
+    The rules are config/rules.py's PROCESS_RULES."""
+    return process_problems(cfg, world)
 
 
 def micro_batch_generator(seed: int, index: int) -> torch.Generator:

@@ -36,7 +36,6 @@ from vramfit.models.adapter import Family, ModelBundle
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
 from vramfit.models.sources import resolve_source, write_tokenizers
-from vramfit.optim.build import optimizer_class, streamed_step_in_cpu_memory
 from vramfit.train import distributed, prior
 from vramfit.train.compile import compile_blocks
 from vramfit.train.data import PLAIN, DTYPES, Record, TrainingData, free_device_memory, make_records, record_of
@@ -303,7 +302,7 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
     if cfg.train.gradient_checkpointing is not False:  # every block, or a share of them
 
         unet.enable_gradient_checkpointing(checkpointing_function(cfg.train.gradient_checkpointing,
-                                                                  graph_safe=cfg.train.cuda_graphs))
+                                                                  graph_safe=cfg.train.cuda_graphs is True))
     else:
         unet.disable_gradient_checkpointing()
     if cfg.train.compile:
@@ -314,22 +313,6 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         log.info("streaming %.1f MiB of block weights in %d units", streamer.streamed_bytes() / 2**20,
                  len(streamer.units))
     return streamer
-
-
-def streamed_step_hint(cfg: RunConfig) -> Optional[str]:
-    """What to change, when a full fine-tune's streamed weights step in CPU memory (a step bound by
-    the host's optimizer pass over every streamed weight), or None."""
-    if not streamed_step_in_cpu_memory(cfg):
-        return None
-    needed = []
-    if not optimizer_class(cfg.train.optimizer).compact_state:
-        needed.append(f"train.optimizer = \"adafactor\" (the state of {cfg.train.optimizer!r} is as large as the "
-                      "weights and stays in CPU memory)")
-    if not cfg.train.optimizer_in_backward:
-        needed.append("train.optimizer_in_backward = true (one micro-batch a step; clipping per tensor)")
-    return ("memory.stream_weights: the streamed weights step in CPU memory after every backward, which "
-            "sets the pace of each step (SD3-M at 1024 on an H200 host: 17.6 s a step). They step on the "
-            "GPU inside backward, recorded with CUDA graphs (0.23 s a step), with " + " and ".join(needed))
 
 
 def assert_finite(model: torch.nn.Module) -> None:

@@ -1,0 +1,195 @@
+"""Which settings refuse which, and why: one table, read wherever a config is judged.
+
+The config's validation (config/schema.py) refuses what RULES refuse for one process; the
+multi-process check (train/distributed.py, launch.py) adds PROCESS_RULES for several; the planner
+(fit/planner.py) tries only combinations both allow; the start-up hints (HINTS) say what a
+setting costs where a faster combination exists. Every rule is a pure function of the config
+values (and of the number of processes): no torch, no environment, so it holds on any machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+# Optimizers whose state is small enough to live beside streamed weights on the GPU (optim/: the
+# class attribute compact_state; tests/test_rules.py checks the two agree).
+COMPACT_STATE_OPTIMIZERS = frozenset({"adafactor"})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`key` is refused when `check(cfg)` (or `check(cfg, world)`) returns the reason."""
+
+    key: str
+    check: Callable[..., Optional[str]]
+
+
+def streamed_step_on_device(cfg: Any) -> bool:
+    """Whether the run steps its streamed weights on the device inside backward (memory/offload.py):
+    a streamed full fine-tune with the step in backward and an optimizer of compact state."""
+    t = cfg.train
+    return (cfg.memory.stream_weights and t.mode == "full" and t.optimizer_in_backward
+            and t.optimizer in COMPACT_STATE_OPTIMIZERS)
+
+
+def streamed_step_in_cpu_memory(cfg: Any) -> bool:
+    """Whether the run is a full fine-tune whose streamed weights step in CPU memory (after backward:
+    a step CUDA graphs cannot record, bound by the host's optimizer pass)."""
+    return cfg.memory.stream_weights and cfg.train.mode == "full" and not streamed_step_on_device(cfg)
+
+
+def graph_clashes(cfg: Any) -> list[str]:
+    """The settings beside which train.cuda_graphs cannot record (train/graphs.py says why)."""
+    return [name for name, on in (
+        ("memory.stream_weights in a full fine-tune that steps streamed weights in CPU memory (only "
+         "train.optimizer_in_backward with Adafactor steps them on the GPU, inside the recording)",
+         streamed_step_in_cpu_memory(cfg)),
+        ("train.optimizer_in_backward with train.grad_accum > 1",
+         cfg.train.optimizer_in_backward and cfg.train.grad_accum > 1),
+        ("lora.dropout", cfg.train.mode == "lora" and cfg.lora.dropout > 0)) if on]
+
+
+def _compile(cfg: Any) -> Optional[str]:
+    moving = [k for k in ("stream_weights", "offload_activations") if getattr(cfg.memory, k)]
+    if cfg.train.compile and moving:
+        return (f"cannot be used with memory.{' and memory.'.join(moving)}: their hooks move weights and saved "
+                "tensors between devices around each block, which a compiled block cannot contain; turn one of "
+                "them off")
+    return None
+
+
+def _graphs(cfg: Any) -> Optional[str]:
+    clash = graph_clashes(cfg) if cfg.train.cuda_graphs is True else []
+    if clash:
+        return (f"cannot be used with {' and '.join(clash)}: a recorded forward and backward replay the same "
+                "weights at the same places, and the same gradient-hook work at every call, with no host work "
+                "between their kernels, which these settings need (moving weights, hooks that act differently "
+                "from one micro-batch to the next, dropout masks); turn one of them off")
+    return None
+
+
+def _samples(cfg: Any) -> Optional[str]:
+    if (cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.memory.stream_weights:
+        return ("cannot be used with memory.stream_weights: sample grids would put the whole denoiser on the GPU "
+                "while they render; render them after training with vramfit generate, or turn streaming off")
+    return None
+
+
+def _steps(cfg: Any) -> Optional[str]:
+    if cfg.train.epochs is not None and "steps" in cfg.train.model_fields_set:
+        return "given beside train.epochs, which derives it; use one of them"
+    return None
+
+
+def _every(section: str) -> Callable[[Any], Optional[str]]:
+    def check(cfg: Any) -> Optional[str]:
+        s = getattr(cfg, section)
+        return f"given beside {section}.every_steps; use one" if s.every_epochs and s.every_steps else None
+    return check
+
+
+RULES = (Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
+         Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
+         Rule("sample.every_epochs", _every("sample")))
+
+
+def config_problems(cfg: Any) -> list[tuple[str, str]]:
+    """(key, why) of every rule the config breaks on one process."""
+    return [(rule.key, why) for rule in RULES if (why := rule.check(cfg))]
+
+
+# ---- several processes (`vramfit train --gpus N`, accelerate launch) --------------------------------
+
+def _in_backward(cfg: Any, where: str) -> Optional[str]:
+    if cfg.train.optimizer_in_backward:
+        return (f"does not compose {where}: each parameter would step in its gradient hook before DDP has "
+                "averaged that gradient across ranks, so the ranks would drift apart; set it to false")
+    return None
+
+
+def _rounded_sums(cfg: Any, where: str) -> Optional[str]:
+    t = cfg.train
+    if t.mode == "full" and t.precision == "full_bf16" and t.stochastic_rounding and t.grad_accum > 1:
+        return (f"= {t.grad_accum} with full_bf16 weights and stochastic_rounding: bf16 gradient sums rounded "
+                f"stochastically (a gradient hook) do not compose {where}, as DDP reads each gradient in that "
+                "hook's place; use train.grad_accum = 1 (the processes multiply the batch already), "
+                "train.stochastic_rounding = false or train.precision = 'mixed_bf16'")
+    return None
+
+
+def _graphs_written(cfg: Any, where: str) -> Optional[str]:
+    t = cfg.train
+    if t.cuda_graphs is True and "cuda_graphs" in t.model_fields_set:  # "auto" is off for several processes
+        return (f"not {where} yet: DDP averages gradients from hooks inside backward, which a recorded backward "
+                "replays without; set it to false")
+    return None
+
+
+def _streamed(cfg: Any, where: str) -> Optional[str]:
+    if cfg.memory.stream_weights:
+        return (f"does not compose {where}: streamed weights and their gradients live in host memory, where "
+                "DDP's GPU all-reduce cannot reach them; set it to false (each GPU then holds the whole denoiser)")
+    return None
+
+
+def _fsdp(key: str, check: Callable[[Any], bool], why: str) -> Rule:
+    return Rule(key, lambda cfg, where: why.format(where=where, t=cfg.train)
+                if cfg.train.distributed == "fsdp" and check(cfg) else None)
+
+
+PROCESS_RULES = (
+    _fsdp("train.distributed", lambda c: c.train.mode == "lora",
+          "'fsdp' shards a full fine-tune; a LoRA's trainable weights are small, so train it with 'ddp'"),
+    _fsdp("train.optimizer", lambda c: c.train.optimizer != "adamw",
+          "{t.optimizer!r} does not compose with 'fsdp' {where}: under FSDP each rank steps its shard of every tensor, which is "
+          "exact for AdamW (element by element) but not for Adafactor's per-row and per-column statistics or "
+          "8-bit blocks; use 'adamw' or train.distributed = 'ddp'"),
+    _fsdp("train.compile", lambda c: c.train.compile,
+          "not with 'fsdp', whose hooks gather each block's weights around the very calls that compilation "
+          "replaces; set it to false or use 'ddp'"),
+    _fsdp("memory.offload_activations", lambda c: c.memory.offload_activations,
+          "under 'fsdp' the tensors saved for backward include the gathered weights, which would be copied to "
+          "host memory and back every step; set it to false or use 'ddp'"),
+    _fsdp("sample.every_steps", lambda c: bool(c.sample.every_steps or c.sample.every_epochs),
+          "sample grids need the whole denoiser on one GPU, which 'fsdp' never holds; render from the saved "
+          "checkpoints with `vramfit generate`, or use 'ddp'"),
+    Rule("train.optimizer_in_backward", _in_backward),
+    Rule("train.grad_accum", _rounded_sums),
+    Rule("train.cuda_graphs", _graphs_written),
+    Rule("memory.stream_weights", _streamed),
+)
+
+
+def process_problems(cfg: Any, world: int) -> list[str]:
+    """What the config cannot do on `world` processes, as "key: why" lines; empty for one."""
+    if world <= 1:
+        return []
+    where = f"with {world} processes (data-parallel)"
+    return [f"{rule.key}: {why}" if not why.startswith("=") else f"{rule.key} {why}"
+            for rule in PROCESS_RULES if (why := rule.check(cfg, where))]
+
+
+# ---- hints: allowed, but slower than it need be ----------------------------------------------------
+
+def streamed_step_hint(cfg: Any) -> Optional[str]:
+    """What to change, when a full fine-tune's streamed weights step in CPU memory (a step bound by
+    the host's optimizer pass over every streamed weight), or None."""
+    if not streamed_step_in_cpu_memory(cfg):
+        return None
+    needed = []
+    if cfg.train.optimizer not in COMPACT_STATE_OPTIMIZERS:
+        needed.append(f"train.optimizer = \"adafactor\" (the state of {cfg.train.optimizer!r} is as large as the "
+                      "weights and stays in CPU memory)")
+    if not cfg.train.optimizer_in_backward:
+        needed.append("train.optimizer_in_backward = true (one micro-batch a step; clipping per tensor)")
+    return ("memory.stream_weights: the streamed weights step in CPU memory after every backward, which "
+            "sets the pace of each step (SD3-M at 1024 on an H200 host: 17.6 s a step). They step on the "
+            "GPU inside backward, recorded with CUDA graphs (0.23 s a step), with " + " and ".join(needed))
+
+
+HINTS = (streamed_step_hint,)
+
+
+def start_hints(cfg: Any) -> list[str]:
+    """The hints that apply to the config."""
+    return [hint for rule in HINTS if (hint := rule(cfg))]

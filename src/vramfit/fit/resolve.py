@@ -1,0 +1,66 @@
+"""One resolution step: the user's config and an explicit environment become the run's config.
+
+The schema (config/schema.py) is pure data: it validates what was written and leaves automatic
+values as written ("auto"). Everything that depends on the machine happens here, once, from an
+Environment (the device the run trains on, the processes launched, the GPU's and the host's
+memory): train.cuda_graphs "auto" is decided, the settings the several processes refuse are
+checked (config/rules.py), and memory.vram_budget's plan is applied (fit/planner.py). The fit
+probe's adjustment, which needs the loaded model, is vramfit/run.py's `probed_config`, applied
+once before caching. Downstream code receives the resolved config and never reassigns it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+from vramfit.config import ConfigError
+from vramfit.config.rules import graph_clashes, process_problems
+from vramfit.config.schema import RunConfig
+from vramfit.fit.planner import fit_to_budget
+from vramfit.memory.accounting import pick_device
+from vramfit.train.distributed import launched_world
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the run's automatic values depend on, read once (`Environment.detect`) or given (tests)."""
+
+    device: torch.device
+    world: int = 1  # processes launched (torchrun / accelerate launch)
+    gpu_bytes: Optional[int] = None  # the training GPU's memory
+    host_bytes: Optional[int] = None  # this machine's memory
+
+    @classmethod
+    def detect(cls, cfg: RunConfig) -> "Environment":
+        device = pick_device(cfg.train.device)
+        gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        return cls(device, launched_world(), gpu, psutil.virtual_memory().total)
+
+
+def graphs_by_default(cfg: RunConfig, env: Environment) -> bool:
+    """train.cuda_graphs = "auto": on for a run that trains on a GPU in one process (several: DDP
+    averages gradients from hooks a replay skips), beside nothing that refuses them."""
+    return env.device.type == "cuda" and env.world <= 1 and not graph_clashes(cfg)
+
+
+def with_automatic_values(cfg: RunConfig, env: Environment) -> RunConfig:
+    """`cfg` with train.cuda_graphs "auto" decided for `env`. It stays out of the keys the user set
+    (model_fields_set), so the planner is free to choose it and config.toml writes it as "auto"."""
+    if cfg.train.cuda_graphs != "auto":
+        return cfg
+    train = cfg.train.model_copy(update={"cuda_graphs": graphs_by_default(cfg, env)})
+    object.__setattr__(train, "__pydantic_fields_set__", cfg.train.model_fields_set - {"cuda_graphs"})
+    return cfg.model_copy(update={"train": train})
+
+
+def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
+    """The run's config for `env`: automatic values, the multi-process check, the budget's plan."""
+    cfg = with_automatic_values(cfg, env)
+    problems = process_problems(cfg, env.world)
+    if problems:
+        raise ConfigError(problems, f"config for {env.world} processes")
+    return fit_to_budget(cfg, cache_root)
