@@ -201,7 +201,7 @@ def test_incomplete_states_are_refused_or_passed_over_and_stale_temps_removed(tr
     args = train_args(trained["images"], out, trained["cache"], *STATE_SETS)
     capsys.readouterr()
     with monkeypatch.context() as mp:
-        mp.setattr(run, "prepare", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(run, "load_data", lambda *a, **k: pytest.fail("the model was loaded"))
         assert main(args + ["--resume", str(out / "state" / "step-000002")]) == 2
     err = capsys.readouterr().err
     assert "incomplete (optimizer.pt missing" in err and "Traceback" not in err

@@ -76,7 +76,7 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_loading(finished,
 
     out = finished["out"]
     with monkeypatch.context() as mp:
-        mp.setattr(run, "prepare", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(run, "load_data", lambda *a, **k: pytest.fail("the model was loaded"))
         for steps in (1, 2):  # the state is at step 2, and the run's final checkpoint is saved
             assert main(_args(finished, out, f"train.steps={steps}") + ["--resume", "latest"]) == 2
             err = capsys.readouterr().err

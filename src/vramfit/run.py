@@ -35,7 +35,7 @@ from vramfit.train.epochs import EpochClock
 from vramfit.train.samples import SampleGrids
 from vramfit.train.validation import Validation
 from vramfit.train.setup import (Interrupted, RunResult, assert_finite, cache_root, check_resumable, held_signals,
-                                 package_version, place_denoiser, prepare, resume_progress, save_on_main,
+                                 fill_cache, load_data, package_version, place_denoiser, resume_progress, save_on_main,
                                  signal_name, stop_on_signals, stopped_as)
 from vramfit.train.state import Progress, find_state, save_state, state_root
 
@@ -112,18 +112,19 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     tracker = MemoryTracker(device)
     planned = cfg
 
-    def probe(family: Family, bundle: ModelBundle, buckets: list) -> None:
-        nonlocal cfg
-        cfg = probed_config(family, bundle, cfg, device, buckets, graphs_by)
-
-    family, bundle, data, scanned = prepare(cfg, tracker, device, progress, ranks,
-                                            probe=None if ranks.sharded else probe)
-    if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
-        write_text_atomic(out / "config.toml", dump_config(cfg))
+    loaded = load_data(cfg, tracker, device, progress, ranks)
+    family, bundle, data, scanned = loaded
+    if not ranks.sharded:  # the fit probe measures a step of the largest bucket before anything is cached
+        with stopped_as("while measuring a training step (memory.fit_probe): nothing was cached yet; run the "
+                        "same command again"):
+            cfg = probed_config(family, bundle, cfg, device, [r.bucket for r in data.records], graphs_by)
     clock = EpochClock(data, cfg.train.batch_size, cfg.train.grad_accum * ranks.world)
-    if cfg.train.epochs is not None:
+    if cfg.train.epochs is not None:  # the steps of the epochs, checked against the state before caching
         cfg = _steps_of_epochs(cfg, clock)
         check_resumable(cfg, resume, ranks.world)
+    fill_cache(cfg, loaded, tracker, device, progress, ranks)
+    if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
+        write_text_atomic(out / "config.toml", dump_config(cfg))
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)

@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import psutil
 import torch
@@ -182,14 +182,28 @@ def use_cpu_threads(setting: int | str, device: torch.device) -> None:
         torch.set_num_threads(cpu_threads(setting))
 
 
-@stopped_as("while preparing the cache: what is cached is kept; run the same command again to continue")
+class Prepared(NamedTuple):
+    """A run's model and data once loaded and scanned (`load_data`), before the cache is filled."""
+
+    family: Family
+    bundle: ModelBundle
+    data: TrainingData
+    scan: ScanResult  # every dataset's, together
+
+
 def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
-            ranks: Optional[distributed.DataParallel] = None,
-            probe: Optional[Callable[[Family, ModelBundle, list], None]] = None):
-    """Load the model, scan the data and fill the cache; returns (family, bundle, data, scan).
-    Over several ranks each encodes its share of the missing cache entries. `probe(family,
-    bundle, buckets)` runs before anything is cached (vramfit/run.py's: fit/probe.py measures
-    training at the largest bucket). A stop signal ends it with Interrupted, saying what is kept."""
+            ranks: Optional[distributed.DataParallel] = None) -> Prepared:
+    """Load the model, scan the data and fill the cache (`load_data`, then `fill_cache`)."""
+    loaded = load_data(cfg, tracker, device, progress, ranks)
+    fill_cache(cfg, loaded, tracker, device, progress, ranks)
+    return loaded
+
+
+@stopped_as("while preparing the cache: nothing was cached yet; run the same command again")
+def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progress: bool,
+              ranks: Optional[distributed.DataParallel] = None) -> Prepared:
+    """Scan the datasets, load the model and make the records with their cache keys (class images
+    generated first where missing). A stop signal ends it with Interrupted, saying what is kept."""
     ranks = ranks or distributed.DataParallel()
     use_cpu_threads(cfg.train.cpu_threads, device)
     progress = progress and cfg.logging.progress  # bars: neither --no-progress nor logging.progress = false
@@ -229,10 +243,17 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions()
     data.assign_keys()
-    if probe is not None:
-        with stopped_as("while measuring a training step (memory.fit_probe): nothing was cached yet; "
-                        "run the same command again"):
-            probe(family, bundle, [r.bucket for r in records])
+    return Prepared(family, bundle, data, combined(datasets))
+
+
+@stopped_as("while preparing the cache: what is cached is kept; run the same command again to continue")
+def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device: torch.device, progress: bool,
+               ranks: Optional[distributed.DataParallel] = None) -> None:
+    """Encode what is not cached yet (over several ranks each its share), then free the encoders the
+    training does not need."""
+    ranks = ranks or distributed.DataParallel()
+    progress = progress and cfg.logging.progress
+    data, bundle = loaded.data, loaded.bundle
     with tracker.phase("cache_latents"), stopped_as(lambda: _cache_note(data, "latents")):
         if cfg.cache.latents:
             data.cache_latents(progress)
@@ -251,7 +272,6 @@ def prepare(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, progre
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
         bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
-    return family, bundle, data, combined(datasets)
 
 
 def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
