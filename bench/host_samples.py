@@ -78,12 +78,12 @@ def main() -> None:
     skip = int(args[args.index("--skip") + 1]) if "--skip" in args else 2
     sampler = Sampler(interval)
 
-    import vramfit.train.setup as setup
+    import vramfit.run as run
 
-    run_loop, marks, count = setup.run_loop, {}, [0]
+    run_loop, marks, count = run.run_loop, {}, [0]
 
     def sampled_loop(*a, **k):
-        hooks = k.get("hooks", a[9] if len(a) > 9 else None)
+        hooks = k.get("hooks", a[5] if len(a) > 5 else None)  # run_loop(engine, data, schedule, cfg, progress, hooks)
         if hooks is not None:
             earlier = hooks.on_step
 
@@ -104,7 +104,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from trace_steps import _NoProfile  # its stand-in for the profiler, which stays off here
 
-    setup.run_loop = sampled_loop
+    run.run_loop = sampled_loop
     torch.profiler.profile = _NoProfile
     sys.setswitchinterval(0.0001)
     sys.argv = [str(HERE / "trace_steps.py"), *args]

@@ -66,7 +66,7 @@ def test_text_encoding_shapes_and_pooled_from_bigG():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    from vramfit.train.loop import micro_step_loss
+    from vramfit.train.engine import micro_step_loss
 
     family, bundle = _load("tiny:sdxl")
     unet = bundle.denoiser.float().train()

@@ -24,7 +24,7 @@ from vramfit.memory.offload import WeightStreamer, block_modules
 from vramfit.optim.adafactor import Adafactor
 from vramfit.optim.build import build_optimizer
 from vramfit.optim.in_backward import optional_steps
-from vramfit.train.loop import micro_step_loss
+from vramfit.train.engine import micro_step_loss
 from vramfit.train.setup import place_denoiser, prepare
 
 STREAM = ("memory.stream_weights=true",)

@@ -32,7 +32,7 @@ def user_error(exc: BaseException) -> bool:
         return True
     from vramfit.data.cache import CacheWriteError
     from vramfit.formats.safetensors_io import DISK_ERRNOS, OutputWriteError
-    from vramfit.train.loop import NonFiniteLoss
+    from vramfit.train.engine import NonFiniteLoss
 
     # any other write that found the disk full or read-only names its file (formats/safetensors_io.py)
     return isinstance(exc, (CacheWriteError, OutputWriteError, NonFiniteLoss)) or (

@@ -30,7 +30,8 @@ from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
 from vramfit.train.data import free_device_memory
 from vramfit.train.logs import RunLogger
-from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop, training_dtype
+from vramfit.train.engine import StepEngine
+from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop
 from vramfit.train.epochs import EpochClock
 from vramfit.train.samples import SampleGrids
 from vramfit.train.validation import Validation
@@ -128,7 +129,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
-    place_denoiser(bundle, cfg, device)
+    streamer = place_denoiser(bundle, cfg, device)
     for hint in start_hints(cfg):
         log.warning("%s", hint)
     ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them
@@ -157,9 +158,11 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
                           save_on_main(ranks, family, bundle, cfg, p.step)), out),
                       on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
+    engine = StepEngine(family, bundle, optimizer, cfg.train, device, streamer=streamer, ranks=ranks)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples",
-                        clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None)
-    validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, training_dtype(bundle, cfg.train))
+                        clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None,
+                        release=engine.release_for_sampling)
+    validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, engine.dtype)
     if validation.enabled:
         log.info("validation: %d held-out images at %d timesteps, %s", validation.images, cfg.validation.timesteps,
                  f"every {cfg.validation.every_steps} steps and at the end" if cfg.validation.every_steps
@@ -187,8 +190,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     hooks.on_step = on_step
     second = stopped_as(lambda: _second_stop_note(out, state))  # a second signal stops the loop at once
     with tracker.phase("train") as phase, second, stop_on_signals(flag):
-        result = run_loop(family, bundle, data, optimizer, schedule, cfg.train, device, state, generator,
-                          hooks, flag, shuffle=cfg.data.shuffle, ranks=ranks)
+        result = run_loop(engine, data, schedule, cfg.train, state, hooks, flag, shuffle=cfg.data.shuffle)
         phase.steps = len(result.losses)
         phase.step_seconds = result.median_step
         phase.set_images_per_step(logger.images_per_step)

@@ -31,6 +31,7 @@ from vramfit.fit.planner import PlanError, budget_of, choose, setting
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import graphs
 from vramfit.train.data import free_device_memory
+from vramfit.train.engine import StepEngine
 from vramfit.train.loop import run_loop
 from vramfit.train.setup import place_denoiser
 from vramfit.train.state import Progress
@@ -118,15 +119,15 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
                                          "warmup_steps": 0, "nonfinite": "skip"})
     dtype = torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32
     twin = stand_in(bundle, dtype)
-    place_denoiser(twin, cfg, device)
+    streamer = place_denoiser(twin, cfg, device)
     optimizer = build_optimizer(twin.denoiser.parameters(), train)
     schedule = build_schedule(optimizer, train)
     batch = SYNTHETIC_BATCHES[family.name](dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)
     data = _SyntheticData(batch, cfg.step_batch)
 
     def run():  # the LoopResult of the two steps
-        return run_loop(family, twin, data, optimizer, schedule, train, device, Progress(),
-                        torch.Generator().manual_seed(0), shuffle=False)
+        engine = StepEngine(family, twin, optimizer, train, device, streamer=streamer)
+        return run_loop(engine, data, schedule, train, Progress(), shuffle=False)
     return run
 
 

@@ -264,7 +264,6 @@ class WeightStreamer:
         self._stepped: set[int] = set()  # streamed weights stepped in the running backward
         self._lingering: list[_Unit] = []
         self._gathering: Optional[_Unit] = None  # the unit whose gradients arrive now
-        _STREAMERS[id(denoiser)] = self
         for p in self.trainable:
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._handles.append(denoiser.register_forward_pre_hook(self._forward_begins))
@@ -801,15 +800,6 @@ def _use_count(t: torch.Tensor) -> int:
 
 
 # id(denoiser) -> its streamer, which its hooks keep alive (a weak value: the registry keeps neither)
-_STREAMERS: "weakref.WeakValueDictionary[int, WeightStreamer]" = weakref.WeakValueDictionary()
-
-
-def streamer_of(denoiser: nn.Module) -> Optional[WeightStreamer]:
-    """The WeightStreamer built over `denoiser`, if any."""
-    found = _STREAMERS.get(id(denoiser))
-    return found if found is not None and found.model is denoiser else None
-
-
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
                    stream_trainable: bool) -> Optional[WeightStreamer]:
     """Apply settings.stream_weights / offload_activations to `denoiser` (see the module

@@ -16,8 +16,8 @@ aspect-ratio bucket (and a smaller last batch) records once; all of them share o
 so no eager activations ever sit beside it. Calls in eval mode or without grad (sample grids)
 run the denoiser as usual. Before a sample grid renders (train/samples.py) every recording is
 dropped with its pool and the gradient buffers this module or the hooks keep
-(`release_recordings`): the grid gets that memory, as it would after an eager step, and the
-next training call records again. When the weights have moved since the recordings otherwise,
+(`GraphedDenoiser.release`, through the step engine): the grid gets that memory, as it would
+after an eager step, and the next training call records again. When the weights have moved since the recordings otherwise,
 the recordings are dropped and made again too.
 
 Gradients. The recorded backward adds each weight's gradient into a buffer that this module
@@ -87,7 +87,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from vramfit.memory.offload import streamer_of
+from vramfit.memory.offload import WeightStreamer
 from vramfit.optim.in_backward import RecordedStep, RecordedSums
 
 log = logging.getLogger("vramfit")
@@ -206,13 +206,13 @@ class GraphedDenoiser(torch.nn.Module):
     """The denoiser, with each training call signature recorded and replayed (see the module doc)."""
 
     def __init__(self, denoiser: torch.nn.Module, recorder: Optional[Callable] = None, steps=None, sums=None,
-                 warm_each: bool = False):
+                 warm_each: bool = False, streamer: Optional[WeightStreamer] = None):
         super().__init__()
         self.denoiser = denoiser
         self._recorder = recorder
         # compiled blocks (train.compile): each signature runs once eagerly before it records, since
         # compiling for a new shape loads kernels, which CUDA refuses while it records
-        self._streamer = streamer_of(denoiser)  # streamed weights: their copies are recorded too
+        self._streamer = streamer  # streamed weights (memory/offload.py): their copies are recorded too
         # offloaded activations: the same for the pinned buffers a shape's saved tensors are copied
         # into, which are not made while CUDA records (memory/offload.py `_host_buffer`)
         self._warm_each = warm_each or bool(self._streamer and self._streamer.offload_activations)
@@ -369,21 +369,9 @@ class GraphedDenoiser(torch.nn.Module):
         return recording
 
 
-_LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()  # every GraphedDenoiser alive (a weak set)
-
-
-def release_recordings() -> int:
-    """Drop the recordings of every GraphedDenoiser that holds some (`GraphedDenoiser.release`);
-    returns how many did. Call between steps; then free the allocator's cache. One that holds
-    none yet forgets which signatures ran eagerly (compiled blocks run each once more before it
-    records: what runs in between may compile them anew)."""
-    live = list(_LIVE)
-    holding = [d for d in live if d.captures]
-    for d in holding:
-        d.release()
-    for d in live:
-        d.forget_eager_calls()
-    return len(holding)
+# Every GraphedDenoiser alive (a weak set). cuBLAS workspaces are the process's, not one denoiser's, so
+# whether any may be freed depends on every recording in the process (`release_cublas_workspaces`).
+_LIVE: "weakref.WeakSet[GraphedDenoiser]" = weakref.WeakSet()
 
 
 def release_cublas_workspaces(owner: Optional[GraphedDenoiser] = None) -> bool:

@@ -19,7 +19,6 @@ import torch
 from vramfit.config.schema import RunConfig
 from vramfit.generate import build_pipeline, sample_grid, save_png
 from vramfit.train.data import free_device_memory
-from vramfit.train.graphs import release_recordings
 from vramfit.train.state import Progress
 
 log = logging.getLogger("vramfit")
@@ -36,9 +35,11 @@ class SampleGrids:
     """Callable with a step number; renders when the step is due. `final` renders regardless."""
 
     def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path,
-                 epoch_ended: Optional[Callable[[Progress], bool]] = None):
+                 epoch_ended: Optional[Callable[[Progress], bool]] = None,
+                 release: Optional[Callable[[], bool]] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
         self.folder = folder
+        self.release = release  # the step engine's: its CUDA graph recordings make room for the grid
         self.epoch_ended = epoch_ended  # sample.every_epochs: whether a step ended an N-th epoch
         self.paths: list[Path] = []
 
@@ -54,7 +55,7 @@ class SampleGrids:
             self.render(step)
 
     def render(self, step: int) -> Path:
-        if release_recordings():  # CUDA graphs' pools and gradient buffers: the grid's memory now
+        if self.release is not None and self.release():  # CUDA graphs' pools and gradient buffers: the grid's now
             log.info("train.cuda_graphs: recordings dropped for the sample grid; the next step records again")
             free_device_memory(self.device)
         s = self.cfg.sample

@@ -39,7 +39,8 @@ from vramfit.models.sources import resolve_source, write_tokenizers
 from vramfit.train import distributed, prior
 from vramfit.train.compile import compile_blocks
 from vramfit.train.data import PLAIN, DTYPES, Record, TrainingData, free_device_memory, make_records, record_of
-from vramfit.train.loop import LoopResult, NonFiniteLoss, StopFlag
+from vramfit.train.engine import NonFiniteLoss
+from vramfit.train.loop import LoopResult, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
 from vramfit.train.state import (Progress, ResumeError, check_compatible, find_state, kept_note, load_state,
                                  read_meta)

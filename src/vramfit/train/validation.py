@@ -16,7 +16,7 @@ import torch
 from vramfit.config.schema import RunConfig
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.train.data import TrainingData
-from vramfit.train.loop import inputs_loss
+from vramfit.train.engine import inputs_loss
 
 log = logging.getLogger("vramfit")
 
