@@ -72,7 +72,7 @@ def _peak(call, module: torch.nn.Module, *inputs: torch.Tensor) -> int:
 
 def shipped(name: str) -> dict:
     """A shipped architecture's config (src/vramfit/models/configs), as its diffusers class takes it."""
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
 

@@ -190,7 +190,7 @@ def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout)
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
     from vramfit.fit.planner import sd3_activations, sdxl_activations
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     config = {k: v for k, v in shipped_config(layout).items() if not k.startswith("_")}
     calls: list[tuple[str, int]] = []

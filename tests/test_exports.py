@@ -18,8 +18,8 @@ from vramfit.formats import lora as L
 from vramfit.formats.safetensors_io import CheckpointError
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
-from vramfit.models.sdxl import CLIP_G, UNET, SDXLFamily
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import shipped_config
+from vramfit.models.sdxl.family import CLIP_G, UNET, SDXLFamily
 
 LORA = ("train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.lr=1e-2", "save.name=m")
 ATTENTION = {f"attn{i}.to_{x}" for i in (1, 2) for x in ("q", "k", "v", "out.0")}

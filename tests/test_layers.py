@@ -33,7 +33,8 @@ KNOWN_UPWARD = {
     ("config/schema.py", "vramfit.train.distributed"),
     # the kohya key names of the shipped SDXL layouts; they move with the family's key maps into
     # the family's folder.
-    ("formats/lora.py", "vramfit.models.tiny"),
+    ("formats/lora.py", "vramfit.models.parts"),
+    ("formats/lora.py", "vramfit.models.sdxl.sgm_unet"),
 }
 
 

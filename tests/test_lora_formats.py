@@ -344,7 +344,7 @@ def test_bad_files_and_inputs_are_refused(tmp_path):
         L.to_diffusers({"unet.x.lora_A.weight": a, "unet.x.lora_B.weight": b}, "sdxl")
     with pytest.raises(ValueError, match="lora_magnitude_vector"):
         L.to_diffusers({"x.lora_A.weight": a, "x.lora_B.weight": b, "x.lora_magnitude_vector": a}, "sdxl")
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     with pytest.raises(ValueError, match="not parameters of this UNet config.*nowhere"):
         L.to_kohya_sdxl({"nowhere.lora_A.weight": a, "nowhere.lora_B.weight": b}, shipped_config("tiny_sdxl_unet"), 4)

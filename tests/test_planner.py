@@ -471,7 +471,7 @@ def _texture_vae(sample_size: int):
     (every tile sees the same statistics, as in a photo's flat regions)."""
     from diffusers import AutoencoderKL
 
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**{**shipped_config("tiny_vae"), "sample_size": sample_size}).eval()

@@ -31,8 +31,8 @@ from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
 from vramfit.models.registry import FAMILIES, detect_family
-from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, require_tokenizers, resolve_source
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import require_tokenizers, shipped_config
+from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, resolve_source
 
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = {"sdxl": 5.0, "sd3": 7.0}

@@ -23,15 +23,16 @@ import torch
 from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
 from vramfit.formats.ldm_vae import vae_config_from_ldm
 from vramfit.formats.safetensors_io import meta_tensors, read_header
-from vramfit.formats.sd3_mmdit import sd3_config_from_keys
-from vramfit.formats.sgm_unet import unet_config_from_sgm
 from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
-from vramfit.models import sd3, sdxl
+from vramfit.models.sd3 import family as sd3
+from vramfit.models.sd3.mmdit import sd3_config_from_keys
+from vramfit.models.sdxl import family as sdxl
+from vramfit.models.sdxl.sgm_unet import unet_config_from_sgm
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.memory.vae_tiling import vae_tile
 from vramfit.models.sources import resolve_source
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import shipped_config
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
 
 

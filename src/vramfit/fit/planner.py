@@ -349,7 +349,7 @@ def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
 
 
 def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
-    """The VAE encoding one image of the largest bucket: whole, or tiled (models/sdxl.py
+    """The VAE encoding one image of the largest bucket: whole, or tiled (memory/vae_tiling.py
     `set_vae_tiling`: tiles of at most facts.vae_tile on a side, one at a time, while the whole
     image stays on the device; an image no larger than a tile is encoded whole)."""
     dtype = cfg.cache.vae_dtype

@@ -43,8 +43,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vramfit.formats.safetensors_io import read_header, save_atomic
-from vramfit.formats.sgm_unet import unet_key_map
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import shipped_config
+from vramfit.models.sdxl.sgm_unet import unet_key_map
 
 Alpha = Union[float, int, Mapping[str, float], None]
 

@@ -1,12 +1,12 @@
 """The Stable Diffusion 3 family: SD3 Medium and SD3.5-shaped MMDiTs (qk-norm, dual attention).
 
-The transformer layout is read from the checkpoint's keys (formats/sd3_mmdit.py). Text
+The transformer layout is read from the checkpoint's keys (models/sd3/mmdit.py). Text
 conditioning is SD3's: the penultimate hidden states of CLIP-L and CLIP-G concatenated (2048 wide
 at full size), zero-padded to the joint attention width and followed on the sequence axis by T5's
 output; the pooled vector is both CLIPs' projected pooled outputs side by side. CLIP-L has no
 projection in Stability's files, so an identity projection stands in (as diffusers and ComfyUI
 do). T5 is optional: without it its part of the sequence is zeros, as SD3 allows.
-Training is rectified flow (models/flow.py) on SD3's shift-3 sigma table.
+Training is rectified flow (models/sd3/flow.py) on SD3's shift-3 sigma table.
 """
 from __future__ import annotations
 
@@ -25,18 +25,22 @@ from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
-from vramfit.formats.sd3_mmdit import (
-    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
-)
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ModelBundle, Source, resolution_problems
-from vramfit.models.sdxl import (
-    SDXLFamily, _build, _count, _merge, as_stored, check_folder_shapes, check_shapes, sample_latent,
+from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.parts import (
+    as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
+    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers,
 )
-from vramfit.models.sources import require_tokenizers
-from vramfit.models import flow
-from vramfit.models.objectives import weighted_mse
+from vramfit.models.sd3.flow import (
+    DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
+    NUM_TRAIN_TIMESTEPS, flow_inputs, lookup_sigmas, loss_weighting, sample_density, shifted_sigmas,
+)
+from vramfit.models.sd3.mmdit import (
+    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
+)
+from vramfit.models.sd3.tiny import TINY_NAMES, materialize_sd3
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -49,7 +53,6 @@ VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_SDXL = SDXLFamily()  # for the helpers both families share (CLIP building, tokenizers, VAE encoding)
 
 # (layers, width, qk_norm, dual attention layers) of the released models -> layout name
 _LAYOUTS = {
@@ -104,6 +107,12 @@ class SD3Family:
     resolution_multiple = 16
     shipped_layouts = SHIPPED_LAYOUTS
 
+    tiny_models = TINY_NAMES  # the tiny:<name> models of models/sd3/tiny.py
+
+    def materialize_tiny(self, name: str, root: Path) -> Path:
+        """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
+        return materialize_sd3(root)
+
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
         return any(k.startswith(TRANSFORMER + "joint_blocks.") for k in keys)
@@ -131,12 +140,12 @@ class SD3Family:
 
         if folder is not None and (folder / "scheduler" / "scheduler_config.json").is_file():
             return FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=flow.NUM_TRAIN_TIMESTEPS,
-                                               shift=flow.DEFAULT_SHIFT)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+                                               shift=DEFAULT_SHIFT)
 
     def load_tokenizers(self, folder: Path, t5: bool) -> list[Any]:
         """CLIP-L and CLIP-G tokenizers (CLIP-G pads with "!", as SDXL's), then T5's when T5 is used."""
-        tokenizers = _SDXL.load_tokenizers(folder)
+        tokenizers = load_clip_tokenizers(folder)
         if t5:
             # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
             from transformers import T5TokenizerFast
@@ -172,7 +181,7 @@ class SD3Family:
         config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         state = sai_to_diffusers_mmdit(load_prefixed(path, TRANSFORMER))
         names = sai_names(state)
-        transformer = _build(SD3Transformer2DModel, config, state, "transformer", path,
+        transformer = build_checked(SD3Transformer2DModel, config, state, "transformer", path,
                              lambda k: TRANSFORMER + names.get(k, k))
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
@@ -194,7 +203,7 @@ class SD3Family:
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
+        vae = build_checked(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
                      path, lambda k: VAE + vae_names[k])
 
         def part_state(part: str, prefix: str) -> tuple[dict, Path]:
@@ -204,9 +213,9 @@ class SD3Family:
         clip_l, where = part_state("clip_l", CLIP_L)
         if not any(k.endswith("text_projection.weight") for k in clip_l):
             clip_l["text_projection.weight"] = _identity_projection(clip_l)
-        enc1 = _SDXL._clip(clip_l, "quick_gelu", True, where)
+        enc1 = clip_text_model(clip_l, "quick_gelu", True, where)
         clip_g, where = part_state("clip_g", CLIP_G)
-        enc2 = _SDXL._clip(clip_g, "gelu", True, where)
+        enc2 = clip_text_model(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
         if files.get("t5") or any(k.startswith(T5) for k in header):
             state, where = part_state("t5", T5)
@@ -319,7 +328,7 @@ class SD3Family:
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
         """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
-        return _SDXL.encode_images(bundle, pixels, device, dtype, tiling)
+        return encode_vae_images(bundle, pixels, device, dtype, tiling)
 
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor:
@@ -376,18 +385,18 @@ class SD3Family:
         for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
-        scheme = getattr(cfg, "weighting_scheme", flow.DEFAULT_SCHEME)
+        scheme = getattr(cfg, "weighting_scheme", DEFAULT_SCHEME)
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-        u = at if at is not None else flow.sample_density(
-            scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
-            logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
-            mode_scale=getattr(cfg, "mode_scale", flow.DEFAULT_MODE_SCALE))
+        u = at if at is not None else sample_density(
+            scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", DEFAULT_LOGIT_MEAN),
+            logit_std=getattr(cfg, "logit_std", DEFAULT_LOGIT_STD),
+            mode_scale=getattr(cfg, "mode_scale", DEFAULT_MODE_SCALE))
         sched = bundle.noise_scheduler.config
-        table = flow.shifted_sigmas(sched.num_train_timesteps, sched.shift)
-        sigmas, timesteps = flow.lookup_sigmas(u, table)
+        table = shifted_sigmas(sched.num_train_timesteps, sched.shift)
+        sigmas, timesteps = lookup_sigmas(u, table)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
-                  "weights": flow.loss_weighting(scheme, sigmas)}
+                  "weights": loss_weighting(scheme, sigmas)}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
         inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
@@ -395,7 +404,7 @@ class SD3Family:
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
                   dtype: torch.dtype) -> torch.Tensor:
         """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
-        noisy, target = flow.flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
+        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
         return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"),
@@ -471,7 +480,7 @@ class SD3Family:
             header, _ = read_header(source.path)
             parts = {"transformer": TRANSFORMER, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
                      "text_encoder_2 (CLIP-G)": CLIP_G, "text_encoder_3 (T5)": T5}
-            comps = {name: _count(header, prefix) for name, prefix in parts.items()
+            comps = {name: count_params(header, prefix) for name, prefix in parts.items()
                      if any(k.startswith(prefix) for k in header)}
             config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         else:
@@ -479,7 +488,7 @@ class SD3Family:
             for sub in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
                 files = sorted((source.path / sub).glob("*.safetensors"))
                 if files:
-                    comps[sub] = _merge([_count(read_header(f)[0], "") for f in files])
+                    comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
             config = json.loads((source.path / "transformer" / "config.json").read_text())
         return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
                 "width": config["caption_projection_dim"], "qk_norm": config.get("qk_norm"),
