@@ -31,10 +31,6 @@ KNOWN_UPWARD = {
     # they move out with one resolution step that turns a config and an environment into a run.
     ("config/schema.py", "vramfit.optim.build"),
     ("config/schema.py", "vramfit.train.distributed"),
-    # the kohya key names of the shipped SDXL layouts; they move with the family's key maps into
-    # the family's folder.
-    ("formats/lora.py", "vramfit.models.parts"),
-    ("formats/lora.py", "vramfit.models.sdxl.sgm_unet"),
 }
 
 

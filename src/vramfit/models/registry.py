@@ -6,7 +6,7 @@ import difflib
 import json
 from pathlib import Path
 
-from vramfit.formats.lora import describe_lora, detect_format
+from vramfit.formats.lora import describe_lora
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.models.adapter import Family, Source, resolution_problems
 from vramfit.models.sd3 import SD3Family
@@ -66,7 +66,7 @@ def detect_family(source: Source, requested: str = "auto") -> Family:
                 if key in keys:
                     raise CheckpointError(f"{source.path}: this is a {name} checkpoint, which this version "
                                           f"of vramfit cannot train (families: {', '.join(FAMILIES)})")
-        lora = describe_lora(source.path) if detect_format(keys) != "unknown" else None
+        lora = describe_lora(source.path, FAMILIES.values())  # None: not a LoRA file
         if lora is not None:
             target = lora["for"].split(";")[0].split(", module names")[0]  # "SDXL-family UNet", ...
             raise CheckpointError(f"{source.path}: this is a LoRA file ({lora['format']} format, for "

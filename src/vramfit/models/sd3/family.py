@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
@@ -21,22 +21,24 @@ from accelerate import init_empty_weights
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
+from vramfit.formats.lora import module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
-from vramfit.models.adapter import ModelBundle, Source, resolution_problems
+from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
-    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers,
+    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
     NUM_TRAIN_TIMESTEPS, flow_inputs, lookup_sigmas, loss_weighting, sample_density, shifted_sigmas,
 )
+from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
 from vramfit.models.sd3.mmdit import (
     diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
 )
@@ -63,6 +65,7 @@ _LAYOUTS = {
 # The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
 # configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
 SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
+_WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}  # of LoRA files
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
 
@@ -101,17 +104,33 @@ def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
 
 class SD3Family:
     name = "sd3"
+    display_name = "SD3"
     lora_formats = ("lora",)  # diffusers/PEFT keys, as <name>.safetensors: ComfyUI and diffusers load them
     # VAE factor 8 x patch size 2: every SD3 and SD3.5 release patches 2x2 latents (the
     # family is checked before its file is read, so the released value stands here)
     resolution_multiple = 16
     shipped_layouts = SHIPPED_LAYOUTS
-
+    shipped_aliases = {"sd3m": "sd3-medium"}  # the name bench/plan_check.py and older tests use
     tiny_models = TINY_NAMES  # the tiny:<name> models of models/sd3/tiny.py
+    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
+                                                         ("CLIP-G", CLIP_G, "text_encoder_2", "clip"),
+                                                         ("T5", T5, "text_encoder_3", "t5")))
+    block_containers = ("transformer_blocks",)
+    repeated_blocks = ("JointTransformerBlock",)
+    default_guidance = 7.0
+    has_t5 = True
+    # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
+    denoiser_component = "transformer"
+    lora_roots = ("transformer_blocks.", "pos_embed.", "time_text_embed.", "context_embedder", "norm_out.",
+                  "proj_out")
+    kohya_roots = ("joint_blocks_",)  # SAI names; kohya SD3 files are not read (kohya_names)
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
         """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
         return materialize_sd3(root)
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        return shipped_config("tiny_sd3_transformer")
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -472,6 +491,58 @@ class SD3Family:
                  "image_encoder": [None, None], "feature_extractor": [None, None]}
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
         commit_folder(tmp, Path(folder))
+
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def kohya_names(self, config: Optional[Mapping]) -> None:
+        """None: kohya SD3 LoRAs are not read (save them in the diffusers layout)."""
+        return None
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        """"SD3 MMDiT", with the width of its attention inputs and the releases of that width."""
+        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        return "SD3 MMDiT" + (f" ({q} wide: {_WIDTHS.get(q, 'a custom width')})" if q else "")
+
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """"lora": diffusers keys with alpha/rank folded into lora_B (diffusers and ComfyUI read them
+        at scale 1)."""
+        return to_diffusers(state, self.denoiser_component, alpha=alpha)
+
+    def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
+        """A StableDiffusion3Pipeline with SD3's shift-3 flow-matching scheduler; T5 where both
+        its encoder and its tokenizer are there."""
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        has_t5 = len(encoders) > 2 and len(tokenizers) > 2
+        return StableDiffusion3Pipeline(
+            transformer=bundle.denoiser, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+            text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
+            tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
+            tokenizer_3=tokenizers[2] if has_t5 else None)
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        return {"prompt_3": None, "max_sequence_length": t5_tokens}
+
+    def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
+        """Latents scaled back by the VAE's factor and shifted back."""
+        return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)
+
+    # ---- memory profile ------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        return sd3_config_from_keys(keys)
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        return mmdit_activations(config, latent_h, latent_w, t5_tokens)
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg) -> dict:
+        return mmdit_batch(config, batch, side, cfg)
 
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:

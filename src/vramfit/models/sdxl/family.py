@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
@@ -23,7 +23,8 @@ from vramfit.formats.safetensors_io import (
     save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
-from vramfit.models.adapter import ModelBundle, Source, resolution_problems
+from vramfit.formats.lora import to_diffusers
+from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
@@ -32,6 +33,8 @@ from vramfit.models.parts import (
 from vramfit.models.sdxl.sgm_unet import (
     check_text_time, diffusers_to_sgm_unet, sgm_to_diffusers_unet, unet_config_from_sgm, unet_key_map,
 )
+from vramfit.models.sdxl.kohya import describe_target, kohya_unet_names, shipped_kohya_names, to_kohya_sdxl
+from vramfit.models.sdxl.memory import unet_activations, unet_batch
 from vramfit.models.sdxl.objective import epsilon_draws, epsilon_inputs, min_snr_weights
 from vramfit.models.sdxl.tiny import TINY_NAMES, materialize
 
@@ -61,17 +64,33 @@ def layout_name(config: dict) -> str:
 
 class SDXLFamily:
     name = "sdxl"
+    display_name = "SDXL-family"
     # LoRA files a run writes by default, the primary first (saved as <name>.safetensors): kohya
     # keys, which ComfyUI and A1111 load; the diffusers/PEFT file goes beside it.
     lora_formats = ("lora_kohya", "lora")
     resolution_multiple = 8  # the VAE's factor; the UNet's up blocks follow any latent size
     shipped_layouts = SHIPPED_LAYOUTS
-
+    shipped_aliases: dict[str, str] = {}
     tiny_models = TINY_NAMES  # the tiny:<name> models of models/sdxl/tiny.py
+    files = FileLayout(UNET, "unet", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
+                                           ("bigG", CLIP_G, "text_encoder_2", "clip")))
+    block_containers = ("down_blocks", "mid_block", "up_blocks")
+    repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
+    default_guidance = 5.0
+    has_t5 = False
+    # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
+    denoiser_component = "unet"
+    lora_roots = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in", "conv_out", "time_embedding.",
+                  "add_embedding.", "conv_norm_out")
+    kohya_roots = ("input_blocks_", "middle_block_", "output_blocks_", "time_embed_", "label_emb_", "out_",
+                   *(root.replace(".", "_") for root in lora_roots))  # SGM names, then diffusers' (kohya.py)
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
         """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
         return materialize(name, root)
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        return shipped_config(f"tiny_{name}_unet")
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -300,6 +319,61 @@ class SDXLFamily:
                  "image_encoder": [None, None], "feature_extractor": [None, None]}
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
         commit_folder(tmp, Path(folder))
+
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def kohya_names(self, config: Optional[Mapping]) -> dict[str, str]:
+        """{kohya name: diffusers module} of the UNet `config`, or of every shipped layout (None)."""
+        return kohya_unet_names(config) if config is not None else shipped_kohya_names()
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        return describe_target(modules, kohya)
+
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """"lora": diffusers keys with alpha/rank folded into lora_B (diffusers and ComfyUI read them
+        at scale 1); "lora_kohya": kohya's SGM names with .alpha tensors."""
+        if fmt == "lora":
+            return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        return to_kohya_sdxl(state, config, alpha)
+
+    def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
+        """A StableDiffusionXLPipeline with SDXL's Euler scheduler."""
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+        scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
+        return StableDiffusionXLPipeline(
+            vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=tokenizers[0],
+            tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
+            force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        return {}
+
+    def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
+        """Latents scaled back by the VAE's factor (per channel where its config has means and deviations)."""
+        cfg = vae_config
+        if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+            mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1).to(latents)
+            std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1).to(latents)
+            return latents * std / cfg.scaling_factor + mean
+        return latents / cfg.scaling_factor
+
+    # ---- memory profile ------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        return unet_config_from_sgm(keys)
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        return unet_activations(config, latent_h, latent_w, t5_tokens)
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg) -> dict:
+        return unet_batch(config, batch, side, cfg)
 
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:
