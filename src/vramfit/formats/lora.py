@@ -327,15 +327,16 @@ def _to_peft_key(key: str) -> str:
 
 
 def _guess_family(modules, path, families: Iterable[LoraFamily]) -> LoraFamily:
-    """The family all of whose denoiser's roots the LoRA's `modules` start with."""
+    """The family all of whose denoiser's roots the LoRA's `modules` start with; a LoRA of a
+    family vramfit does not know is refused, by name where its modules tell it."""
     families = list(families)
+    for family in families:
+        if all(m.startswith(family.lora_roots) for m in modules):
+            return family
     if any(m.startswith("single_transformer_blocks.") for m in modules):
         known = " and ".join(f.display_name for f in families)
         raise ValueError(f"{path}: a FLUX LoRA (e.g. {sorted(modules)[0]!r}); only {known} "
                          "LoRAs are supported")
-    for family in families:
-        if all(m.startswith(family.lora_roots) for m in modules):
-            return family
     raise ValueError(f"{path}: LoRA modules of no known denoiser, e.g. {sorted(modules)[0]!r}")
 
 
