@@ -222,8 +222,8 @@ class SD3Family:
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae = build_checked(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
-                     path, lambda k: VAE + vae_names[k])
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", path, lambda k: VAE + vae_names[k])
 
         def part_state(part: str, prefix: str) -> tuple[dict, Path]:
             own = files.get(part)
@@ -423,7 +423,8 @@ class SD3Family:
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
                   dtype: torch.dtype) -> torch.Tensor:
         """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
-        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
+        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device),
+                                    inputs["sigmas"])
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
         return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"),

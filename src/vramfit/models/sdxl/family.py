@@ -166,8 +166,8 @@ class SDXLFamily:
                     "checkpoint (UNet, VAE and both text encoders) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae = build_checked(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
-                     path, lambda k: VAE + vae_names[k])
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", path, lambda k: VAE + vae_names[k])
         enc1 = clip_text_model(load_prefixed(path, CLIP_L), "quick_gelu", False, path)
         enc2 = clip_text_model(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
         return vae, [enc1, enc2]

@@ -16,7 +16,8 @@ def epsilon_draws(shape: torch.Size, scheduler, generator: torch.Generator, nois
     in [0, 1], one per sample) fixes the timesteps instead (the validation loss)."""
     draws = {"noise": torch.randn(shape, generator=generator, dtype=torch.float32)}
     if noise_offset > 0:
-        draws["offset_noise"] = torch.randn(tuple(shape[:2]) + (1, 1), generator=generator, dtype=torch.float32)
+        draws["offset_noise"] = torch.randn(tuple(shape[:2]) + (1, 1), generator=generator,
+                                            dtype=torch.float32)
     last = scheduler.config.num_train_timesteps - 1
     draws["timesteps"] = (torch.randint(0, last + 1, (shape[0],), generator=generator) if at is None
                           else (at * last).round().long())
