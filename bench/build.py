@@ -42,8 +42,9 @@ def build_sdxl_single_file(path: Path, layout: str = "ssd1b") -> None:
     from vramfit.formats.clip import hf_to_openclip, to_sgm_clip_keys
     from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
     from vramfit.formats.safetensors_io import save_atomic
-    from vramfit.formats.sgm_unet import diffusers_to_sgm_unet
-    from vramfit.models.tiny import shipped_config, write_tiny_tokenizers
+    from vramfit.models.parts import shipped_config
+    from vramfit.models.sdxl.sgm_unet import diffusers_to_sgm_unet
+    from vramfit.models.tiny import write_tiny_tokenizers
 
     dev = _device()
     torch.manual_seed(0)
@@ -73,8 +74,9 @@ def build_sd3_single_file(path: Path) -> None:
     from vramfit.formats.clip import to_sgm_clip_keys
     from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
     from vramfit.formats.safetensors_io import save_atomic
-    from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit
-    from vramfit.models.tiny import shipped_config, write_tiny_tokenizers
+    from vramfit.models.parts import shipped_config
+    from vramfit.models.sd3.mmdit import diffusers_to_sai_mmdit
+    from vramfit.models.tiny import write_tiny_tokenizers
 
     dev = _device()
     torch.manual_seed(0)

@@ -72,7 +72,7 @@ def _peak(call, module: torch.nn.Module, *inputs: torch.Tensor) -> int:
 
 def shipped(name: str) -> dict:
     """A shipped architecture's config (src/vramfit/models/configs), as its diffusers class takes it."""
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     return {k: v for k, v in shipped_config(name).items() if not k.startswith("_")}
 
@@ -103,7 +103,7 @@ def denoiser_call(name: str, batch: int, lat: int, dtype: torch.dtype):
 def main() -> None:
     from diffusers import AutoencoderKL
 
-    from vramfit.fit.planner import _ACTIVATIONS
+    from vramfit.models.registry import FAMILIES
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -118,7 +118,7 @@ def main() -> None:
                                                  ("sd3m", "sd3_medium_transformer", "sd3", 77)):
             model, call, inputs = denoiser_call(model_name, 2, lat, dtype)
             peak = _peak(call, model, *inputs)
-            work = _ACTIVATIONS[family](shipped(model_name), lat, lat, tokens).work
+            work = FAMILIES[family].activations(shipped(model_name), lat, lat, tokens).work
             results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
         for name in ("sdxl_vae", "sd3_vae"):
             vae = AutoencoderKL(**shipped(name)).to(dtype)

@@ -9,7 +9,7 @@ the embeddings) under "other". Weights are left out. Attention is counted as the
 saves it on a GPU: query, key, value, output and an fp32 log-sum-exp per query.
 
 It prints, per kind, bytes per element of the blocks' inputs as fit/planner.py counts them
-(`_ACTIVATIONS`): the planner's full-bf16 constants for blocks kept without checkpointing.
+(each family's `activations`): the planner's full-bf16 constants for blocks kept without checkpointing.
 Mixed precision (autocast) cannot run on the meta device; its constants stay fitted.
 
 usage: python bench/count_train_memory.py [--size 1024]
@@ -83,14 +83,14 @@ def _count(lat: int, dtype: torch.dtype) -> dict:
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
-    from vramfit.fit.planner import _ACTIVATIONS
+    from vramfit.models.registry import FAMILIES
 
     results = {}
     with torch.device("meta"):
         for name in ("ssd1b", "sdxl"):
             unet, call, _ = denoiser_call(f"{name}_unet", 1, lat, dtype)
             saved = saved_bytes(unet, {ResnetBlock2D: "resnet", BasicTransformerBlock: "block"}, call)
-            shape = _ACTIVATIONS["sdxl"](shipped(f"{name}_unet"), lat, lat, 0)
+            shape = FAMILIES["sdxl"].activations(shipped(f"{name}_unet"), lat, lat, 0)
             blocks = sum(n for kind, n in shape.blocks if kind == "block")
             results[name] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
                                  bytes_per_resnet_input=saved["resnet"] / shape.resnet_inputs,
@@ -98,7 +98,7 @@ def _count(lat: int, dtype: torch.dtype) -> dict:
                                  bytes_per_fixed_input=saved.get("other", 0) / shape.fixed)
         sd3, call, _ = denoiser_call("sd3_medium_transformer", 1, lat, dtype)
         saved = saved_bytes(sd3, {JointTransformerBlock: "block"}, call)
-        shape = _ACTIVATIONS["sd3"](shipped("sd3_medium_transformer"), lat, lat, 77)
+        shape = FAMILIES["sd3"].activations(shipped("sd3_medium_transformer"), lat, lat, 77)
         results["sd3m"] = dict(total_gib=sum(saved.values()) / GIB, other_gib=saved.get("other", 0) / GIB,
                                bytes_per_block_input=saved["block"] / sum(n for _, n in shape.blocks))
     return results

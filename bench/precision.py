@@ -47,7 +47,7 @@ def log(msg: str) -> None:
 def build_unet(name: str, device: torch.device):
     from diffusers import UNet2DConditionModel
 
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     cfg = shipped_config(name)
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ def build_with_t5(work: Path) -> Path:
     from transformers import T5Config, T5EncoderModel
 
     from vramfit.formats.safetensors_io import save_atomic
-    from vramfit.models.tiny_sd3 import write_t5_tokenizer
+    from vramfit.models.sd3.tiny import write_t5_tokenizer
 
     base = ensure_model("sd3m", work)
     t0 = time.time()

@@ -57,7 +57,7 @@ CONTEXT_TOKENS = 154  # SD3: 77 CLIP + 77 T5 tokens (max_sequence_length 77, as 
 
 def configs(layout: str, tiny: bool) -> tuple[dict, Optional[dict]]:
     """(denoiser config, VAE config) shipped with vramfit; the VAE only for SD3's live-VAE seed."""
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     pre = "tiny_" if tiny else ""
     if layout == "sd3m":

@@ -189,8 +189,8 @@ def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout)
     count adds the text tokens, the block's other input)."""
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
-    from vramfit.fit.planner import sd3_activations, sdxl_activations
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.registry import FAMILIES
+    from vramfit.models.parts import shipped_config
 
     config = {k: v for k, v in shipped_config(layout).items() if not k.startswith("_")}
     calls: list[tuple[str, int]] = []
@@ -208,7 +208,7 @@ def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout)
         model(hidden_states=torch.randn(batch, config["in_channels"], lat, lat), timestep=torch.tensor([1.0, 2.0]),
               encoder_hidden_states=torch.randn(batch, 154, config["joint_attention_dim"]),
               pooled_projections=torch.randn(batch, config["pooled_projection_dim"]))
-        shape = sd3_activations(config, lat, lat, 77)
+        shape = FAMILIES["sd3"].activations(config, lat, lat, 77)
         image = (lat // config["patch_size"]) ** 2 * config["caption_projection_dim"]
         expected = [(kind, image) for kind, n in shape.blocks]
         assert all(n == image * (lat * lat // 4 + 154) // (lat * lat // 4) for _, n in shape.blocks)
@@ -222,7 +222,7 @@ def test_the_planner_lists_the_blocks_the_model_checkpoints_in_its_order(layout)
         pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
         model(torch.randn(batch, 4, lat, lat), torch.tensor([1, 2]), torch.randn(batch, 77, config["cross_attention_dim"]),
               added_cond_kwargs={"text_embeds": torch.randn(batch, pooled), "time_ids": torch.randn(batch, 6)})
-        shape = sdxl_activations(config, lat, lat, 0)
+        shape = FAMILIES["sdxl"].activations(config, lat, lat, 0)
         expected = shape.blocks
         checked = sum(n for kind, n in calls if kind == "resnet")
         assert (sum(resnets), sum(resnets) - checked) == (shape.resnet_inputs, shape.unchecked)

@@ -13,8 +13,8 @@ import torch
 from conftest import train_args
 from vramfit.cli import main
 from vramfit.config import load_config
-from vramfit.models.names import TINY_MODELS
-from vramfit.models.tiny_sd3 import materialize_sd3
+from vramfit.models.registry import TINY_MODELS
+from vramfit.models.sd3.tiny import materialize_sd3
 
 
 def _refused(capsys, sets: list[str], *, config: Path | None = None, command: str = "train") -> str:

@@ -18,8 +18,9 @@ from vramfit.formats import lora as L
 from vramfit.formats.safetensors_io import CheckpointError
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
-from vramfit.models.sdxl import CLIP_G, UNET, SDXLFamily
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import shipped_config
+from vramfit.models.sdxl.family import CLIP_G, UNET, SDXLFamily
+from vramfit.models.sdxl.kohya import kohya_unet_names
 
 LORA = ("train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.lr=1e-2", "save.name=m")
 ATTENTION = {f"attn{i}.to_{x}" for i in (1, 2) for x in ("q", "k", "v", "out.0")}
@@ -67,7 +68,7 @@ def test_sdxl_lora_default_is_a_kohya_file_with_the_diffusers_file_beside_it(run
     assert all(k.startswith("unet.") for k in diffusers)
     # every module of the diffusers file under its kohya (SGM) name, which ComfyUI and A1111 map
     sgm_names = ("lora_unet_input_blocks_", "lora_unet_middle_block_", "lora_unet_output_blocks_")
-    to_kohya = {d: k for k, d in L.kohya_unet_names(shipped_config("tiny_sdxl_unet")).items()
+    to_kohya = {d: k for k, d in kohya_unet_names(shipped_config("tiny_sdxl_unet")).items()
                 if k.startswith(sgm_names)}
     modules = {k[len("unet."):-len(".lora_A.weight")] for k in diffusers if k.endswith(".lora_A.weight")}
     assert {k.rsplit(".", 1)[0].rsplit(".", 1)[0] for k in kohya if k.endswith("lora_down.weight")} == \

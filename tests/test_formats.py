@@ -24,9 +24,9 @@ from vramfit.formats.clip import (
     openclip_to_hf,
     to_sgm_clip_keys,
 )
+from vramfit.formats.keys import UnmappedKeysError
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae, ldm_to_diffusers_vae, vae_config_from_ldm, vae_key_map
-from vramfit.formats.sgm_unet import (
-    UnmappedKeysError,
+from vramfit.models.sdxl.sgm_unet import (
     check_text_time,
     diffusers_to_sgm_unet,
     sgm_to_diffusers_unet,

@@ -15,7 +15,7 @@ from vramfit.train.lora import apply_lora, lora_state
 def _adapted(seed: int = 0) -> torch.nn.Module:
     from diffusers import SD3Transformer2DModel
 
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     torch.manual_seed(seed)
     model = SD3Transformer2DModel(**shipped_config("tiny_sd3_transformer")).to(torch.bfloat16)

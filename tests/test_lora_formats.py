@@ -15,7 +15,8 @@ from safetensors import safe_open
 from vramfit.config.schema import ModelConfig
 from vramfit.formats import lora as L
 from vramfit.formats.safetensors_io import read_header
-from vramfit.models.registry import detect_family
+from vramfit.models.registry import FAMILIES, detect_family
+from vramfit.models.sdxl import kohya as K
 from vramfit.models.sources import resolve_source
 
 RANK = 4
@@ -121,8 +122,8 @@ def test_diffusers_file_loads_in_pipeline_at_trained_strength(name, bundle, tmp_
     b = bundle(name)
     family = FAMILY[name]
     trained, peft_state = _trained(b)
-    exported = L.to_diffusers(peft_state, family, alpha=ALPHA)
-    prefix = L.DENOISER_PREFIX[family] + "."
+    exported = L.to_diffusers(peft_state, FAMILIES[family].denoiser_component, alpha=ALPHA)
+    prefix = FAMILIES[family].denoiser_component + "."
     assert all(k.startswith(prefix) and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in exported)
     assert len(exported) == len(peft_state)
     path = tmp_path / "pytorch_lora_weights.safetensors"
@@ -156,7 +157,7 @@ def test_sd3_state_dict_loads_as_dict(bundle):
     """load_lora_weights also takes the dict (no file), as ComfyUI-style tools pass it around."""
     b = bundle("sd3")
     trained, peft_state = _trained(b, alpha=RANK)
-    exported = L.to_diffusers(peft_state, "sd3")
+    exported = L.to_diffusers(peft_state, "transformer")
     assert all(exported[k] is v for k, v in zip(exported, peft_state.values()))  # alpha == rank: untouched
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in exported
     pipe = _pipeline(b)
@@ -170,7 +171,7 @@ def test_kohya_round_trip_and_sgm_names(name, bundle):
     b = bundle(name)
     cfg = dict(b.denoiser.config)
     _, peft_state = _trained(b)
-    kohya = L.to_kohya_sdxl(peft_state, cfg, ALPHA)
+    kohya = K.to_kohya_sdxl(peft_state, cfg, ALPHA)
 
     n_modules = len(peft_state) // 2
     assert len(kohya) == 3 * n_modules
@@ -196,12 +197,12 @@ def test_kohya_round_trip_and_sgm_names(name, bundle):
         elif part == "lora_up.weight":
             assert list(t.shape) == [shape[0], RANK], key
 
-    back, back_alphas = L.from_kohya_sdxl(kohya, cfg)
+    back, back_alphas = K.from_kohya_sdxl(kohya, cfg)
     assert back.keys() == peft_state.keys()
     assert all(torch.equal(back[k], v) for k, v in peft_state.items())
     assert set(back_alphas) == {k[: -len(".lora_A.weight")] for k in peft_state if k.endswith("lora_A.weight")}
     assert set(back_alphas.values()) == {ALPHA}
-    again = L.to_kohya_sdxl(back, cfg, back_alphas)
+    again = K.to_kohya_sdxl(back, cfg, back_alphas)
     assert again.keys() == kohya.keys() and all(torch.equal(again[k], kohya[k]) for k in kohya)
 
 
@@ -211,8 +212,8 @@ def test_diffusers_loads_kohya_file_like_diffusers_file(name, bundle, tmp_path):
     cfg = dict(b.denoiser.config)
     trained, peft_state = _trained(b, seed=3)
     kohya_path, diffusers_path = tmp_path / "kohya.safetensors", tmp_path / "diffusers.safetensors"
-    L.save_lora(kohya_path, L.to_kohya_sdxl(peft_state, cfg, ALPHA), L.lora_scale_metadata(RANK, ALPHA))
-    L.save_lora(diffusers_path, L.to_diffusers(peft_state, "sdxl", ALPHA))
+    L.save_lora(kohya_path, K.to_kohya_sdxl(peft_state, cfg, ALPHA), L.lora_scale_metadata(RANK, ALPHA))
+    L.save_lora(diffusers_path, L.to_diffusers(peft_state, "unet", ALPHA))
 
     outs = {}
     for kind, path in (("kohya", kohya_path), ("diffusers", diffusers_path)):
@@ -236,18 +237,20 @@ def test_load_lora_recognises_every_format(bundle, tmp_path):
     _, s_xl = _trained(sdxl)
     _, s_ssd = _trained(ssd1b, seed=1)
     _, s_sd3 = _trained(sd3, seed=2)
-    diffusers_xl = L.to_diffusers(s_xl, "sdxl", ALPHA)
+    diffusers_xl = L.to_diffusers(s_xl, "unet", ALPHA)
     files = {  # name: (state to write, expected format, family, peft state, alpha of training)
         "diffusers_sdxl": (diffusers_xl, "diffusers", "sdxl", s_xl, ALPHA),
-        "diffusers_sd3": (L.to_diffusers(s_sd3, "sd3", ALPHA), "diffusers", "sd3", s_sd3, ALPHA),
-        "kohya_sdxl": (L.to_kohya_sdxl(s_xl, dict(sdxl.denoiser.config), ALPHA), "kohya", "sdxl", s_xl, ALPHA),
-        "kohya_ssd1b": (L.to_kohya_sdxl(s_ssd, dict(ssd1b.denoiser.config), ALPHA), "kohya", "sdxl", s_ssd, ALPHA),
+        "diffusers_sd3": (L.to_diffusers(s_sd3, "transformer", ALPHA), "diffusers", "sd3", s_sd3, ALPHA),
+        "kohya_sdxl": (K.to_kohya_sdxl(s_xl, dict(sdxl.denoiser.config), ALPHA), "kohya", "sdxl", s_xl,
+                       ALPHA),
+        "kohya_ssd1b": (K.to_kohya_sdxl(s_ssd, dict(ssd1b.denoiser.config), ALPHA), "kohya", "sdxl", s_ssd,
+                        ALPHA),
         "peft_sd3": (s_sd3, "peft", "sd3", s_sd3, RANK),
         "peft_sdxl": (s_xl, "peft", "sdxl", s_xl, RANK),
         # layouts diffusers' own converters write: unet.*.lora.down.weight, and kohya with diffusers paths
-        "legacy_diffusers": (convert_state_dict_to_diffusers(L.to_diffusers(s_xl, "sdxl")), "diffusers", "sdxl",
-                             s_xl, RANK),
-        "kohya_diffusers_paths": (convert_state_dict_to_kohya(L.to_diffusers(s_xl, "sdxl")), "kohya", "sdxl",
+        "legacy_diffusers": (convert_state_dict_to_diffusers(L.to_diffusers(s_xl, "unet")), "diffusers",
+                             "sdxl", s_xl, RANK),
+        "kohya_diffusers_paths": (convert_state_dict_to_kohya(L.to_diffusers(s_xl, "unet")), "kohya", "sdxl",
                                   s_xl, RANK),
     }
     assert any(".lora.down.weight" in k for k in files["legacy_diffusers"][0])
@@ -255,14 +258,15 @@ def test_load_lora_recognises_every_format(bundle, tmp_path):
     for fname, (state, fmt, family, want, alpha) in files.items():
         path = tmp_path / f"{fname}.safetensors"
         L.save_lora(path, state, {"note": fname})
-        got = L.load_lora(path)
+        got = L.load_lora(path, FAMILIES.values())
         assert (got.format, got.family) == (fmt, family), fname
         assert got.metadata == {"note": fname}
         st, alphas, fam = got  # unpacks as (state, alphas, family)
         assert fam == family and not got.text_encoders
         _assert_same_delta(st, alphas, want, alpha)
     # kohya with the config given (as for a layout outside the shipped ones)
-    got = L.load_lora(tmp_path / "kohya_ssd1b.safetensors", unet_config=ssd1b.denoiser.config)
+    got = L.load_lora(tmp_path / "kohya_ssd1b.safetensors", FAMILIES.values(),
+                      unet_config=ssd1b.denoiser.config)
     assert got.state.keys() == s_ssd.keys() and set(got.alphas.values()) == {ALPHA}
 
 
@@ -274,7 +278,7 @@ def test_load_lora_reads_text_encoder_parts(tmp_path):
              "lora_te2_text_model_encoder_layers_3_mlp_fc2.lora_down.weight": down,
              "lora_te2_text_model_encoder_layers_3_mlp_fc2.lora_up.weight": up}
     L.save_lora(tmp_path / "te.safetensors", kohya)
-    got = L.load_lora(tmp_path / "te.safetensors")
+    got = L.load_lora(tmp_path / "te.safetensors", FAMILIES.values())
     assert got.format == "kohya" and got.family is None and got.state == {}
     assert set(got.text_encoders["text_encoder"]) == {"text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight",
                                                       "text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight"}
@@ -293,10 +297,10 @@ def test_lora_config_kwargs_rebuild_a_loaded_lora(bundle, tmp_path):
     want = _forward(reference.eval())
     assert (want - _forward(trained)).abs().max() > 1e-4  # the alphas matter
 
-    for path, fmt_state in ((tmp_path / "k.safetensors", L.to_kohya_sdxl(state, b.denoiser.config, alphas)),
-                            (tmp_path / "d.safetensors", L.to_diffusers(state, "sdxl", alphas))):
+    for path, fmt_state in ((tmp_path / "k.safetensors", K.to_kohya_sdxl(state, b.denoiser.config, alphas)),
+                            (tmp_path / "d.safetensors", L.to_diffusers(state, "unet", alphas))):
         L.save_lora(path, fmt_state)
-        st, al, _ = L.load_lora(path)
+        st, al, _ = L.load_lora(path, FAMILIES.values())
         model = copy.deepcopy(b.denoiser)
         model.add_adapter(LoraConfig(**L.lora_config_kwargs(st, al)))
         result = set_peft_model_state_dict(model, st)
@@ -312,42 +316,43 @@ def test_bad_files_and_inputs_are_refused(tmp_path):
     junk = tmp_path / "junk.safetensors"
     L.save_lora(junk, {"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match=r"junk\.safetensors.*not a LoRA.*model\.diffusion_model\.input_blocks"):
-        L.load_lora(junk)
+        L.load_lora(junk, FAMILIES.values())
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00" * 5)
     with pytest.raises(ValueError, match="garbage.safetensors"):
-        L.load_lora(garbage)
+        L.load_lora(garbage, FAMILIES.values())
     sd3_kohya = tmp_path / "sd3_kohya.safetensors"
     L.save_lora(sd3_kohya, {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.zeros(2, 4),
                             "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.zeros(12, 2)})
     with pytest.raises(ValueError, match="kohya SD3.*joint_blocks_0"):
-        L.load_lora(sd3_kohya)
+        L.load_lora(sd3_kohya, FAMILIES.values())
     unknown_block = tmp_path / "odd.safetensors"
     L.save_lora(unknown_block, {"lora_unet_input_blocks_4_1_transformer_blocks_99_attn1_to_q.lora_down.weight":
                                 torch.zeros(2, 4),
                                 "lora_unet_input_blocks_4_1_transformer_blocks_99_attn1_to_q.lora_up.weight":
                                 torch.zeros(4, 2)})
     with pytest.raises(ValueError, match="odd.safetensors.*transformer_blocks_99.*UNet config"):
-        L.load_lora(unknown_block)
+        L.load_lora(unknown_block, FAMILIES.values())
     bad_te = tmp_path / "bad_te.safetensors"
     L.save_lora(bad_te, {"lora_te1_text_model_embeddings_token_embedding.lora_down.weight": torch.zeros(2, 4),
                          "lora_te1_text_model_embeddings_token_embedding.lora_up.weight": torch.zeros(4, 2)})
     with pytest.raises(ValueError, match="bad_te.safetensors.*token_embedding"):
-        L.load_lora(bad_te)
+        L.load_lora(bad_te, FAMILIES.values())
 
     a, b = torch.zeros(2, 4), torch.zeros(4, 2)
-    with pytest.raises(ValueError, match="family 'flux'"):
+    with pytest.raises(ValueError, match="component 'flux'"):
         L.to_diffusers({"x.lora_A.weight": a, "x.lora_B.weight": b}, "flux")
     with pytest.raises(ValueError, match="only lora_A"):
-        L.to_diffusers({"x.lora_A.weight": a}, "sdxl")
+        L.to_diffusers({"x.lora_A.weight": a}, "unet")
     with pytest.raises(ValueError, match="already carry a component prefix"):
-        L.to_diffusers({"unet.x.lora_A.weight": a, "unet.x.lora_B.weight": b}, "sdxl")
+        L.to_diffusers({"unet.x.lora_A.weight": a, "unet.x.lora_B.weight": b}, "unet")
     with pytest.raises(ValueError, match="lora_magnitude_vector"):
-        L.to_diffusers({"x.lora_A.weight": a, "x.lora_B.weight": b, "x.lora_magnitude_vector": a}, "sdxl")
-    from vramfit.models.tiny import shipped_config
+        L.to_diffusers({"x.lora_A.weight": a, "x.lora_B.weight": b, "x.lora_magnitude_vector": a}, "unet")
+    from vramfit.models.parts import shipped_config
 
     with pytest.raises(ValueError, match="not parameters of this UNet config.*nowhere"):
-        L.to_kohya_sdxl({"nowhere.lora_A.weight": a, "nowhere.lora_B.weight": b}, shipped_config("tiny_sdxl_unet"), 4)
+        K.to_kohya_sdxl({"nowhere.lora_A.weight": a, "nowhere.lora_B.weight": b},
+                        shipped_config("tiny_sdxl_unet"), 4)
     with pytest.raises(ValueError, match="str to str"):
         L.save_lora(tmp_path / "m.safetensors", {"x.lora_A.weight": a}, {"rank": 4})
 

@@ -154,8 +154,7 @@ def test_text_encoders_are_built_from_the_file_without_random_initialisation(pro
     random initialisation runs (it took 10 s for bigG)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from vramfit.models.sdxl import SDXLFamily
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import clip_text_model, shipped_config
 
     cls = CLIPTextModelWithProjection if projection else CLIPTextModel
     torch.manual_seed(0)
@@ -166,7 +165,7 @@ def test_text_encoders_are_built_from_the_file_without_random_initialisation(pro
         return t if t.device.type == "meta" else pytest.fail("random initialisation ran on real memory")
 
     monkeypatch.setattr(torch.Tensor, "normal_", no_real_init)
-    built = SDXLFamily()._clip(state, config.hidden_act, projection, Path("model.safetensors"))
+    built = clip_text_model(state, config.hidden_act, projection, Path("model.safetensors"))
     monkeypatch.undo()
     assert built.dtype == dtype
     ids = torch.randint(0, config.vocab_size, (2, 77), generator=torch.Generator().manual_seed(1))

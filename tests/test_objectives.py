@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from diffusers import DDPMScheduler
 
-from vramfit.models.tiny import shipped_config
-from vramfit.models.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.models.objectives import weighted_mse
+from vramfit.models.parts import shipped_config
+from vramfit.models.sdxl.objective import epsilon_draws, epsilon_inputs, min_snr_weights
 
 
 def _sched():

@@ -173,7 +173,7 @@ def test_streamed_weights_stay_home_between_uses(images, tmp_path, cache_root, m
     units = streamer.units
     leaves = [not list(bundle.denoiser.get_submodule(u.name).children()) for u in units]
     assert len(units) > 4 and all(u.nbytes <= unit_mib * 2**20 or leaf for u, leaf in zip(units, leaves))
-    blocks = [b for _, b in block_modules(bundle.denoiser)]
+    blocks = [b for _, b in block_modules(bundle.denoiser, family.block_containers)]
     wanted = {id(p) for b in blocks for p in b.parameters() if cfg.train.mode == "full" or not p.requires_grad}
     assert sorted(id(p) for u in units for p in u.params) == sorted(wanted)  # each streamed weight once
     largest = max(u.nbytes for u in units)
@@ -417,8 +417,8 @@ def test_a_slot_still_being_copied_home_from_is_not_copied_into_at_once():
     backward a unit's copy in does not wait for the previous unit's copy out."""
     model = torch.nn.Module()
     model.transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-    streamer = WeightStreamer(model, torch.device("cpu"), stream=True, stream_trainable=True,
-                              max_unit_bytes=2**20, offload_activations=False)
+    streamer = WeightStreamer(model, torch.device("cpu"), blocks=("transformer_blocks",), stream=True,
+                              stream_trainable=True, max_unit_bytes=2**20, offload_activations=False)
     need = {torch.float32: 8 * 8 + 8}
 
     def let_go(slot, copying_home):

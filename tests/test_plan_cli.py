@@ -94,9 +94,9 @@ def _header_only_checkpoint(path: Path, unet: torch.nn.Module) -> Path:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from vramfit.formats import clip as clipfmt, ldm_vae, sgm_unet
-    from vramfit.models import sdxl
-    from vramfit.models.tiny import shipped_config
+    from vramfit.formats import clip as clipfmt, ldm_vae
+    from vramfit.models.parts import shipped_config
+    from vramfit.models.sdxl import family as sdxl, sgm_unet
 
     with torch.device("meta"):
         vae = AutoencoderKL(**shipped_config("sdxl_vae"))

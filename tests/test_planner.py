@@ -18,7 +18,6 @@ from vramfit.memory.accounting import tensor_bytes
 from vramfit.fit.model_facts import facts_for_layout, read_facts
 from vramfit.fit.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, choose, device_terms,
                                     free_knobs, predict, with_values)
-from vramfit.fit.probe import SYNTHETIC_BATCHES
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.optim.base import state_bytes
@@ -63,7 +62,7 @@ def test_weights_gradients_and_state_are_predicted_to_the_byte(model, train, lor
     family, bundle, _ = _placed(cfg)
     unet = bundle.denoiser
     assert predicted["weights"] == _held_bytes(unet)
-    batch = SYNTHETIC_BATCHES[family.name](dict(unet.config), 1, (SIZE, SIZE), cfg)
+    batch = family.synthetic_batch(dict(unet.config), 1, (SIZE, SIZE), cfg)
     dtype = next(p for p in unet.parameters() if not p.requires_grad or train.get("mode") != "lora").dtype
     family.training_loss(bundle, batch, cfg.train, torch.Generator().manual_seed(0), torch.device("cpu"),
                          dtype).backward()
@@ -471,7 +470,7 @@ def _texture_vae(sample_size: int):
     (every tile sees the same statistics, as in a photo's flat regions)."""
     from diffusers import AutoencoderKL
 
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**{**shipped_config("tiny_vae"), "sample_size": sample_size}).eval()

@@ -183,7 +183,7 @@ def test_byte_split_of_the_full_size_denoisers():
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
-    from vramfit.models.tiny import shipped_config
+    from vramfit.models.parts import shipped_config
 
     shares = {}
     for name, cls in (("sdxl_unet", UNet2DConditionModel), ("ssd1b_unet", UNet2DConditionModel),

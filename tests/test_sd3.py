@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 from vramfit.config.schema import TrainConfig
 from vramfit.formats.safetensors_io import load_prefixed, save_atomic
-from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
 from vramfit.models.adapter import Source
-from vramfit.models.sd3 import CLIP_G, T5, T5_EMBED, TRANSFORMER, SD3Family, layout_name
+from vramfit.models.parts import shipped_config
+from vramfit.models.sd3 import flow
+from vramfit.models.sd3.family import CLIP_G, T5, T5_EMBED, TRANSFORMER, SD3Family, layout_name
+from vramfit.models.sd3.mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit, sd3_config_from_keys
+from vramfit.models.sd3.tiny import materialize_sd3
 from vramfit.models.sdxl import SDXLFamily
-from vramfit.models.tiny import shipped_config
-from vramfit.models.tiny_sd3 import materialize_sd3
-from vramfit.models import flow
 
 CPU = torch.device("cpu")
 CAPTIONS = ["a red circle", "The blue square on green!"]
@@ -104,7 +104,7 @@ def test_tiny_file_transformer_matches_diffusers_conversion(tiny_file):
 def test_unknown_or_missing_mmdit_keys_raise():
     from diffusers import SD3Transformer2DModel
 
-    from vramfit.formats.sgm_unet import UnmappedKeysError
+    from vramfit.formats.keys import UnmappedKeysError
 
     sai = diffusers_to_sai_mmdit(SD3Transformer2DModel(**shipped_config("tiny_sd3_transformer")).state_dict())
     with pytest.raises(UnmappedKeysError, match="unmapped"):

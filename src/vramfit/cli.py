@@ -216,14 +216,15 @@ def cmd_data(args) -> int:
 def cmd_inspect(args) -> int:
     from vramfit.config.schema import ModelConfig
     from vramfit.formats.lora import describe_lora
-    from vramfit.models.registry import detect_family
+    from vramfit.models.registry import FAMILIES, detect_family
     from vramfit.models.sources import SourceError, resolve_source
 
     path = Path(args.path).expanduser()
     repo_id = args.path.startswith("tiny:") or (args.path.count("/") == 1 and not path.suffix)
     if not repo_id and not path.exists():
         raise FileNotFoundError(f"{args.path} does not exist")
-    lora = describe_lora(path) if path.is_file() and path.suffix == ".safetensors" else None
+    is_file = path.is_file() and path.suffix == ".safetensors"
+    lora = describe_lora(path, FAMILIES.values()) if is_file else None
     if lora is not None:
         if args.json:
             print(json.dumps({"kind": "lora", "path": str(path), **lora}, indent=2))

@@ -1,13 +1,13 @@
 """Image generation: render prompts from a model (with any number of LoRAs), compare base vs fine-tuned.
 
-The pipeline is a real diffusers StableDiffusionXLPipeline / StableDiffusion3Pipeline built from
-the parts a family loaded (nothing is downloaded). Every image has its own CPU-seeded generator
-(seed + image index), so an image depends only on its prompt, seed and settings: the same command
-gives the same pixels, and `--compare` renders the base model on exactly the seeds of the
-fine-tuned images (`--compare --base B` renders another model B on them instead). Memory stays
-low by default: on CUDA the models go to the GPU one at a time (diffusers' model CPU offload), each
-prompt is encoded once, and images are rendered one by one. Width and height default to the
-model's own size, so a tiny test model renders at its small size in seconds.
+The pipeline is the family's real diffusers pipeline (StableDiffusionXLPipeline,
+StableDiffusion3Pipeline) built from the parts it loaded (nothing is downloaded). Every image has
+its own CPU-seeded generator (seed + image index), so an image depends only on its prompt, seed and
+settings: the same command gives the same pixels, and `--compare` renders the base model on exactly
+the seeds of the fine-tuned images (`--compare --base B` renders another model B on them instead).
+Memory stays low by default: on CUDA the models go to the GPU one at a time (diffusers' model CPU
+offload), each prompt is encoded once, and images are rendered one by one. Width and height default
+to the model's own size, so a tiny test model renders at its small size in seconds.
 """
 from __future__ import annotations
 
@@ -31,16 +31,14 @@ from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
 from vramfit.models.registry import FAMILIES, detect_family
-from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, require_tokenizers, resolve_source
-from vramfit.models.tiny import shipped_config
+from vramfit.models.parts import require_tokenizers
+from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, resolve_source
 
 DEFAULT_STEPS = 30
-DEFAULT_GUIDANCE = {"sdxl": 5.0, "sd3": 7.0}
-FAMILY_NAMES = {"sdxl": "SDXL-family", "sd3": "SD3"}
 DEFAULT_SIZE = 1024
 VAE_FACTOR = 8  # every SDXL-family and SD3 VAE; read from the VAE where one is loaded
-SD3_MAX_TOKENS = 512  # the most T5 tokens diffusers' SD3 pipeline takes
-SD3_MAX_SEQUENCE_LENGTH = 256  # the T5 tokens diffusers' SD3 pipeline uses
+T5_MAX_TOKENS = 512  # the most T5 tokens diffusers' pipelines take
+PIPELINE_T5_TOKENS = 256  # the T5 tokens diffusers' SD3 pipeline uses (--max-sequence-length's default)
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -60,49 +58,29 @@ def build_pipeline(bundle) -> Any:
     If the bundle's VAE and text encoders were dropped for training, they are loaded again from
     the source for the pipeline (the bundle itself is not changed).
     """
+    family = FAMILIES[bundle.family]
     vae, encoders, tokenizers = bundle.vae, list(bundle.text_encoders), list(bundle.tokenizers)
     if vae is None or len(encoders) < 2:
-        vae, encoders = FAMILIES[bundle.family].load_encoders(bundle.source)
+        vae, encoders = family.load_encoders(bundle.source)
         encoders = list(encoders)
-    if bundle.family == "sdxl":
-        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
-        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
-
-        scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
-        pipe = StableDiffusionXLPipeline(
-            vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=tokenizers[0],
-            tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
-            force_zeros_for_empty_prompt=True, add_watermarker=False)
-    elif bundle.family == "sd3":
-        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
-        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-
-        has_t5 = len(encoders) > 2 and len(tokenizers) > 2
-        pipe = StableDiffusion3Pipeline(
-            transformer=bundle.denoiser, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-            text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
-            tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
-            tokenizer_3=tokenizers[2] if has_t5 else None)
-    else:
-        raise ValueError(f"no image pipeline for model family {bundle.family!r}")
-    pipe.vramfit_family = bundle.family
+    pipe = family.pipeline(bundle, vae, encoders, tokenizers)
+    pipe.vramfit_family = family
     return pipe
 
 
-def _family(pipe) -> str:
-    return "sd3" if hasattr(pipe, "transformer") else "sdxl"
+def _family(pipe):
+    """The family (models/<family>/) whose pipeline `pipe` is (build_pipeline)."""
+    return pipe.vramfit_family
 
 
 def _denoiser(pipe) -> torch.nn.Module:
-    return pipe.transformer if _family(pipe) == "sd3" else pipe.unet
+    return getattr(pipe, _family(pipe).denoiser_component)
 
 
 def size_multiple(pipe) -> int:
-    """Width and height must be multiples of this (VAE factor, times the patch size for SD3)."""
-    factor = int(pipe.vae_scale_factor)
-    if _family(pipe) == "sd3":
-        factor *= int(pipe.transformer.config.patch_size)
-    return factor
+    """Width and height must be multiples of this (VAE factor, times the patch size of a patched
+    denoiser such as SD3's)."""
+    return int(pipe.vae_scale_factor) * int(_denoiser(pipe).config.get("patch_size") or 1)
 
 
 def native_size(bundle) -> tuple[int, int]:
@@ -121,8 +99,7 @@ def native_size(bundle) -> tuple[int, int]:
     tiny = meta.get("vramfit.tiny") or (base.split(":", 1)[1] if base.startswith("tiny:") else None)
     if tiny:
         try:
-            name = "tiny_sd3_transformer" if bundle.family == "sd3" else f"tiny_{tiny}_unet"
-            config["sample_size"] = shipped_config(name)["sample_size"]
+            config["sample_size"] = FAMILIES[bundle.family].tiny_denoiser_config(tiny)["sample_size"]
         except FileNotFoundError:  # not a tiny model of this version: keep the loaded config
             pass
     side = config.get("sample_size") or DEFAULT_SIZE // VAE_FACTOR
@@ -278,7 +255,7 @@ def _warn_unmatched(pipe, path: Path, weights, name: str) -> None:
         names = f": {', '.join(unknown[:3])}{more}"
     log.warning("--lora %s: %d of its %d layers are not in this %s model and are left out%s; "
                 "it was probably trained for another model of the family", path, missing, len(layers),
-                _family(pipe), names)
+                _family(pipe).name, names)
 
 
 def read_lora(path: Path, allow_pickle: bool = False):
@@ -317,8 +294,7 @@ def _encode(pipe, prompt: str, negative: Optional[str], guidance: float,
     """The prompt's embeddings, computed once for all of its images, in the denoiser's dtype."""
     kwargs = dict(prompt=prompt, prompt_2=None, device=pipe._execution_device, num_images_per_prompt=1,
                   do_classifier_free_guidance=guidance > 1.0, negative_prompt=negative)
-    if _family(pipe) == "sd3":
-        kwargs.update(prompt_3=None, max_sequence_length=max_sequence_length or SD3_MAX_SEQUENCE_LENGTH)
+    kwargs.update(_family(pipe).prompt_options(max_sequence_length or PIPELINE_T5_TOKENS))
     pe, npe, ppe, nppe = pipe.encode_prompt(**kwargs)
     dtype = _denoiser(pipe).dtype
     cast = (lambda t: None if t is None else t.to(dtype))
@@ -331,14 +307,7 @@ def _decode(pipe, latents: torch.Tensor) -> list:
     """Latents to PIL images through the pipeline's VAE, whatever dtype the VAE is kept in."""
     vae = pipe.vae
     cfg = vae.config
-    if _family(pipe) == "sd3":
-        latents = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
-    elif getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
-        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1).to(latents)
-        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1).to(latents)
-        latents = latents * std / cfg.scaling_factor + mean
-    else:
-        latents = latents / cfg.scaling_factor
+    latents = _family(pipe).vae_input(latents, cfg)
     upcast = vae.dtype == torch.float16 and getattr(cfg, "force_upcast", False)
     if upcast:  # the SDXL VAE overflows in float16
         vae.to(torch.float32)
@@ -391,7 +360,7 @@ def _check(pipe, prompts: Sequence[str], steps: int, width: int, height: int, co
     m = size_multiple(pipe)
     if width < m or height < m or width % m or height % m:
         raise ValueError(f"width and height must be positive multiples of {m} for this "
-                         f"{_family(pipe)} model (got {width}x{height})")
+                         f"{_family(pipe).name} model (got {width}x{height})")
 
 
 def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, seed: int = 0,
@@ -407,7 +376,7 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
     casts the pipeline's models (None: keep them as they are). `on_image` gets each image as
     soon as it is rendered.
     """
-    guidance = DEFAULT_GUIDANCE[_family(pipe)] if guidance is None else float(guidance)
+    guidance = _family(pipe).default_guidance if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, count)
     check_numbers(guidance, loras)
     place(pipe, device, dtype, offload=offload)
@@ -436,7 +405,7 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
     to the device it was on (offload hooks removed), so a training model is where it was;
     `dtype` (default None: none) casts the models, the denoiser included, and is not undone.
     """
-    guidance = DEFAULT_GUIDANCE[_family(pipe)] if guidance is None else float(guidance)
+    guidance = _family(pipe).default_guidance if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, max(1, len(seeds)))
     if not seeds:
         raise ValueError("sample_grid needs at least one seed")
@@ -598,8 +567,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    "1/4 of the memory), fp8 (storage only), none (left out: zero embeddings, as SD3 "
                    "allows); default bf16")
     p.add_argument("--max-sequence-length", type=int, default=None,
-                   help=f"SD3: T5 tokens per prompt, 1 to {SD3_MAX_TOKENS} "
-                   f"(default {SD3_MAX_SEQUENCE_LENGTH}, as diffusers' pipeline)")
+                   help=f"SD3: T5 tokens per prompt, 1 to {T5_MAX_TOKENS} "
+                   f"(default {PIPELINE_T5_TOKENS}, as diffusers' pipeline)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where tiny models and converted checkpoints are kept (default ~/.cache/vramfit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -658,12 +627,13 @@ def run_generate(args) -> int:
     if base is not None and base[1].name != model[1].name:
         log.warning("--base %s is an %s model and --model %s an %s model: compare.png shows two model "
                     "families side by side, not a model and its fine-tune", base_text,
-                    FAMILY_NAMES.get(base[1].name, base[1].name), args.model,
-                    FAMILY_NAMES.get(model[1].name, model[1].name))
-    if "sd3" not in {model[1].name, base[1].name if base else None}:
+                    base[1].display_name, args.model, model[1].display_name)
+    if not any(family.has_t5 for family in (model[1], base[1] if base else model[1])):
+        with_t5 = " and ".join(f.display_name for f in FAMILIES.values() if f.has_t5)
         for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):
             if value is not None:
-                raise GenerateError(f"{flag} applies to SD3 models; {args.model} is an SDXL-family model")
+                raise GenerateError(f"{flag} applies to {with_t5} models; {args.model} is an "
+                                    f"{model[1].display_name} model")
     out = _output_folder(Path(args.out))
 
     progress = not getattr(args, "no_progress", False)
@@ -676,7 +646,7 @@ def run_generate(args) -> int:
                   width=width, height=height, count=args.count, device=device, dtype=dtype,
                   offload=not args.no_offload, max_sequence_length=args.max_sequence_length,
                   allow_pickle=getattr(args, "allow_pickle", False))
-    guidance = DEFAULT_GUIDANCE[bundle.family] if args.guidance is None else args.guidance
+    guidance = FAMILIES[bundle.family].default_guidance if args.guidance is None else args.guidance
     settings = {"model": args.model, "steps": str(args.steps), "guidance": str(guidance),
                 "size": f"{width}x{height}", "loras": ", ".join(f"{Path(p).name}:{s:g}" for p, s in loras)}
     if args.negative:
@@ -748,8 +718,8 @@ def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> No
         raise GenerateError(f"--seed must be from 0 to {2 ** 64 - 1} for every image "
                             f"(got {args.seed}..{last})")
     n = args.max_sequence_length
-    if n is not None and not 1 <= n <= SD3_MAX_TOKENS:
-        raise GenerateError(f"--max-sequence-length must be from 1 to {SD3_MAX_TOKENS} (got {n})")
+    if n is not None and not 1 <= n <= T5_MAX_TOKENS:
+        raise GenerateError(f"--max-sequence-length must be from 1 to {T5_MAX_TOKENS} (got {n})")
     check_numbers(args.guidance, loras)
     for path, _ in loras:
         if not Path(path).is_file():
@@ -832,5 +802,5 @@ def _check_size(pipe, width: int, height: int, model: str) -> None:
     m = size_multiple(pipe)
     for flag, value in (("--width", width), ("--height", height)):
         if value % m:
-            raise GenerateError(f"{flag} {value}: {model} ({_family(pipe)}) renders sizes that are "
+            raise GenerateError(f"{flag} {value}: {model} ({_family(pipe).name}) renders sizes that are "
                                 f"multiples of {m}; use e.g. {max(m, round(value / m) * m)}")

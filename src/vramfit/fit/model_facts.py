@@ -23,15 +23,12 @@ import torch
 from vramfit.config.schema import MemoryConfig, ModelConfig, RunConfig
 from vramfit.formats.ldm_vae import vae_config_from_ldm
 from vramfit.formats.safetensors_io import meta_tensors, read_header
-from vramfit.formats.sd3_mmdit import sd3_config_from_keys
-from vramfit.formats.sgm_unet import unet_config_from_sgm
 from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
-from vramfit.models import sd3, sdxl
-from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.memory.vae_tiling import vae_tile
+from vramfit.models.parts import shipped_config
+from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source
-from vramfit.models.tiny import shipped_config
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
 
 
@@ -65,36 +62,6 @@ class ModelFacts:
     vae_tile: int  # the side in pixels of the tiles cache.vae_tiling encodes (memory/vae_tiling.py `vae_tile`)
     encoders: list[EncoderFacts] = field(default_factory=list)
     layout: str = ""  # the shipped layout the facts were built from, without a checkpoint; "" when read
-
-
-@dataclass(frozen=True)
-class _Files:
-    denoiser_prefix: str
-    denoiser_sub: str
-    vae_prefix: str
-    encoders: tuple[tuple[str, str, str, str], ...]  # (name, single-file prefix, diffusers folder, kind)
-
-
-def _family_files() -> dict[str, _Files]:
-    return {
-        "sdxl": _Files(sdxl.UNET, "unet", sdxl.VAE, (("CLIP-L", sdxl.CLIP_L, "text_encoder", "clip"),
-                                                     ("bigG", sdxl.CLIP_G, "text_encoder_2", "clip"))),
-        "sd3": _Files(sd3.TRANSFORMER, "transformer", sd3.VAE,
-                      (("CLIP-L", sd3.CLIP_L, "text_encoder", "clip"), ("CLIP-G", sd3.CLIP_G, "text_encoder_2", "clip"),
-                       ("T5", sd3.T5, "text_encoder_3", "t5"))),
-    }
-
-
-def _denoiser_class(family: str):
-    # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
-    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
-
-    return {"sdxl": UNet2DConditionModel, "sd3": SD3Transformer2DModel}[family]
-
-
-def _config_from_header(family: str, header: dict, prefix: str) -> dict:
-    reader = {"sdxl": unet_config_from_sgm, "sd3": sd3_config_from_keys}[family]
-    return reader(meta_tensors(header, prefix))
 
 
 _ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -140,19 +107,19 @@ def _headers(folder: Path) -> dict:
 def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     """Everything the planner needs from cfg.model, from headers and configs only."""
     source = resolve_source(cfg.model, cache_root)
-    family = detect_family(source, cfg.model.family).name
-    files = _family_files()[family]
+    family = detect_family(source, cfg.model.family)
+    files = family.files  # where its parts are in single files and diffusers folders
     encoders: list[EncoderFacts] = []
     if source.kind == "single_file":
         header = read_header(source.path)[0]
-        config = _config_from_header(family, header, files.denoiser_prefix)
+        config = family.denoiser_config(meta_tensors(header, files.denoiser_prefix))
         vae_params = sum(math.prod(v["shape"]) for k, v in header.items() if k.startswith(files.vae_prefix))
         found = [encoder_facts(n, kind, header, prefix) for n, prefix, _, kind in files.encoders]
         # the VAE is built from its keys as the family loads it (formats/ldm_vae.py)
         vae_keys = meta_tensors(header, files.vae_prefix)
         tile = vae_tile(vae_config_from_ldm(vae_keys)["sample_size"] if vae_keys else 1024)
     else:
-        config = json.loads((source.path / files.denoiser_sub / "config.json").read_text())
+        config = json.loads((source.path / files.denoiser_folder / "config.json").read_text())
         config = {k: v for k, v in config.items() if not k.startswith("_")}
         vae_params = sum(math.prod(v["shape"]) for v in _headers(source.path / "vae").values())
         vae_cfg = source.path / "vae" / "config.json"
@@ -161,10 +128,10 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         found = [encoder_facts(n, kind, _headers(source.path / sub)) if (source.path / sub).is_dir() else None
                  for n, _, sub, kind in files.encoders]
     encoders = [e for e in found if e is not None]
-    cls = _denoiser_class(family)
+    cls = family.denoiser_class()
     with torch.device("meta"):
         denoiser = cls.from_config(config)
-    return ModelFacts(family, dict(denoiser.config), denoiser, vae_params, tile, encoders)
+    return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders)
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------
@@ -211,7 +178,6 @@ def encoder_bytes(enc: EncoderFacts, t5_precision: str) -> tuple[int, int]:
 # T5 v1.1 XXL, the encoder of SD3's `t5xxl` files (model-facts.md: 4,762,310,656 parameters)
 T5_XXL = {"d_ff": 10240, "d_kv": 64, "d_model": 4096, "feed_forward_proj": "gated-gelu", "num_heads": 64,
           "num_layers": 24, "vocab_size": 32128, "is_encoder_decoder": False, "tie_word_embeddings": False}
-_ALIASES = {"sd3m": "sd3-medium"}  # the name bench/plan_check.py and older tests use
 
 
 class UnknownLayout(ValueError):
@@ -231,10 +197,11 @@ def facts_for_layout(layout: str, *, t5: bool = True) -> ModelFacts:
     device: no weights are read or allocated. Built once per layout and shared (read-only): a
     second call costs nothing, where building takes about a second."""
     known = shipped_layouts()
-    if _ALIASES.get(layout, layout) not in known:
+    aliases = {alias: name for family in FAMILIES.values() for alias, name in family.shipped_aliases.items()}
+    if aliases.get(layout, layout) not in known:
         raise UnknownLayout(f"unknown model architecture {layout!r}; the shipped ones are {', '.join(known)} "
                             "(or give model.path: a checkpoint, a diffusers folder or a repo id)")
-    return _layout_facts(_ALIASES.get(layout, layout), t5)
+    return _layout_facts(aliases.get(layout, layout), t5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,9 +211,9 @@ def _layout_facts(layout: str, t5: bool) -> ModelFacts:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     family, (denoiser_cfg, vae_cfg, encoder_cfgs) = shipped_layouts()[layout]
-    names = [name for name, _, _, _ in _family_files()[family].encoders]  # as read_facts names them
+    names = [name for name, _, _, _ in FAMILIES[family].files.encoders]  # as read_facts names them
     with torch.device("meta"):
-        denoiser = _denoiser_class(family)(**shipped_config(denoiser_cfg))
+        denoiser = FAMILIES[family].denoiser_class()(**shipped_config(denoiser_cfg))
         vae = AutoencoderKL(**shipped_config(vae_cfg))
         models = []
         for name, enc in zip(names, encoder_cfgs):

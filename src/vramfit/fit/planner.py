@@ -30,18 +30,19 @@ Each phase (bytes allocated; n = a tensor's element count):
 - save: W + S + SAVE_WORKSPACE, or SAVE_WORKSPACE_STREAMED with streamed weights (the optimizer
   still lives while the state is written).
 
-Activations: a small per-family model (`_ACTIVATIONS`) counts elements per batch item: with
-gradient checkpointing the inputs of the checkpointed modules (SDXL family: each resnet and
-transformer block, the layers around them; SD3: each joint block's image + text tokens x width)
-x `saved`, plus the largest block's tokens x channels x `work` (its recompute). A share s of the
-blocks checkpointed (memory/checkpointing.py, spread evenly): the model lists the checkpointable
-blocks in the order the forward calls them and picks the ones that recompute as PartialCheckpoint
-does; those keep their input x `saved`, the others their input x `all_resnet` / `all_block`, the
-layers between blocks their inputs x `saved`; plus the `work` of the largest block that recomputes.
-Without checkpointing it is the same sum with no block recomputing and no work. Offloaded
-activations keep only the largest block's `work`, at any share. The constants per element kept
-(`_CONSTANTS`): `all_resnet` / `all_block` under autocast, `bf16_resnet` / `bf16_block` in full
-bf16 and fp32 (at twice the bytes), `lora_block` for a LoRA's blocks where the family has one.
+Activations: a small per-family model (each family's `activations`, models/<family>/memory.py)
+counts elements per batch item: with gradient checkpointing the inputs of the checkpointed modules
+(SDXL family: each resnet and transformer block, the layers around them; SD3: each joint block's
+image + text tokens x width) x `saved`, plus the largest block's tokens x channels x `work` (its
+recompute). A share s of the blocks checkpointed (memory/checkpointing.py, spread evenly): the
+model lists the checkpointable blocks in the order the forward calls them and picks the ones that
+recompute as PartialCheckpoint does; those keep their input x `saved`, the others their input x
+`all_resnet` / `all_block`, the layers between blocks their inputs x `saved`; plus the `work` of
+the largest block that recomputes. Without checkpointing it is the same sum with no block
+recomputing and no work. Offloaded activations keep only the largest block's `work`, at any share.
+The constants per element kept (`_CONSTANTS`): `all_resnet` / `all_block` under autocast,
+`bf16_resnet` / `bf16_block` in full bf16 and fp32 (at twice the bytes), `lora_block` for a LoRA's
+blocks where the family has one.
 
 Constants: the fitted ones (the names above, `_CONSTANTS`, STREAMED_FULL_COST) are read from
 fit/calibration.json at import, which records each one's unit, the measurements it was fitted to,
@@ -58,20 +59,21 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
                                      read_facts, state_bytes)
 from vramfit.memory.offload import block_modules, split_units
+from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
-from vramfit.config.rules import streamed_step_on_device
 from vramfit.optim.build import optimizer_class
 from vramfit.train.distributed import composition_problems, launched_world
 from vramfit.train.lora import target_modules
@@ -154,104 +156,6 @@ SAVE_WORKSPACE_STREAMED = _FITTED["SAVE_WORKSPACE_STREAMED"]
 _CONSTANTS = _FITTED["_CONSTANTS"]  # by family: ActivationConstants
 
 
-@dataclass
-class ActivationShape:
-    """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
-    inputs of every resnet (`resnet_inputs`, checked against diffusers in the tests). `blocks`: each
-    checkpointable block's input, in the order the forward calls them ("resnet" or "block",
-    elements), `fixed` the saved inputs of the layers between them, which never recompute, and
-    `unchecked` the inputs of resnets called without checkpointing; `saved` is all of them."""
-    saved: int = 0
-    work: int = 0
-    resnet_inputs: int = 0
-    blocks: list[tuple[str, int]] = field(default_factory=list)
-    fixed: int = 0
-    unchecked: int = 0  # inputs of resnets never checkpointed: every activation kept under a share
-
-
-def _per_layer(value, level: int, layers: int) -> list[int]:
-    v = value[level] if isinstance(value, (list, tuple)) else value
-    return list(v) if isinstance(v, (list, tuple)) else [int(v)] * layers
-
-
-def sdxl_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
-    """The SDXL-family UNet: each resnet and transformer block is checkpointed (diffusers);
-    per Transformer2DModel its norm, proj_in and proj_out save about 3 more inputs. Its text
-    states (77 tokens, one shared tensor) are negligible; `t5_tokens` does not apply."""
-    chans = list(config["block_out_channels"])
-    lpb = int(config["layers_per_block"])
-    down_types = config["down_block_types"]
-    depths = config["transformer_layers_per_block"]
-    reverse = config.get("reverse_transformer_layers_per_block")
-    px = latent_h * latent_w
-    out = ActivationShape()
-
-    def add(kind: str, channels: int, level: int, depth: int = 0, checked: bool = True) -> None:
-        elems = channels * px // 4**level
-        if kind == "resnet":
-            out.saved += elems
-            out.resnet_inputs += elems
-            out.work = max(out.work, elems)
-            if checked:
-                out.blocks.append(("resnet", elems))
-            else:  # a resnet the model calls without its checkpointing function
-                out.unchecked += elems
-        elif depth:
-            out.saved += (depth + 3) * elems  # the text states are one shared tensor
-            out.work = max(out.work, elems)
-            out.blocks += [("block", elems)] * depth
-            out.fixed += 3 * elems
-        else:  # a down/upsampler's conv input
-            out.saved += elems
-            out.fixed += elems
-    for level, ch in enumerate(chans):
-        attn = down_types[level].startswith("CrossAttn")
-        for i, d in enumerate(_per_layer(depths, level, lpb)):
-            add("resnet", chans[level - 1] if i == 0 and level else ch, level)
-            if attn:
-                add("block", ch, level, d)
-        if level < len(chans) - 1:
-            add("sampler", ch, level)
-    top = len(chans) - 1
-    # the mid block's first resnet runs without checkpointing; a cross-attention mid block then has
-    # a (transformer, resnet) pair, checkpointed; SSD-1B's plain one (no layers) nothing more
-    add("resnet", chans[top], top, checked=False)
-    if config.get("mid_block_type") == "UNetMidBlock2DCrossAttn":
-        add("block", chans[top], top, _per_layer(depths, top, 1)[-1])
-        add("resnet", chans[top], top)
-    prev = chans[top]
-    for j, level in enumerate(reversed(range(len(chans)))):
-        ch, below = chans[level], chans[max(level - 1, 0)]
-        attn = config["up_block_types"][j].startswith("CrossAttn")
-        layer_depths = (_per_layer(reverse, j, lpb + 1) if reverse else
-                        list(reversed(_per_layer(depths, level, lpb))) + [_per_layer(depths, level, lpb)[0]])
-        for k, d in enumerate(layer_depths[:lpb + 1]):
-            # the skip connection is concatenated on: the level's own outputs, the last one the level below's
-            add("resnet", (prev if k == 0 else ch) + (below if k == lpb else ch), level)
-            if attn:
-                add("block", ch, level, d)
-        prev = ch
-        if level > 0:
-            add("sampler", 4 * ch, level)  # the conv after the 2x upsample sees 4x the pixels
-    return out
-
-
-def sd3_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
-    """SD3's MMDiT: each joint block is checkpointed; its inputs are the image tokens, the text
-    tokens and the conditioning vector, all `caption_projection_dim` wide."""
-    width = int(config["caption_projection_dim"])
-    patch = int(config["patch_size"])
-    tokens = (latent_h // patch) * (latent_w // patch) + 77 + t5_tokens  # CLIP's 77, then T5's (or zeros)
-    layers = int(config["num_layers"])
-    per_block = tokens * width
-    return ActivationShape(saved=layers * (per_block + width), work=per_block, resnet_inputs=0,
-                           blocks=[("block", per_block)] * layers,
-                           fixed=layers * width)
-
-
-_ACTIVATIONS: dict[str, Callable[..., ActivationShape]] = {"sdxl": sdxl_activations, "sd3": sd3_activations}
-
-
 # ---- bytes of each term -----------------------------------------------------------------------------
 
 @dataclass
@@ -291,7 +195,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
     unit_sizes: list[int] = []
     if cfg.memory.stream_weights:
         limit = int(cfg.memory.stream_unit_mib * MIB * 4 / dtype_bytes)  # meta tensors are fp32
-        for block_name, block in block_modules(facts.denoiser):
+        for block_name, block in block_modules(facts.denoiser, FAMILIES[facts.family].block_containers):
             for _, unit in split_units(block_name, block, limit, lambda p: id(p) not in quantized):
                 ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
                 streamed_ids.update(ids)
@@ -350,7 +254,7 @@ def largest_bucket(cfg: RunConfig) -> tuple[int, int]:
 
 
 def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
-    """The VAE encoding one image of the largest bucket: whole, or tiled (models/sdxl.py
+    """The VAE encoding one image of the largest bucket: whole, or tiled (memory/vae_tiling.py
     `set_vae_tiling`: tiles of at most facts.vae_tile on a side, one at a time, while the whole
     image stays on the device; an image no larger than a tile is encoded whole)."""
     dtype = cfg.cache.vae_dtype
@@ -384,7 +288,8 @@ def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, i
 def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
     """Activation bytes at the training peak: {"saved": ..., "work": ...}."""
     k = _CONSTANTS[facts.family]
-    shape = _ACTIVATIONS[facts.family](facts.config, side[1] // 8, side[0] // 8, cfg.model.max_sequence_length)
+    shape = FAMILIES[facts.family].activations(facts.config, side[1] // 8, side[0] // 8,
+                                               cfg.model.max_sequence_length)
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
     resnet, block = k.all_resnet, k.all_block
@@ -492,7 +397,7 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
-    shape = _ACTIVATIONS[facts.family](facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
+    shape = FAMILIES[facts.family].activations(facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
     halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
     stages = [{"text encoders": sum(encoders[-2:])},
               {"weights": terms["weights"],

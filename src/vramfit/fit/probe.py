@@ -45,27 +45,6 @@ class FitProbeError(ValueError):
     """The probe's measured peak does not fit; the message says by how much and what to change."""
 
 
-def _sdxl_batch(config: dict, batch: int, side: tuple[int, int], cfg: RunConfig) -> dict[str, torch.Tensor]:
-    w, h = side
-    pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
-    return {"mean": torch.zeros(batch, config["in_channels"], h // 8, w // 8),
-            "logvar": torch.full((batch, config["in_channels"], h // 8, w // 8), -10.0),
-            "prompt_embeds": torch.zeros(batch, 77, config["cross_attention_dim"]),
-            "pooled": torch.zeros(batch, pooled),
-            "time_ids": torch.tensor([[h, w, 0, 0, h, w]] * batch, dtype=torch.float32)}
-
-
-def _sd3_batch(config: dict, batch: int, side: tuple[int, int], cfg: RunConfig) -> dict[str, torch.Tensor]:
-    w, h = side
-    return {"mean": torch.zeros(batch, config["in_channels"], h // 8, w // 8),
-            "logvar": torch.full((batch, config["in_channels"], h // 8, w // 8), -10.0),
-            "prompt_embeds": torch.zeros(batch, 77 + cfg.model.max_sequence_length, config["joint_attention_dim"]),
-            "pooled": torch.zeros(batch, config["pooled_projection_dim"])}
-
-
-SYNTHETIC_BATCHES = {"sdxl": _sdxl_batch, "sd3": _sd3_batch}
-
-
 # What the loop names when a step is not finite (the zero-weight stand-in under an fp8 base gives
 # NaN, which the probe's "skip" policy skips: the memory was still used).
 PROBE_RECORD = SimpleNamespace(item=SimpleNamespace(key="the fit probe's synthetic batch"))
@@ -122,7 +101,7 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
     streamer = place_denoiser(twin, cfg, device)
     optimizer = build_optimizer(twin.denoiser.parameters(), train)
     schedule = build_schedule(optimizer, train)
-    batch = SYNTHETIC_BATCHES[family.name](dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)
+    batch = family.synthetic_batch(dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)
     data = _SyntheticData(batch, cfg.step_batch)
 
     def run():  # the LoopResult of the two steps

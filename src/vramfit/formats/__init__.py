@@ -1,1 +1,2 @@
-"""Key maps between single-file checkpoint layouts (SGM/LDM/OpenCLIP) and diffusers/transformers."""
+"""Family-neutral file formats: safetensors IO, complete key renaming, the LDM VAE and
+CLIP/OpenCLIP key maps, LoRA files."""

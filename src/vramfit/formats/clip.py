@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vramfit.formats.sgm_unet import UnmappedKeysError
+from vramfit.formats.keys import UnmappedKeysError
 
 _WRAP = "text_model."
 _POSITION_IDS = "embeddings.position_ids"

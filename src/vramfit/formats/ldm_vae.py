@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from vramfit.formats.sgm_unet import rename_exact
+from vramfit.formats.keys import rename_exact
 
 LDM_VAE_PREFIX = "first_stage_model."
 _WB = ("weight", "bias")

@@ -6,7 +6,7 @@ Three layouts are written or read (keys shown for one module):
   every function here takes and gives): ``<diffusers module>.lora_A.weight`` [r, in] and
   ``<diffusers module>.lora_B.weight`` [out, r]. No alpha: peft keeps it in its ``LoraConfig``
   and scales by ``lora_alpha / r``.
-* **diffusers** (:func:`to_diffusers`): the peft keys behind the pipeline component name,
+* **diffusers** (:func:`to_diffusers`): the peft keys behind the denoiser's pipeline component name,
   ``unet.<module>.lora_A.weight`` (SDXL, SSD-1B) or ``transformer.<module>.lora_A.weight`` (SD3).
   ``StableDiffusionXLPipeline`` / ``StableDiffusion3Pipeline.load_lora_weights`` take these keys as
   they are (no conversion step), and ComfyUI accepts the SD3 one. The format has no place for
@@ -14,18 +14,22 @@ Three layouts are written or read (keys shown for one module):
   ``.alpha`` tensors) both use scale 1.0. So :func:`to_diffusers` folds ``alpha / r`` into
   ``lora_B`` when alpha differs from the rank, and the file means the same thing to every loader
   regardless of metadata.
-* **kohya** (:func:`to_kohya_sdxl`), the A1111 / ComfyUI / kohya-ss format for SDXL-family UNets:
-  ``lora_unet_<SGM module path, "." -> "_">.lora_down.weight`` / ``.lora_up.weight`` and
-  ``.alpha`` (a float32 scalar). SGM paths come from :func:`vramfit.formats.sgm_unet.unet_key_map`,
-  so SSD-1B and other depth patterns get their own correct names from their config. Tensors are
-  passed through unchanged (kohya's forward scales by ``alpha / r`` as peft does).
+* **kohya**, the A1111 / ComfyUI / kohya-ss format: ``lora_unet_<module path, "." -> "_">``
+  ``.lora_down.weight`` / ``.lora_up.weight`` and ``.alpha`` (a float32 scalar). Which module
+  paths a family's kohya files name is the family's own key map (models/<family>/: the SDXL
+  family's SGM names); the generic parts (:func:`kohya_name`, :func:`kohya_modules`,
+  :func:`from_kohya`, text encoders' names) are here. Tensors are passed through unchanged
+  (kohya's forward scales by ``alpha / r`` as peft does).
 
-:func:`load_lora` reads any of these (plus the older diffusers ``.lora.down.weight`` /
-``.processor.to_q_lora`` spellings and kohya files with diffusers-path names as written by
-diffusers' ``convert_state_dict_to_kohya``) and returns peft keys, per-module alphas and a guess
-of the model family. :func:`lora_config_kwargs` turns those into ``LoraConfig`` arguments.
-:func:`describe_lora` is what ``vramfit inspect`` says of a LoRA file (from its header and alphas);
-:func:`lora_file_name` names the files a run writes (its family's primary format plain).
+What a family's LoRA looks like (its denoiser's component name, module roots, kohya names, what
+its LoRA is said to be for) each family tells through :class:`LoraFamily`; the readers take the
+registry's families (models/registry.py). :func:`load_lora` reads any of these formats (plus the
+older diffusers ``.lora.down.weight`` / ``.processor.to_q_lora`` spellings and kohya files with
+diffusers-path names as written by diffusers' ``convert_state_dict_to_kohya``) and returns peft
+keys, per-module alphas and a guess of the model family. :func:`lora_config_kwargs` turns those
+into ``LoraConfig`` arguments. :func:`describe_lora` is what ``vramfit inspect`` says of a LoRA
+file (from its header and alphas); :func:`lora_file_name` names the files a run writes (its
+family's primary format plain).
 """
 from __future__ import annotations
 
@@ -34,21 +38,19 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterable, Optional, Protocol, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vramfit.formats.safetensors_io import read_header, save_atomic
-from vramfit.formats.sgm_unet import unet_key_map
-from vramfit.models.tiny import shipped_config
 
 Alpha = Union[float, int, Mapping[str, float], None]
 
-DENOISER_PREFIX = {"sdxl": "unet", "sd3": "transformer"}
+# The names diffusers' pipelines give their denoiser, before its keys in diffusers LoRA files.
+DENOISER_COMPONENTS = ("unet", "transformer")
 KOHYA_UNET = "lora_unet_"
 KOHYA_TE = {"lora_te_": "text_encoder", "lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2",
             "lora_te3_": "text_encoder_3"}
@@ -56,14 +58,43 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig JSON in __metadata__
 
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-# Module roots of each family's denoiser, to tell raw peft files apart.
-_SDXL_ROOTS = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in", "conv_out", "time_embedding.",
-               "add_embedding.", "conv_norm_out")
-_SD3_ROOTS = ("transformer_blocks.", "pos_embed.", "time_text_embed.", "context_embedder", "norm_out.",
-              "proj_out")
 # kohya text-encoder module names (HF CLIP / T5 paths with "." -> "_").
 _KOHYA_CLIP = re.compile(
     r"^text_model_encoder_layers_(\d+)_(self_attn_(?:q|k|v|out)_proj|mlp_fc[12])$")
+
+
+class LoraFamily(Protocol):
+    """What the LoRA readers ask of a model family (each family's folder answers, models/<family>/)."""
+
+    name: str
+    display_name: str  # in messages: "SDXL-family", "SD3"
+    denoiser_component: str  # one of DENOISER_COMPONENTS
+    lora_roots: tuple[str, ...]  # the denoiser's module roots (peft names), to tell raw peft files apart
+    kohya_roots: tuple[str, ...]  # the same in kohya files, after KOHYA_UNET ("." -> "_")
+
+    def kohya_names(self, config: Optional[Mapping]) -> Optional[dict[str, str]]:
+        """{kohya module name: diffusers module path} of the denoiser `config` (None: of every
+        layout the family ships); None when the family's kohya files are not read."""
+        ...
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        """What describe_lora says a LoRA of these denoiser modules ({module: {"rank", "ndim",
+        "width"}}, kohya or peft names) is for."""
+        ...
+
+
+def _owns(family: LoraFamily, module: str) -> bool:
+    """Whether `module` (peft or kohya name) is one of `family`'s denoiser modules by its root."""
+    return module.startswith(family.lora_roots) or module.startswith(
+        tuple(KOHYA_UNET + r for r in family.kohya_roots))
+
+
+def _kohya_reader(families: Iterable[LoraFamily], modules) -> LoraFamily:
+    """The family of a kohya file's denoiser modules: the first that owns one of them, else the
+    first whose kohya files are read."""
+    families = list(families)
+    owner = next((f for f in families if any(_owns(f, m) for m in modules)), None)
+    return owner or next(f for f in families if f.kohya_names(None) is not None)
 
 
 def _tensor_summary(keys) -> str:
@@ -72,7 +103,7 @@ def _tensor_summary(keys) -> str:
 
 
 # ----------------------------------------------------------------------------- peft state helpers
-def _peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
+def peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
     """Group ``<module>.lora_A.weight`` / ``lora_B.weight`` pairs by module; check shapes."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     bad = []
@@ -97,7 +128,7 @@ def _peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dic
     return modules
 
 
-def _alpha_for(alpha: Alpha, module: str, rank: int) -> float:
+def alpha_for(alpha: Alpha, module: str, rank: int) -> float:
     if alpha is None:
         return float(rank)
     if isinstance(alpha, Mapping):
@@ -109,13 +140,13 @@ def _alpha_for(alpha: Alpha, module: str, rank: int) -> float:
 
 def lora_ranks(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """{module: rank} of a peft-style state dict."""
-    return {m: int(p["A"].shape[0]) for m, p in _peft_modules(state, "LoRA state").items()}
+    return {m: int(p["A"].shape[0]) for m, p in peft_modules(state, "LoRA state").items()}
 
 
 # ----------------------------------------------------------------------------- diffusers format
-def to_diffusers(peft_state: Mapping[str, torch.Tensor], family: str, alpha: Alpha = None) -> dict:
-    """The diffusers file layout of a denoiser LoRA: ``unet.`` (sdxl) or ``transformer.`` (sd3)
-    before the peft keys.
+def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: Alpha = None) -> dict:
+    """The diffusers file layout of a denoiser LoRA: the denoiser's pipeline component name
+    (``unet.``, ``transformer.``: the family's `denoiser_component`) before the peft keys.
 
     ``alpha`` is the ``lora_alpha`` the LoRA was trained with (a number, or {module: alpha}); when
     it differs from a module's rank, ``lora_B`` is multiplied by ``alpha / rank`` so that loaders
@@ -123,11 +154,12 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], family: str, alpha: Alp
     strength. ``None`` means alpha == rank (the diffusers scripts' default), and tensors are passed
     through unchanged.
     """
-    if family not in DENOISER_PREFIX:
-        raise ValueError(f"LoRA family {family!r}: expected one of {sorted(DENOISER_PREFIX)}")
-    prefix = DENOISER_PREFIX[family]
-    modules = _peft_modules(peft_state, "to_diffusers")
-    clash = [m for m in modules if m.split(".", 1)[0] in (*DENOISER_PREFIX.values(), *TEXT_ENCODERS)]
+    if component not in DENOISER_COMPONENTS:
+        raise ValueError(f"LoRA denoiser component {component!r}: expected one of "
+                         f"{sorted(DENOISER_COMPONENTS)}")
+    prefix = component
+    modules = peft_modules(peft_state, "to_diffusers")
+    clash = [m for m in modules if m.split(".", 1)[0] in (*DENOISER_COMPONENTS, *TEXT_ENCODERS)]
     if clash:
         raise ValueError(f"to_diffusers: keys already carry a component prefix (e.g. {clash[0]!r}); "
                          "pass the bare peft state of the denoiser")
@@ -135,7 +167,7 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], family: str, alpha: Alp
     for module, pair in modules.items():
         a, b = pair["A"], pair["B"]
         rank = int(a.shape[0])
-        scale = _alpha_for(alpha, module, rank) / rank
+        scale = alpha_for(alpha, module, rank) / rank
         if scale != 1.0:
             b = (b.to(torch.float32) * scale).to(b.dtype)
         out[f"{prefix}.{module}.lora_A.weight"] = a
@@ -144,65 +176,12 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], family: str, alpha: Alp
 
 
 # ----------------------------------------------------------------------------- kohya format
-def _module_map(unet_config: Mapping) -> dict[str, str]:
-    """{diffusers module path: SGM module path} for every Linear/Conv-bearing module."""
-    out: dict[str, str] = {}
-    for d, s in unet_key_map(unet_config).items():
-        for suffix in (".weight", ".bias"):
-            if d.endswith(suffix) and s.endswith(suffix):
-                out.setdefault(d[: -len(suffix)], s[: -len(suffix)])
-    return out
+def kohya_name(module: str) -> str:
+    """The kohya name of a denoiser module path (SGM or diffusers): ``lora_unet_`` + "." -> "_"."""
+    return KOHYA_UNET + module.replace(".", "_")
 
 
-def kohya_name(sgm_module: str) -> str:
-    return KOHYA_UNET + sgm_module.replace(".", "_")
-
-
-def _config_dict(unet_config) -> dict:
-    return {k: v for k, v in dict(unet_config).items() if not str(k).startswith("_")}
-
-
-def kohya_unet_names(unet_config: Mapping) -> dict[str, str]:
-    """{kohya module name: diffusers module path} for a UNet config.
-
-    Holds the SGM-path names kohya, A1111 and ComfyUI use, and also the diffusers-path names
-    (``lora_unet_down_blocks_1_...``) that diffusers' ``convert_state_dict_to_kohya`` writes.
-    """
-    out: dict[str, str] = {}
-    for d, s in _module_map(_config_dict(unet_config)).items():
-        name = kohya_name(s)
-        if out.get(name, d) != d:
-            raise ValueError(f"kohya name {name!r} is ambiguous ({out[name]!r} and {d!r})")
-        out[name] = d
-    for d in list(out.values()):
-        out.setdefault(kohya_name(d), d)
-    return out
-
-
-def to_kohya_sdxl(peft_state: Mapping[str, torch.Tensor], unet_config: Mapping, alpha: Alpha) -> dict:
-    """kohya / A1111 / ComfyUI layout of an SDXL-family UNet LoRA.
-
-    ``alpha`` is the ``lora_alpha`` of training (a number, or {module: alpha} as
-    :func:`from_kohya_sdxl` returns; ``None`` = rank). Weights are passed through (same tensors);
-    each module gets ``.alpha`` as a float32 scalar.
-    """
-    to_sgm = _module_map(_config_dict(unet_config))
-    modules = _peft_modules(peft_state, "to_kohya_sdxl")
-    unknown = sorted(m for m in modules if m not in to_sgm)
-    if unknown:
-        raise ValueError(f"to_kohya_sdxl: {len(unknown)} LoRA module(s) are not parameters of this UNet "
-                         f"config (e.g. {unknown[0]!r}); is the state dict of the UNet, without prefix?")
-    out: dict[str, torch.Tensor] = {}
-    for module, pair in modules.items():
-        name = kohya_name(to_sgm[module])
-        out[f"{name}.lora_down.weight"] = pair["A"]
-        out[f"{name}.lora_up.weight"] = pair["B"]
-        out[f"{name}.alpha"] = torch.tensor(_alpha_for(alpha, module, int(pair["A"].shape[0])),
-                                            dtype=torch.float32)
-    return out
-
-
-def _kohya_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
+def kohya_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict[str, torch.Tensor]]:
     modules: dict[str, dict[str, torch.Tensor]] = {}
     bad = []
     for key, t in state.items():
@@ -220,7 +199,7 @@ def _kohya_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, di
     return modules
 
 
-def _from_kohya(modules, rename, what: str) -> tuple[dict, dict[str, float]]:
+def from_kohya(modules, rename, what: str) -> tuple[dict, dict[str, float]]:
     state, alphas = {}, {}
     for name, parts in modules.items():
         module = rename(name)
@@ -229,22 +208,8 @@ def _from_kohya(modules, rename, what: str) -> tuple[dict, dict[str, float]]:
         state[f"{module}.lora_A.weight"] = down
         state[f"{module}.lora_B.weight"] = up
         alphas[module] = float(parts["alpha"].item()) if "alpha" in parts else float(rank)
-    _peft_modules(state, what)  # shape checks
+    peft_modules(state, what)  # shape checks
     return state, alphas
-
-
-def from_kohya_sdxl(kohya_state: Mapping[str, torch.Tensor], unet_config: Mapping
-                    ) -> tuple[dict, dict[str, float]]:
-    """kohya UNet LoRA -> (peft state, {module: alpha}). A module without ``.alpha`` gets alpha =
-    rank (scale 1.0, as ComfyUI and diffusers read it). Text-encoder keys are refused here
-    (:func:`load_lora` reads them)."""
-    names = kohya_unet_names(unet_config)
-    modules = _kohya_modules(kohya_state, "from_kohya_sdxl")
-    unknown = sorted(n for n in modules if n not in names)
-    if unknown:
-        raise ValueError(f"from_kohya_sdxl: {len(unknown)} kohya module(s) are not UNet modules of this "
-                         f"config, e.g. {unknown[0]!r}")
-    return _from_kohya(modules, names.__getitem__, "from_kohya_sdxl")
 
 
 def _kohya_te_module(name: str, prefix: str) -> str:
@@ -330,17 +295,19 @@ class LoadedLora:
         return iter((self.state, self.alphas, self.family))
 
 
-def detect_format(keys) -> str:
-    """'kohya', 'diffusers', 'peft' or 'unknown' from tensor names alone."""
+def detect_format(keys, families: Iterable[LoraFamily]) -> str:
+    """'kohya', 'diffusers', 'peft' or 'unknown' from tensor names alone (a raw peft file by the
+    module roots of the `families`' denoisers)."""
     keys = list(keys)
     if not keys:
         return "unknown"
     if all(k.startswith((KOHYA_UNET, *KOHYA_TE)) for k in keys):
         return "kohya"
-    components = (*DENOISER_PREFIX.values(), *TEXT_ENCODERS)
+    components = (*DENOISER_COMPONENTS, *TEXT_ENCODERS)
     if all(k.split(".", 1)[0] in components and "lora" in k for k in keys):
         return "diffusers"
-    if all(_PEFT_KEY.match(k) and k.startswith((*_SDXL_ROOTS, *_SD3_ROOTS)) for k in keys):
+    roots = tuple(root for family in families for root in family.lora_roots)
+    if all(_PEFT_KEY.match(k) and k.startswith(roots) for k in keys):
         return "peft"
     return "unknown"
 
@@ -359,14 +326,17 @@ def _to_peft_key(key: str) -> str:
     return key
 
 
-def _guess_family(modules, path) -> str:
+def _guess_family(modules, path, families: Iterable[LoraFamily]) -> LoraFamily:
+    """The family all of whose denoiser's roots the LoRA's `modules` start with; a LoRA of a
+    family vramfit does not know is refused, by name where its modules tell it."""
+    families = list(families)
+    for family in families:
+        if all(m.startswith(family.lora_roots) for m in modules):
+            return family
     if any(m.startswith("single_transformer_blocks.") for m in modules):
-        raise ValueError(f"{path}: a FLUX LoRA (e.g. {sorted(modules)[0]!r}); only SDXL-family and SD3 "
+        known = " and ".join(f.display_name for f in families)
+        raise ValueError(f"{path}: a FLUX LoRA (e.g. {sorted(modules)[0]!r}); only {known} "
                          "LoRAs are supported")
-    if all(m.startswith(_SDXL_ROOTS) for m in modules):
-        return "sdxl"
-    if all(m.startswith(_SD3_ROOTS) for m in modules):
-        return "sd3"
     raise ValueError(f"{path}: LoRA modules of no known denoiser, e.g. {sorted(modules)[0]!r}")
 
 
@@ -393,28 +363,19 @@ def _diffusers_alphas(meta: Mapping[str, str], prefix: Optional[str], ranks: Map
     return out
 
 
-@lru_cache(maxsize=1)
-def _shipped_kohya_names() -> dict[str, str]:
-    """kohya names of the SDXL and SSD-1B layouts together (SGM block numbering is the same grid,
-    so one SGM name means the same diffusers module in both)."""
-    out: dict[str, str] = {}
-    for name in ("sdxl_unet", "ssd1b_unet"):
-        for k, d in kohya_unet_names(shipped_config(name)).items():
-            if out.setdefault(k, d) != d:
-                raise AssertionError(f"{k}: {out[k]} vs {d}")
-    return out
+def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
+              unet_config: Optional[Mapping] = None) -> LoadedLora:
+    """Read a LoRA in diffusers, raw peft or kohya layout into peft keys, as one of `families`
+    (the registry's, models/registry.py) names its denoiser's modules.
 
-
-def load_lora(path: Union[str, Path], unet_config: Optional[Mapping] = None) -> LoadedLora:
-    """Read a LoRA in diffusers, raw peft or kohya (SDXL-family) layout into peft keys.
-
-    ``unet_config`` maps kohya SGM names; without it the SDXL and SSD-1B layouts are tried.
-    Raises ValueError naming the file and an example key for anything else.
+    ``unet_config`` maps kohya names of the denoiser of that config; without it every layout the
+    family ships is tried. Raises ValueError naming the file and an example key for anything else.
     """
     path = Path(path)
+    families = list(families)
     _, meta = read_header(path)  # CheckpointError (a ValueError) for non-safetensors / truncated files
     raw = load_file(str(path), device="cpu")
-    fmt = detect_format(raw)
+    fmt = detect_format(raw, families)
     if fmt == "unknown":
         example = sorted(raw)[0] if raw else None
         raise ValueError(
@@ -425,34 +386,37 @@ def load_lora(path: Union[str, Path], unet_config: Optional[Mapping] = None) -> 
     te_alphas: dict[str, dict] = {}
     if fmt == "kohya":
         unet_part = {k: v for k, v in raw.items() if k.startswith(KOHYA_UNET)}
-        if any(k.startswith(KOHYA_UNET + "joint_blocks_") for k in unet_part):
-            raise ValueError(f"{path}: a kohya SD3 LoRA (e.g. {sorted(unet_part)[0]!r}) is not supported; "
-                             "save SD3 LoRAs in the diffusers layout (transformer.* lora_A/lora_B)")
-        names = kohya_unet_names(unet_config) if unet_config is not None else _shipped_kohya_names()
-        modules = _kohya_modules(unet_part, str(path))
+        family = _kohya_reader(families, unet_part)
+        names = family.kohya_names(unet_config)
+        if names is None:
+            title = family.display_name
+            raise ValueError(f"{path}: a kohya {title} LoRA (e.g. {sorted(unet_part)[0]!r}) is not "
+                             f"supported; save {title} LoRAs in the diffusers layout "
+                             f"({family.denoiser_component}.* lora_A/lora_B)")
+        modules = kohya_modules(unet_part, str(path))
         unknown = sorted(n for n in modules if n not in names)
         if unknown:
             hint = "" if unet_config is not None else "; pass the UNet config of the model it was trained for"
-            raise ValueError(f"{path}: {len(unknown)} kohya UNet module(s) not in the SDXL-family layout, "
-                             f"e.g. {unknown[0]!r}{hint}")
-        state, alphas = _from_kohya(modules, names.__getitem__, str(path))
+            raise ValueError(f"{path}: {len(unknown)} kohya UNet module(s) not in the {family.display_name} "
+                             f"layout, e.g. {unknown[0]!r}{hint}")
+        state, alphas = from_kohya(modules, names.__getitem__, str(path))
         for pre, comp in KOHYA_TE.items():  # no prefix here is a prefix of another
             part = {k: v for k, v in raw.items() if k.startswith(pre)}
             if part:
                 try:
-                    s, a = _from_kohya(_kohya_modules(part, str(path)),
+                    s, a = from_kohya(kohya_modules(part, str(path)),
                                        lambda n, pre=pre: _kohya_te_module(n, pre), str(path))
                 except ValueError as exc:
                     raise ValueError(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
                 te_state.setdefault(comp, {}).update(s)
                 te_alphas.setdefault(comp, {}).update(a)
-        return LoadedLora(state, alphas, "sdxl" if state else None, fmt, te_state, te_alphas, dict(meta))
+        return LoadedLora(state, alphas, family.name if state else None, fmt, te_state, te_alphas, dict(meta))
 
     parts: dict[Optional[str], dict] = {}
     for key, t in raw.items():
         comp, rest = key.split(".", 1) if fmt == "diffusers" else (None, key)
         parts.setdefault(comp, {})[_to_peft_key(rest)] = t
-    denoisers = [c for c in parts if c in DENOISER_PREFIX.values() or c is None]
+    denoisers = [c for c in parts if c in DENOISER_COMPONENTS or c is None]
     if len(denoisers) > 1:
         raise ValueError(f"{path}: LoRA for both a UNet and a transformer ({denoisers})")
     state, alphas, family = {}, {}, None
@@ -466,8 +430,9 @@ def load_lora(path: Union[str, Path], unet_config: Optional[Mapping] = None) -> 
             te_state[comp], te_alphas[comp] = part, comp_alphas
             continue
         state, alphas = part, comp_alphas
-        family = _guess_family(ranks, path)
-        if comp is not None and family != {v: k for k, v in DENOISER_PREFIX.items()}[comp]:
+        owner = _guess_family(ranks, path, families)
+        family = owner.name
+        if comp is not None and owner.denoiser_component != comp:
             raise ValueError(f"{path}: {comp}.* keys with modules of a {family} model "
                              f"(e.g. {sorted(ranks)[0]!r})")
     return LoadedLora(state, alphas, family, fmt, te_state, te_alphas, dict(meta))
@@ -495,7 +460,6 @@ def lora_config_kwargs(state: Mapping[str, torch.Tensor], alphas: Mapping[str, f
 # ----------------------------------------------------------------------------- inspection
 _ATTN_KIND = re.compile(r"(attn\d?)[._](to_[qkv]|to_out[._]0|add_[qkv]_proj|to_add_out)$")
 _FF_KIND = re.compile(r"(ff(?:_context)?)[._]net[._](0[._]proj|2)$")
-_SD3_WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}
 
 
 def module_kind(module: str, ndim: int) -> str:
@@ -512,24 +476,15 @@ def module_kind(module: str, ndim: int) -> str:
     return "other"
 
 
-def _sdxl_layouts(names: set[str], kohya: bool) -> str:
-    """Which shipped SDXL-family layouts have every module the LoRA adapts (by name)."""
-    fits = []
-    for layout, config in (("SDXL", "sdxl_unet"), ("SSD-1B", "ssd1b_unet")):
-        cfg = shipped_config(config)
-        known = set(kohya_unet_names(cfg)) if kohya else set(_module_map(cfg))
-        if names <= known:
-            fits.append(layout)
-    return " and ".join(fits) if fits else "another SDXL-family layout (neither SDXL's nor SSD-1B's blocks)"
-
-
-def describe_lora(path: Union[str, Path]) -> Optional[dict]:
+def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Optional[dict]:
     """What `vramfit inspect` says about a LoRA file, from its keys, shapes and alphas (no model
-    needed): format, rank and alpha, the modules it adapts by kind, and the denoiser it is for.
-    None when the file is not a LoRA in a format vramfit reads."""
+    needed): format, rank and alpha, the modules it adapts by kind, and the denoiser it is for
+    (which of `families`, the registry's, and what that family says of it). None when the file is
+    not a LoRA in a format vramfit reads."""
     path = Path(path)
+    families = list(families)
     header, meta = read_header(path)
-    fmt = detect_format(header)
+    fmt = detect_format(header, families)
     if fmt == "unknown":
         return None
     modules: dict[str, dict] = {}  # "component:module" -> {"rank", "ndim", "width" (inputs), "alpha"}
@@ -546,7 +501,7 @@ def describe_lora(path: Union[str, Path]) -> Optional[dict]:
                 entry.update(rank=int(shape[0]), ndim=len(shape), width=int(shape[1]))
             continue
         comp, rest = key.split(".", 1) if fmt == "diffusers" else ("denoiser", key)
-        comp = "denoiser" if comp in DENOISER_PREFIX.values() else comp
+        comp = "denoiser" if comp in DENOISER_COMPONENTS else comp
         if (m := _PEFT_KEY.match(_to_peft_key(rest))) and m["ab"] == "A":
             shape = info["shape"]
             modules[f"{comp}:{m['module']}"] = {"rank": int(shape[0]), "ndim": len(shape),
@@ -558,12 +513,12 @@ def describe_lora(path: Union[str, Path]) -> Optional[dict]:
     unet = {m.split(":", 1)[1]: e for m, e in modules.items() if m.startswith("denoiser:") and "rank" in e}
     ranks = sorted({e["rank"] for e in modules.values() if "rank" in e})
     out = {"format": fmt, "rank": ranks[0] if len(ranks) == 1 else ranks}
+    roots = {k.split(".", 1)[0] for k in header} if fmt == "diffusers" else set()
+    prefix = next((r for r in roots if r in DENOISER_COMPONENTS), None)
     if fmt == "kohya":
         alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e})
         out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
     else:  # no alpha tensors: diffusers and ComfyUI apply scale 1 unless diffusers' metadata says otherwise
-        roots = {k.split(".", 1)[0] for k in header} if fmt == "diffusers" else set()
-        prefix = next((r for r in roots if r in DENOISER_PREFIX.values()), None)
         applied = _diffusers_alphas(meta, prefix, {m: e["rank"] for m, e in unet.items()})
         alphas = sorted(set(applied.values()))
         out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
@@ -572,13 +527,14 @@ def describe_lora(path: Union[str, Path]) -> Optional[dict]:
             out["alpha"] = f"{out['alpha']} (trained with alpha {trained}, folded into lora_B)"
     kinds = collections.Counter(module_kind(m, e["ndim"]) for m, e in unet.items())
     out["targets"] = {"modules": len(unet), "kinds": dict(sorted(kinds.items()))}
-    if any(m.startswith(KOHYA_UNET + "joint_blocks_") or m.startswith(_SD3_ROOTS) for m in unet):
-        q = next((e["width"] for m, e in unet.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
-        out["for"] = "SD3 MMDiT" + (f" ({q} wide: {_SD3_WIDTHS.get(q, 'a custom width')})" if q else "")
-    elif unet:
-        ctx = next((e["width"] for m, e in unet.items() if module_kind(m, e["ndim"]) == "attn2.to_k"), None)
-        out["for"] = (f"SDXL-family UNet, module names of {_sdxl_layouts(set(unet), fmt == 'kohya')}"
-                      + (f"; text context {ctx} wide (SDXL's is 2048)" if ctx else ""))
+    if unet:
+        # the family most of whose denoiser's modules these are; where none is, the file's
+        # component's (diffusers) or the family that reads kohya files
+        family = max(families, key=lambda f: sum(_owns(f, m) for m in unet))
+        if not any(_owns(family, m) for m in unet):
+            family = next((f for f in families if f.denoiser_component == prefix), None) or \
+                _kohya_reader(families, unet)
+        out["for"] = family.lora_target(unet, fmt == "kohya")
     else:
         out["for"] = "text encoders only"
     te = sorted({m.split(":", 1)[0] for m in modules if not m.startswith("denoiser:")})

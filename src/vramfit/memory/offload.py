@@ -1,7 +1,8 @@
 """Streamed weights: the denoiser's blocks live in CPU memory and visit the GPU only while used.
 
-What is streamed. The blocks of the denoiser (SDXL family: `down_blocks`, `mid_block`,
-`up_blocks`; SD3: each of `transformer_blocks`), split into their sub-modules where a block
+What is streamed. The blocks of the denoiser (the modules in the attributes its family names as
+`block_containers`: SDXL family `down_blocks`, `mid_block`, `up_blocks`; SD3 each of
+`transformer_blocks`), split into their sub-modules where a block
 holds more than `max_unit_bytes`, are the *units*. Of each unit the frozen weights are streamed,
 and with `stream_trainable` (a full fine-tune) the trained ones too; LoRA matrices, embeddings,
 conv_in/out and the final norms stay resident on the device.
@@ -80,15 +81,13 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from vramfit.config.schema import MemoryConfig
 from vramfit.memory.accounting import CopyCounters, concrete_device, tensor_bytes
-
-BLOCK_CONTAINERS = ("down_blocks", "mid_block", "up_blocks", "transformer_blocks")
 
 
 @dataclass
@@ -173,10 +172,11 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def block_modules(denoiser: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The denoiser's blocks, in the order they are registered."""
+def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The denoiser's blocks: the modules of its attributes `containers` (a ModuleList's each, in
+    order, or the module itself), as the family names them."""
     found = []
-    for attr in BLOCK_CONTAINERS:
+    for attr in containers:
         module = getattr(denoiser, attr, None)
         if isinstance(module, nn.ModuleList):
             found += [(f"{attr}.{i}", block) for i, block in enumerate(module)]
@@ -209,8 +209,8 @@ class WeightStreamer:
     """Streams the weights of a denoiser's blocks (see the module docstring). Build it with
     `stream_weights`; it lives as long as the hooks it puts on the model."""
 
-    def __init__(self, denoiser: nn.Module, device: torch.device, *, stream: bool, stream_trainable: bool,
-                 max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
+    def __init__(self, denoiser: nn.Module, device: torch.device, *, blocks: Sequence[str], stream: bool,
+                 stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
         device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.model, self.device = denoiser, device
         self.cuda = device.type == "cuda"
@@ -225,7 +225,7 @@ class WeightStreamer:
             return stream and _is_plain(p) and (stream_trainable or not p.requires_grad)
 
         named = []
-        for block_name, block in block_modules(denoiser):
+        for block_name, block in block_modules(denoiser, blocks):
             named += split_units(block_name, block, max_unit_bytes, streamed)
         self.units: list[_Unit] = []
         self._handles = []
@@ -801,12 +801,14 @@ def _use_count(t: torch.Tensor) -> int:
 
 # id(denoiser) -> its streamer, which its hooks keep alive (a weak value: the registry keeps neither)
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
-                   stream_trainable: bool) -> Optional[WeightStreamer]:
-    """Apply settings.stream_weights / offload_activations to `denoiser` (see the module
-    docstring); None when both are off. Call after LoRA is added and before the optimizer is
-    built; the weights that are not streamed are moved to `device` here."""
+                   blocks: Sequence[str], stream_trainable: bool) -> Optional[WeightStreamer]:
+    """Apply settings.stream_weights / offload_activations to `denoiser`, whose blocks are in its
+    attributes `blocks` (see the module docstring); None when both are off. Call after LoRA is
+    added and before the optimizer is built; the weights that are not streamed are moved to
+    `device` here."""
     if not (settings.stream_weights or settings.offload_activations):
         return None
-    return WeightStreamer(denoiser, device, stream=settings.stream_weights, stream_trainable=stream_trainable,
+    return WeightStreamer(denoiser, device, blocks=blocks, stream=settings.stream_weights,
+                          stream_trainable=stream_trainable,
                           max_unit_bytes=int(settings.stream_unit_mib * 2**20),
                           offload_activations=settings.offload_activations)

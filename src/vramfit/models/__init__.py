@@ -1,1 +1,2 @@
-"""Model families, sources (single file, diffusers folder, hub, tiny) and their loading."""
+"""Model families (one folder each, models/<family>/), the protocol they answer, their registry,
+the parts they share, and model sources."""

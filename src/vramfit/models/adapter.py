@@ -1,16 +1,20 @@
-"""The family-facing interface: what every model family provides to the one training loop.
+"""The family-facing interface: what every model family provides to the rest of vramfit.
 
-A family (SDXL and its distilled layouts today) loads a ModelBundle from a resolved source,
-encodes captions and images for the cache, runs the denoiser on a batch and writes checkpoints.
-The loop never looks at the family's name; it only calls these methods.
+A family (one folder, models/<family>/) loads a ModelBundle from a resolved source, encodes
+captions and images for the cache, runs the denoiser on a batch, writes checkpoints and LoRA
+files, builds its sampling pipeline, and tells the planner and the fit probe its memory profile.
+The rest of the code finds a family through the registry (models/registry.py) and only calls
+these methods and reads these attributes; it never looks at a family's name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
+
+from vramfit.formats.lora import LoraFamily
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,58 @@ class ModelBundle:
         self.text_encoders = []
 
 
-class Family(Protocol):
-    name: str
+@dataclass
+class ActivationShape:
+    """Elements per batch item: saved checkpoint inputs, the largest block's work, and the
+    inputs of every resnet (`resnet_inputs`, checked against diffusers in the tests). `blocks`: each
+    checkpointable block's input, in the order the forward calls them ("resnet" or "block",
+    elements), `fixed` the saved inputs of the layers between them, which never recompute, and
+    `unchecked` the inputs of resnets called without checkpointing; `saved` is all of them."""
+    saved: int = 0
+    work: int = 0
+    resnet_inputs: int = 0
+    blocks: list[tuple[str, int]] = field(default_factory=list)
+    fixed: int = 0
+    unchecked: int = 0  # inputs of resnets never checkpointed: every activation kept under a share
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where a family's parts are: key prefixes in its single files, subfolders of its diffusers
+    folders (what fit/model_facts.py reads from headers)."""
+
+    denoiser_prefix: str
+    denoiser_folder: str
+    vae_prefix: str
+    # (name, single-file prefix, diffusers folder, kind: "clip" | "t5"), in the order the family loads them
+    encoders: tuple[tuple[str, str, str, str], ...]
+
+
+class Family(LoraFamily, Protocol):
+    """A model family (with LoraFamily's name, display_name, denoiser_component, lora_roots,
+    kohya_roots, kohya_names and lora_target: how its LoRA files name its denoiser)."""
+
     # Image sides (data.resolution, data.bucket_step) must be multiples of this: the VAE's
     # downsampling factor, times the denoiser's patch size where it has one.
     resolution_multiple: int
+    lora_formats: tuple[str, ...]  # the save.formats LoRA entries it writes, the primary first
+    # released layouts whose configs ship in models/configs: name -> (denoiser, VAE, encoder configs)
+    shipped_layouts: dict[str, tuple[str, str, tuple[str, ...]]]
+    shipped_aliases: dict[str, str]  # other names of shipped layouts
+    tiny_models: tuple[str, ...]  # the tiny:<name> models it builds
+    files: FileLayout
+    block_containers: tuple[str, ...]  # the denoiser's attributes holding its blocks (streamed weights)
+    repeated_blocks: tuple[str, ...]  # class names of its repeated blocks (compiled one by one)
+    default_guidance: float  # classifier-free guidance scale when none is given
+    has_t5: bool  # a T5 encoder: model.t5_precision, model.max_sequence_length, generate --t5 apply
+
+    def materialize_tiny(self, name: str, root: Path) -> Path:
+        """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
+        ...
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        """The shipped config of tiny:`name`'s denoiser (FileNotFoundError: none ships)."""
+        ...
 
     def detect_single_file(self, keys: set[str]) -> bool: ...
 
@@ -67,6 +118,10 @@ class Family(Protocol):
         ...
 
     def load(self, source: Source) -> ModelBundle: ...
+
+    def load_encoders(self, source: Source) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+        """The VAE and text encoders again, for saving and sampling after they were freed."""
+        ...
 
     def caption_tokenizers(self, source: Source, cfg: Any) -> list:
         """The tokenizers training encodes captions with, without loading any weight, each with its
@@ -114,6 +169,42 @@ class Family(Protocol):
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None: ...
 
     def describe(self, source: Source) -> dict: ...
+
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """The tensors of LoRA format `fmt` (one of lora_formats) for the peft `state` of a denoiser
+        of `config` trained with `alpha`."""
+        ...
+
+    def pipeline(self, bundle: ModelBundle, vae: torch.nn.Module, encoders: list, tokenizers: list) -> Any:
+        """A diffusers pipeline over the bundle's denoiser and these parts (shared, not copied)."""
+        ...
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        """The family's own arguments of its pipeline's encode_prompt (`t5_tokens`: T5's length)."""
+        ...
+
+    def vae_input(self, latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
+        """The denoiser's latents as the VAE decodes them (its scaling and shift undone)."""
+        ...
+
+    # ---- memory profile (fit/) -----------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        """The denoiser's diffusers class (imported when asked: it is heavy)."""
+        ...
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        """The denoiser's config from its single-file keys and shapes (prefix removed, meta tensors)."""
+        ...
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        """The planner's activation model: elements kept per batch item at a latent size."""
+        ...
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg: Any) -> dict:
+        """The fit probe's batch: a cached batch's shapes for `batch` images of `side` (w, h)."""
+        ...
 
 
 def resolution_problems(family: Family, cfg: Any) -> list[str]:

@@ -1,16 +1,47 @@
-"""The model families vramfit knows, and detection of which one a source holds."""
+"""The model families vramfit knows (each one folder, models/<family>/), their tiny models, and
+detection of which family a source holds."""
 from __future__ import annotations
 
+import difflib
 import json
+from pathlib import Path
 
-from vramfit.formats.lora import describe_lora, detect_format
+from vramfit.formats.lora import describe_lora
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.models.adapter import Family, Source, resolution_problems
-from vramfit.models.names import TINY_MODELS, unknown_tiny
 from vramfit.models.sd3 import SD3Family
 from vramfit.models.sdxl import SDXLFamily
 
-FAMILIES: dict[str, Family] = {"sdxl": SDXLFamily(), "sd3": SD3Family()}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SDXLFamily(), SD3Family())}
+
+# Every tiny model (model.path tiny:<name>) and its family's name: the one list that messages and
+# the config check read.
+TINY_MODELS = {tiny: name for name, family in FAMILIES.items() for tiny in family.tiny_models}
+
+
+def tiny_choices() -> str:
+    """Every tiny model as model.path spells it, for messages: "tiny:sdxl, tiny:ssd1b, tiny:sd3"."""
+    return ", ".join(f"tiny:{name}" for name in TINY_MODELS)
+
+
+def unknown_tiny(path: str) -> str | None:
+    """Why model.path `path` (tiny:<name>) names no tiny model, with the closest one; None if it does."""
+    name = path.split(":", 1)[1]
+    if name in TINY_MODELS:
+        return None
+    close = difflib.get_close_matches(name, list(TINY_MODELS), n=1, cutoff=0.6)
+    hint = f"; did you mean tiny:{close[0]}?" if close else ""
+    return f"{path} is not a tiny model{hint} (tiny models: {tiny_choices()})"
+
+
+def materialize_tiny(path: str, root: Path) -> Path:
+    """The single file of any tiny model (`path`: tiny:<name>) under `root`, written by its family
+    if needed."""
+    problem = unknown_tiny(path)
+    if problem:
+        raise ValueError(f"model.path: {problem}")
+    name = path.split(":", 1)[1]
+    return FAMILIES[TINY_MODELS[name]].materialize_tiny(name, root)
 
 # Keys that identify checkpoints of families vramfit does not train yet, for a clear refusal.
 _KNOWN_OTHERS = {
@@ -35,7 +66,7 @@ def detect_family(source: Source, requested: str = "auto") -> Family:
                 if key in keys:
                     raise CheckpointError(f"{source.path}: this is a {name} checkpoint, which this version "
                                           f"of vramfit cannot train (families: {', '.join(FAMILIES)})")
-        lora = describe_lora(source.path) if detect_format(keys) != "unknown" else None
+        lora = describe_lora(source.path, FAMILIES.values())  # None: not a LoRA file
         if lora is not None:
             target = lora["for"].split(";")[0].split(", module names")[0]  # "SDXL-family UNet", ...
             raise CheckpointError(f"{source.path}: this is a LoRA file ({lora['format']} format, for "

@@ -19,10 +19,9 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from vramfit.config.load import default_cache_root
 from vramfit.config.schema import ModelConfig
 from vramfit.data.fingerprint import file_digest
-from vramfit.formats.safetensors_io import CheckpointError, commit_folder, save_atomic, temp_path
+from vramfit.formats.safetensors_io import commit_folder, save_atomic, temp_path
 from vramfit.models.adapter import Source
-from vramfit.models.names import unknown_tiny
-from vramfit.models.tiny_sd3 import materialize_tiny
+from vramfit.models.registry import materialize_tiny, unknown_tiny
 
 # Files of a diffusers SDXL repo that training needs; weights in safetensors only.
 _REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.safetensors",
@@ -180,21 +179,6 @@ def _same_files(a: Path, b: Path) -> bool:
     files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     other = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
-
-
-def require_tokenizers(source: Source) -> Path:
-    if source.tokenizers is None:
-        raise CheckpointError(
-            f"{source.path}: this single file has no tokenizers and none were found beside it or in "
-            "the local Hugging Face cache. Set model.tokenizers to a folder containing tokenizer/ "
-            "and tokenizer_2/ (and tokenizer_3/ for SD3 with T5), e.g. a downloaded "
-            "stabilityai/stable-diffusion-xl-base-1.0 or stabilityai/stable-diffusion-3-medium-diffusers, "
-            "or put those folders next to the checkpoint."
-        )
-    for sub in ("tokenizer", "tokenizer_2"):
-        if not (source.tokenizers / sub).is_dir():
-            raise CheckpointError(f"model.tokenizers: {source.tokenizers} has no {sub}/ folder")
-    return source.tokenizers
 
 
 def convert_pickle(path: Path, folder: Path, allowed: bool) -> Path:

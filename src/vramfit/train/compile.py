@@ -16,23 +16,17 @@ per code object would leave the rest eager, so `compile_blocks` raises it to REC
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch._dynamo
 
-# The repeated blocks of each denoiser class, by class name (diffusers' own classes).
-REPEATED_BLOCKS = {
-    "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
-    "SD3Transformer2DModel": ("JointTransformerBlock",),
-}
 RECOMPILE_LIMIT = 64
 
 
-def compile_blocks(denoiser: torch.nn.Module) -> int:
-    """Compile each repeated block of `denoiser` in place; returns how many were compiled."""
-    names = REPEATED_BLOCKS.get(type(denoiser).__name__)
-    if names is None:
-        raise ValueError(f"train.compile: no repeated blocks are known for {type(denoiser).__name__}; "
-                         f"known: {', '.join(REPEATED_BLOCKS)}")
+def compile_blocks(denoiser: torch.nn.Module, names: Sequence[str]) -> int:
+    """Compile each repeated block of `denoiser` (the modules of the classes `names`, as its family
+    names them) in place; returns how many were compiled."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for module in denoiser.modules():

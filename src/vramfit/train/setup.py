@@ -307,7 +307,7 @@ def _cache_note(data: TrainingData, kind: str) -> str:
 def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
     """Cast, adapt and place the denoiser; returns the WeightStreamer when memory.stream_weights
     or offload_activations is on (else None)."""
-    unet = bundle.denoiser
+    unet, family = bundle.denoiser, FAMILIES[bundle.family]
     # A quantized base is cast where it lies and reaches the device one linear at a time, quantized;
     # streamed blocks never go to the device whole (stream_weights moves the rest there).
     quantized = cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"
@@ -328,8 +328,9 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         unet.disable_gradient_checkpointing()
     if cfg.train.compile:
         log.info("compiling %d repeated blocks of the denoiser (the first step of each bucket shape "
-                 "compiles them)", compile_blocks(unet))
-    streamer = stream_weights(unet, device, cfg.memory, stream_trainable=cfg.train.mode == "full")
+                 "compiles them)", compile_blocks(unet, family.repeated_blocks))
+    streamer = stream_weights(unet, device, cfg.memory, blocks=family.block_containers,
+                              stream_trainable=cfg.train.mode == "full")
     if streamer is not None and streamer.units:
         log.info("streaming %.1f MiB of block weights in %d units", streamer.streamed_bytes() / 2**20,
                  len(streamer.units))
@@ -375,19 +376,17 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
 
 
 def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta: dict) -> list[Path]:
-    """The LoRA files of `formats` that the family writes (models/*.py lora_formats, primary first):
-    the primary one as <name>.safetensors, the others as <name>-diffusers / -kohya.safetensors."""
-    own = FAMILIES[bundle.family].lora_formats
+    """The LoRA files of `formats` that the family writes (its lora_formats, primary first): the
+    primary one as <name>.safetensors, the others as <name>-diffusers / -kohya.safetensors."""
+    family = FAMILIES[bundle.family]
+    own = family.lora_formats
     state = lora_state(bundle.denoiser)
     alpha = cfg.lora.alpha or cfg.lora.rank
     meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha)}
     paths = []
     for fmt in [f for f in own if f in formats]:
         path = cfg.output_dir / lora_formats.lora_file_name(name, fmt, own[0])
-        if fmt == "lora":  # diffusers and ComfyUI read these at scale 1, so alpha/rank is folded into lora_B
-            tensors = lora_formats.to_diffusers(state, bundle.family, alpha=alpha)
-        else:
-            tensors = lora_formats.to_kohya_sdxl(state, dict(bundle.denoiser.config), alpha)
+        tensors = family.lora_tensors(fmt, state, dict(bundle.denoiser.config), alpha)
         lora_formats.save_lora(path, tensors, meta)
         paths.append(path)
     return paths

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.formats.sgm_unet import UnmappedKeysError
+from vramfit.formats.keys import UnmappedKeysError
 
 SAI_PREFIX = "model.diffusion_model."
 HEAD_DIM = 64  # every released SD3/SD3.5 transformer uses 64 channels per head

@@ -9,26 +9,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
-from accelerate import init_empty_weights
 
 from vramfit.config.schema import ModelConfig, TrainConfig
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
-from vramfit.formats import ldm_vae, sgm_unet
+from vramfit.formats import ldm_vae
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
-from vramfit.memory.vae_tiling import set_vae_tiling
-from vramfit.models.adapter import ModelBundle, Source, resolution_problems
-from vramfit.models.sources import require_tokenizers
-from vramfit.models.tiny import shipped_config
-from vramfit.models.objectives import epsilon_draws, epsilon_inputs, min_snr_weights, weighted_mse
+from vramfit.formats.lora import to_diffusers
+from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.parts import (
+    as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
+    load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
+)
+from vramfit.models.sdxl.sgm_unet import (
+    check_text_time, diffusers_to_sgm_unet, sgm_to_diffusers_unet, unet_config_from_sgm, unet_key_map,
+)
+from vramfit.models.sdxl.kohya import describe_target, kohya_unet_names, shipped_kohya_names, to_kohya_sdxl
+from vramfit.models.sdxl.memory import unet_activations, unet_batch
+from vramfit.models.sdxl.objective import epsilon_draws, epsilon_inputs, min_snr_weights
+from vramfit.models.sdxl.tiny import TINY_NAMES, materialize
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -54,98 +62,35 @@ def layout_name(config: dict) -> str:
     return "sdxl-custom"
 
 
-def _build(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
-           file_key: Optional[Callable[[str], str]] = None):
-    """Instantiate without allocating random weights, then take the checkpoint's tensors."""
-    with init_empty_weights():
-        model = cls(**config)
-    return _assign(model, state, what, path, file_key)
-
-
-def check_shapes(model, state: Mapping[str, torch.Tensor], what: str, path: Path,
-                 file_key: Optional[Callable[[str], str]] = None) -> None:
-    """Refuse, naming the tensor (as the file names it, via `file_key`) and both shapes, a state
-    whose tensor shapes differ from those of `model` (built on the meta device from the config the
-    file describes), before load_state_dict would fail with a traceback."""
-    expected = model.state_dict()
-    for key, t in state.items():
-        want = expected.get(key)
-        if want is not None and tuple(t.shape) != tuple(want.shape):
-            name = file_key(key) if file_key else key
-            raise CheckpointError(
-                f"{path}: tensor {name} has shape {list(t.shape)}, but the {what} that the file's other "
-                f"tensors describe needs {list(want.shape)}; the file is damaged or mixes two models")
-
-
-def check_folder_shapes(cls, folder: Path, sub: str) -> None:
-    """check_shapes for a diffusers/transformers model folder: its config built on the meta device
-    against the shapes in its safetensors headers (no weights read)."""
-    where = folder / sub
-    try:
-        with init_empty_weights():
-            if hasattr(cls, "config_class"):  # transformers
-                model = cls(cls.config_class.from_pretrained(where))
-            else:
-                model = cls.from_config(cls.load_config(where))
-    except ValueError as exc:  # e.g. channel counts that norm_num_groups does not divide
-        raise CheckpointError(f"{where / 'config.json'}: {exc}") from None
-    keys = set(model.state_dict())
-    for file in _weight_files(where):
-        stored = meta_tensors(read_header(file)[0])
-        check_shapes(model, {_same_key(k, keys): t for k, t in stored.items()}, sub, file)
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files from_pretrained loads (variants such as model.fp16.safetensors aside)."""
-    return [f for f in sorted(folder.glob("*.safetensors")) if "." not in f.name[:-len(".safetensors")]]
-
-
-def _same_key(key: str, keys) -> str:
-    """`key` as named among `keys`, with or without the `text_model.` wrapper that CLIP folders
-    of older transformers have and the installed CLIPTextModel may not (formats/clip.py)."""
-    for candidate in (key, key.removeprefix("text_model."), "text_model." + key):
-        if candidate in keys:
-            return candidate
-    return key
-
-
-def as_stored(model, folder: Path) -> dict[str, torch.Tensor]:
-    """`model`'s state dict with each tensor in the dtype its source folder stores it in (loaders
-    widen some: diffusers loads fp32, transformers keeps T5's `wo` in fp32), so that carried-over
-    weights are written back as the source holds them. Variant files (model.fp16.safetensors) are
-    not what from_pretrained loaded and are skipped."""
-    state = model.state_dict()
-    stored: dict[str, torch.dtype] = {}
-    for file in _weight_files(folder):
-        stored.update({_same_key(k, state): t.dtype for k, t in meta_tensors(read_header(file)[0]).items()})
-    return {k: v.to(stored[k]) if k in stored and v.is_floating_point() else v for k, v in state.items()}
-
-
-def _assign(model, state: dict[str, torch.Tensor], what: str, path: Path,
-            file_key: Optional[Callable[[str], str]] = None):
-    """Give `model`, made under accelerate's init_empty_weights (parameters on the meta device,
-    buffers real), the checkpoint's tensors; a mismatch is a CheckpointError naming the file."""
-    check_shapes(model, state, what, path, file_key)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not k.endswith("position_ids")]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: the {what} weights do not match the detected architecture "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    for name, buf in list(model.named_buffers()):
-        if buf.device.type == "meta":  # non-persistent buffers (e.g. position_ids) are rebuilt
-            raise CheckpointError(f"{path}: {what} buffer {name} was not initialised")
-    return model.eval()
-
-
 class SDXLFamily:
     name = "sdxl"
+    display_name = "SDXL-family"
     # LoRA files a run writes by default, the primary first (saved as <name>.safetensors): kohya
     # keys, which ComfyUI and A1111 load; the diffusers/PEFT file goes beside it.
     lora_formats = ("lora_kohya", "lora")
     resolution_multiple = 8  # the VAE's factor; the UNet's up blocks follow any latent size
     shipped_layouts = SHIPPED_LAYOUTS
+    shipped_aliases: dict[str, str] = {}
+    tiny_models = TINY_NAMES  # the tiny:<name> models of models/sdxl/tiny.py
+    files = FileLayout(UNET, "unet", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
+                                           ("bigG", CLIP_G, "text_encoder_2", "clip")))
+    block_containers = ("down_blocks", "mid_block", "up_blocks")
+    repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
+    default_guidance = 5.0
+    has_t5 = False
+    # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
+    denoiser_component = "unet"
+    lora_roots = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in", "conv_out", "time_embedding.",
+                  "add_embedding.", "conv_norm_out")
+    kohya_roots = ("input_blocks_", "middle_block_", "output_blocks_", "time_embed_", "label_emb_", "out_",
+                   *(root.replace(".", "_") for root in lora_roots))  # SGM names, then diffusers' (kohya.py)
+
+    def materialize_tiny(self, name: str, root: Path) -> Path:
+        """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
+        return materialize(name, root)
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        return shipped_config(f"tiny_{name}_unet")
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -185,21 +130,13 @@ class SDXLFamily:
         else:
             unet, vae, encoders = self._load_diffusers(source.path)
         tok_dir = require_tokenizers(source)
-        tokenizers = self.load_tokenizers(tok_dir)
+        tokenizers = load_clip_tokenizers(tok_dir)
         return ModelBundle(self.name, layout_name(dict(unet.config)), source, unet, vae, encoders,
                            tokenizers, scheduler)
 
-    def load_tokenizers(self, folder: Path) -> list[Any]:
-        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
-        from transformers import CLIPTokenizer
-
-        # SDXL's second tokenizer pads with "!" (id 0) rather than end-of-text.
-        return [CLIPTokenizer.from_pretrained(folder / "tokenizer"),
-                CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
-
     def caption_tokenizers(self, source: Source, cfg: Any) -> list[Any]:
         """CLIP-L's and CLIP-G's tokenizers, as `load` finds them (each keeps 77 tokens)."""
-        return self.load_tokenizers(require_tokenizers(source))
+        return load_clip_tokenizers(require_tokenizers(source))
 
     def _load_single_file(self, path: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
@@ -209,12 +146,12 @@ class SDXLFamily:
         if not self.detect_single_file(set(header)):
             raise CheckpointError(f"{path}: no SDXL-family UNet found (no {UNET}label_emb.* keys)")
         try:
-            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
+            config = unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
-        state = sgm_unet.sgm_to_diffusers_unet(load_prefixed(path, UNET), config)
-        to_sgm = sgm_unet.unet_key_map(config)
-        unet = _build(UNet2DConditionModel, config, state, "UNet", path, lambda k: UNET + to_sgm[k])
+        state = sgm_to_diffusers_unet(load_prefixed(path, UNET), config)
+        to_sgm = unet_key_map(config)
+        unet = build_checked(UNet2DConditionModel, config, state, "UNet", path, lambda k: UNET + to_sgm[k])
         vae, encoders = self._single_file_encoders(path, header)
         return unet, vae, encoders
 
@@ -229,30 +166,11 @@ class SDXLFamily:
                     "checkpoint (UNet, VAE and both text encoders) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
-                     path, lambda k: VAE + vae_names[k])
-        enc1 = self._clip(load_prefixed(path, CLIP_L), "quick_gelu", False, path)
-        enc2 = self._clip(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", path, lambda k: VAE + vae_names[k])
+        enc1 = clip_text_model(load_prefixed(path, CLIP_L), "quick_gelu", False, path)
+        enc2 = clip_text_model(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
         return vae, [enc1, enc2]
-
-    def _clip(self, state: dict, act: str, projection: bool, path: Path):
-        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
-        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-        cfg = clipfmt.clip_config_from_keys(state, hidden_act=act, with_projection=projection)
-        vocab = cfg["vocab_size"]
-        cfg.update(bos_token_id=vocab - 2, eos_token_id=vocab - 1)
-        config = CLIPTextConfig(**cfg)
-        cls = CLIPTextModelWithProjection if projection else CLIPTextModel
-        with init_empty_weights():
-            model = cls(config)
-        state = clipfmt.normalize_hf_clip_keys(state, model)
-        # Parameters on the meta device (no random initialisation: 10 s for bigG on two cores),
-        # then the file's tensors, in the precision the file stores: an fp16 bigG on the GPU is
-        # half the size of an fp32 one.
-        stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-        state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
-        return _assign(model, state, "text encoder", path)
 
     def _load_diffusers(self, folder: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
@@ -266,7 +184,7 @@ class SDXLFamily:
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
             check_folder_shapes(cls, folder, sub)
         try:
-            sgm_unet.check_text_time(json.loads((folder / "unet" / "config.json").read_text()), json.loads(
+            check_text_time(json.loads((folder / "unet" / "config.json").read_text()), json.loads(
                 (folder / "text_encoder_2" / "config.json").read_text()).get("projection_dim"))
         except ValueError as exc:
             raise CheckpointError(f"{folder / 'unet' / 'config.json'}: {exc}") from None
@@ -306,15 +224,10 @@ class SDXLFamily:
                     pooled = out.text_embeds.float().cpu()
         return {"prompt_embeds": torch.cat(hidden, dim=-1).to(dtype), "pooled": pooled.to(dtype)}
 
-    @torch.no_grad()
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
         """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
-        vae = bundle.vae
-        set_vae_tiling(vae, tiling)
-        vae_dtype = next(vae.parameters()).dtype
-        dist = vae.encode(pixels.to(device, vae_dtype)).latent_dist
-        return {"mean": dist.mean.float().cpu().to(dtype), "logvar": dist.logvar.float().cpu().to(dtype)}
+        return encode_vae_images(bundle, pixels, device, dtype, tiling)
 
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor:
@@ -357,7 +270,7 @@ class SDXLFamily:
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         config = dict(bundle.denoiser.config)
         sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
-        return {UNET + k: v for k, v in sgm_unet.diffusers_to_sgm_unet(sd, config).items()}
+        return {UNET + k: v for k, v in diffusers_to_sgm_unet(sd, config).items()}
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
@@ -407,6 +320,61 @@ class SDXLFamily:
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
         commit_folder(tmp, Path(folder))
 
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def kohya_names(self, config: Optional[Mapping]) -> dict[str, str]:
+        """{kohya name: diffusers module} of the UNet `config`, or of every shipped layout (None)."""
+        return kohya_unet_names(config) if config is not None else shipped_kohya_names()
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        return describe_target(modules, kohya)
+
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """"lora": diffusers keys with alpha/rank folded into lora_B (diffusers and ComfyUI read them
+        at scale 1); "lora_kohya": kohya's SGM names with .alpha tensors."""
+        if fmt == "lora":
+            return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        return to_kohya_sdxl(state, config, alpha)
+
+    def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
+        """A StableDiffusionXLPipeline with SDXL's Euler scheduler."""
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+        scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
+        return StableDiffusionXLPipeline(
+            vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=tokenizers[0],
+            tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
+            force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        return {}
+
+    def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
+        """Latents scaled back by the VAE's factor (per channel where its config has means and deviations)."""
+        cfg = vae_config
+        if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+            mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1).to(latents)
+            std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1).to(latents)
+            return latents * std / cfg.scaling_factor + mean
+        return latents / cfg.scaling_factor
+
+    # ---- memory profile ------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        return unet_config_from_sgm(keys)
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        return unet_activations(config, latent_h, latent_w, t5_tokens)
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg) -> dict:
+        return unet_batch(config, batch, side, cfg)
+
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:
         """Family, layout, parameter counts and dtypes per component, without loading weights."""
@@ -414,13 +382,13 @@ class SDXLFamily:
             header, _ = read_header(source.path)
             parts = {"unet": UNET, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
                      "text_encoder_2 (bigG)": CLIP_G}
-            comps = {name: _count(header, prefix) for name, prefix in parts.items()}
-            config = sgm_unet.unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
+            comps = {name: count_params(header, prefix) for name, prefix in parts.items()}
+            config = unet_config_from_sgm(meta_tensors(header, UNET), _pooled_width(header))
         else:
             comps = {}
             for sub in ("unet", "vae", "text_encoder", "text_encoder_2"):
                 files = sorted((source.path / sub).glob("*.safetensors"))
-                comps[sub] = _merge([_count(read_header(f)[0], "") for f in files])
+                comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
             config = json.loads((source.path / "unet" / "config.json").read_text())
         return {"family": self.name, "layout": layout_name(config),
                 "transformer_layers_per_block": config.get("transformer_layers_per_block"),
@@ -439,30 +407,3 @@ def _pooled_width(header: dict) -> Optional[int]:
     return int(projection["shape"][1]) if projection else None
 
 
-def sample_latent(encoded: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
-    """One draw from a cached latent distribution (mean, log-variance), as diffusers' sample()."""
-    mean = encoded["mean"].float()
-    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu").to(mean.device)
-    std = torch.exp(0.5 * encoded["logvar"].float().clamp(-30.0, 20.0))
-    return mean + std * eps
-
-
-def _count(header: dict, prefix: str) -> dict:
-    params, dtypes = 0, {}
-    for key, info in header.items():
-        if key.startswith(prefix):
-            n = 1
-            for s in info["shape"]:
-                n *= s
-            params += n
-            dtypes[info["dtype"]] = dtypes.get(info["dtype"], 0) + n
-    return {"params": params, "dtypes": dtypes}
-
-
-def _merge(counts: list[dict]) -> dict:
-    out = {"params": 0, "dtypes": {}}
-    for c in counts:
-        out["params"] += c["params"]
-        for k, v in c["dtypes"].items():
-            out["dtypes"][k] = out["dtypes"].get(k, 0) + v
-    return out

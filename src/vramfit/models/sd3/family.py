@@ -1,18 +1,18 @@
 """The Stable Diffusion 3 family: SD3 Medium and SD3.5-shaped MMDiTs (qk-norm, dual attention).
 
-The transformer layout is read from the checkpoint's keys (formats/sd3_mmdit.py). Text
+The transformer layout is read from the checkpoint's keys (models/sd3/mmdit.py). Text
 conditioning is SD3's: the penultimate hidden states of CLIP-L and CLIP-G concatenated (2048 wide
 at full size), zero-padded to the joint attention width and followed on the sequence axis by T5's
 output; the pooled vector is both CLIPs' projected pooled outputs side by side. CLIP-L has no
 projection in Stability's files, so an identity projection stands in (as diffusers and ComfyUI
 do). T5 is optional: without it its part of the sequence is zeros, as SD3 allows.
-Training is rectified flow (models/flow.py) on SD3's shift-3 sigma table.
+Training is rectified flow (models/sd3/flow.py) on SD3's shift-3 sigma table.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
@@ -21,22 +21,28 @@ from accelerate import init_empty_weights
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
+from vramfit.formats.lora import module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
 )
-from vramfit.formats.sd3_mmdit import (
-    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
-)
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
-from vramfit.models.adapter import ModelBundle, Source, resolution_problems
-from vramfit.models.sdxl import (
-    SDXLFamily, _build, _count, _merge, as_stored, check_folder_shapes, check_shapes, sample_latent,
+from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.parts import (
+    as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
+    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
 )
-from vramfit.models.sources import require_tokenizers
-from vramfit.models import flow
-from vramfit.models.objectives import weighted_mse
+from vramfit.models.sd3.flow import (
+    DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
+    NUM_TRAIN_TIMESTEPS, flow_inputs, lookup_sigmas, loss_weighting, sample_density, shifted_sigmas,
+)
+from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
+from vramfit.models.sd3.mmdit import (
+    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
+)
+from vramfit.models.sd3.tiny import TINY_NAMES, materialize_sd3
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -49,7 +55,6 @@ VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_SDXL = SDXLFamily()  # for the helpers both families share (CLIP building, tokenizers, VAE encoding)
 
 # (layers, width, qk_norm, dual attention layers) of the released models -> layout name
 _LAYOUTS = {
@@ -60,6 +65,7 @@ _LAYOUTS = {
 # The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
 # configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
 SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
+_WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}  # of LoRA files
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
 
@@ -98,11 +104,33 @@ def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
 
 class SD3Family:
     name = "sd3"
+    display_name = "SD3"
     lora_formats = ("lora",)  # diffusers/PEFT keys, as <name>.safetensors: ComfyUI and diffusers load them
     # VAE factor 8 x patch size 2: every SD3 and SD3.5 release patches 2x2 latents (the
     # family is checked before its file is read, so the released value stands here)
     resolution_multiple = 16
     shipped_layouts = SHIPPED_LAYOUTS
+    shipped_aliases = {"sd3m": "sd3-medium"}  # the name bench/plan_check.py and older tests use
+    tiny_models = TINY_NAMES  # the tiny:<name> models of models/sd3/tiny.py
+    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
+                                                         ("CLIP-G", CLIP_G, "text_encoder_2", "clip"),
+                                                         ("T5", T5, "text_encoder_3", "t5")))
+    block_containers = ("transformer_blocks",)
+    repeated_blocks = ("JointTransformerBlock",)
+    default_guidance = 7.0
+    has_t5 = True
+    # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
+    denoiser_component = "transformer"
+    lora_roots = ("transformer_blocks.", "pos_embed.", "time_text_embed.", "context_embedder", "norm_out.",
+                  "proj_out")
+    kohya_roots = ("joint_blocks_",)  # SAI names; kohya SD3 files are not read (kohya_names)
+
+    def materialize_tiny(self, name: str, root: Path) -> Path:
+        """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
+        return materialize_sd3(root)
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        return shipped_config("tiny_sd3_transformer")
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -131,12 +159,12 @@ class SD3Family:
 
         if folder is not None and (folder / "scheduler" / "scheduler_config.json").is_file():
             return FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=flow.NUM_TRAIN_TIMESTEPS,
-                                               shift=flow.DEFAULT_SHIFT)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+                                               shift=DEFAULT_SHIFT)
 
     def load_tokenizers(self, folder: Path, t5: bool) -> list[Any]:
         """CLIP-L and CLIP-G tokenizers (CLIP-G pads with "!", as SDXL's), then T5's when T5 is used."""
-        tokenizers = _SDXL.load_tokenizers(folder)
+        tokenizers = load_clip_tokenizers(folder)
         if t5:
             # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
             from transformers import T5TokenizerFast
@@ -172,7 +200,7 @@ class SD3Family:
         config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         state = sai_to_diffusers_mmdit(load_prefixed(path, TRANSFORMER))
         names = sai_names(state)
-        transformer = _build(SD3Transformer2DModel, config, state, "transformer", path,
+        transformer = build_checked(SD3Transformer2DModel, config, state, "transformer", path,
                              lambda k: TRANSFORMER + names.get(k, k))
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
@@ -194,8 +222,8 @@ class SD3Family:
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae = _build(AutoencoderKL, vae_cfg, ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE)), "VAE",
-                     path, lambda k: VAE + vae_names[k])
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", path, lambda k: VAE + vae_names[k])
 
         def part_state(part: str, prefix: str) -> tuple[dict, Path]:
             own = files.get(part)
@@ -204,9 +232,9 @@ class SD3Family:
         clip_l, where = part_state("clip_l", CLIP_L)
         if not any(k.endswith("text_projection.weight") for k in clip_l):
             clip_l["text_projection.weight"] = _identity_projection(clip_l)
-        enc1 = _SDXL._clip(clip_l, "quick_gelu", True, where)
+        enc1 = clip_text_model(clip_l, "quick_gelu", True, where)
         clip_g, where = part_state("clip_g", CLIP_G)
-        enc2 = _SDXL._clip(clip_g, "gelu", True, where)
+        enc2 = clip_text_model(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
         if files.get("t5") or any(k.startswith(T5) for k in header):
             state, where = part_state("t5", T5)
@@ -319,7 +347,7 @@ class SD3Family:
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
         """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
-        return _SDXL.encode_images(bundle, pixels, device, dtype, tiling)
+        return encode_vae_images(bundle, pixels, device, dtype, tiling)
 
     def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
                 generator: torch.Generator) -> torch.Tensor:
@@ -376,18 +404,18 @@ class SD3Family:
         for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
-        scheme = getattr(cfg, "weighting_scheme", flow.DEFAULT_SCHEME)
+        scheme = getattr(cfg, "weighting_scheme", DEFAULT_SCHEME)
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-        u = at if at is not None else flow.sample_density(
-            scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", flow.DEFAULT_LOGIT_MEAN),
-            logit_std=getattr(cfg, "logit_std", flow.DEFAULT_LOGIT_STD),
-            mode_scale=getattr(cfg, "mode_scale", flow.DEFAULT_MODE_SCALE))
+        u = at if at is not None else sample_density(
+            scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", DEFAULT_LOGIT_MEAN),
+            logit_std=getattr(cfg, "logit_std", DEFAULT_LOGIT_STD),
+            mode_scale=getattr(cfg, "mode_scale", DEFAULT_MODE_SCALE))
         sched = bundle.noise_scheduler.config
-        table = flow.shifted_sigmas(sched.num_train_timesteps, sched.shift)
-        sigmas, timesteps = flow.lookup_sigmas(u, table)
+        table = shifted_sigmas(sched.num_train_timesteps, sched.shift)
+        sigmas, timesteps = lookup_sigmas(u, table)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
-                  "weights": flow.loss_weighting(scheme, sigmas)}
+                  "weights": loss_weighting(scheme, sigmas)}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
         inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
@@ -395,7 +423,8 @@ class SD3Family:
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
                   dtype: torch.dtype) -> torch.Tensor:
         """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
-        noisy, target = flow.flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
+        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device),
+                                    inputs["sigmas"])
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
         return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"),
@@ -464,6 +493,58 @@ class SD3Family:
         write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
         commit_folder(tmp, Path(folder))
 
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def kohya_names(self, config: Optional[Mapping]) -> None:
+        """None: kohya SD3 LoRAs are not read (save them in the diffusers layout)."""
+        return None
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        """"SD3 MMDiT", with the width of its attention inputs and the releases of that width."""
+        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        return "SD3 MMDiT" + (f" ({q} wide: {_WIDTHS.get(q, 'a custom width')})" if q else "")
+
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """"lora": diffusers keys with alpha/rank folded into lora_B (diffusers and ComfyUI read them
+        at scale 1)."""
+        return to_diffusers(state, self.denoiser_component, alpha=alpha)
+
+    def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
+        """A StableDiffusion3Pipeline with SD3's shift-3 flow-matching scheduler; T5 where both
+        its encoder and its tokenizer are there."""
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        has_t5 = len(encoders) > 2 and len(tokenizers) > 2
+        return StableDiffusion3Pipeline(
+            transformer=bundle.denoiser, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+            text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
+            tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
+            tokenizer_3=tokenizers[2] if has_t5 else None)
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        return {"prompt_3": None, "max_sequence_length": t5_tokens}
+
+    def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
+        """Latents scaled back by the VAE's factor and shifted back."""
+        return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)
+
+    # ---- memory profile ------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        # heavy: diffusers/transformers classes (~2 s); `vramfit plan` reads a model's facts from headers
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        return sd3_config_from_keys(keys)
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        return mmdit_activations(config, latent_h, latent_w, t5_tokens)
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg) -> dict:
+        return mmdit_batch(config, batch, side, cfg)
+
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:
         """Family, layout, transformer shape and parameter counts/dtypes per component, without loading weights."""
@@ -471,7 +552,7 @@ class SD3Family:
             header, _ = read_header(source.path)
             parts = {"transformer": TRANSFORMER, "vae": VAE, "text_encoder (CLIP-L)": CLIP_L,
                      "text_encoder_2 (CLIP-G)": CLIP_G, "text_encoder_3 (T5)": T5}
-            comps = {name: _count(header, prefix) for name, prefix in parts.items()
+            comps = {name: count_params(header, prefix) for name, prefix in parts.items()
                      if any(k.startswith(prefix) for k in header)}
             config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         else:
@@ -479,7 +560,7 @@ class SD3Family:
             for sub in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
                 files = sorted((source.path / sub).glob("*.safetensors"))
                 if files:
-                    comps[sub] = _merge([_count(read_header(f)[0], "") for f in files])
+                    comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
             config = json.loads((source.path / "transformer" / "config.json").read_text())
         return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
                 "width": config["caption_projection_dim"], "qk_norm": config.get("qk_norm"),

@@ -17,10 +17,11 @@ import torch
 from vramfit.formats.clip import to_sgm_clip_keys
 from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic
-from vramfit.formats.sd3_mmdit import diffusers_to_sai_mmdit
-from vramfit.models.tiny import materialize, shipped_config, write_tiny_tokenizers
-from vramfit.models.names import TINY_MODELS, unknown_tiny
+from vramfit.models.parts import shipped_config
+from vramfit.models.sd3.mmdit import diffusers_to_sai_mmdit
+from vramfit.models.tiny import write_tiny_tokenizers
 
+TINY_NAMES = ("sd3",)  # tiny:<name>
 _FORMAT = "2"  # bump when the tiny SD3 architecture or the way it is written changes
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -100,12 +101,3 @@ def materialize_sd3(root: Path, *, with_t5: bool = True) -> Path:
             "modelspec.architecture": "stable-diffusion-3"}
     save_atomic(build_tiny_sd3_state(with_t5), path, metadata=meta)
     return path
-
-
-def materialize_tiny(path: str, root: Path) -> Path:
-    """The single file of any tiny model (`path`: tiny:<name>) under `root`, written if needed."""
-    problem = unknown_tiny(path)
-    if problem:
-        raise ValueError(f"model.path: {problem}")
-    name = path.split(":", 1)[1]
-    return materialize_sd3(root) if TINY_MODELS[name] == "sd3" else materialize(name, root)

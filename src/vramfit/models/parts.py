@@ -1,0 +1,196 @@
+"""What the families build alike: shipped configs, models made on the meta device and given a
+file's tensors with every shape checked, the CLIP text encoders and tokenizers, the VAE's
+encoding, and parameter counts from headers.
+
+SDXL-family and SD3 models share their CLIP encoders, their tokenizer folders and the way a VAE's
+latent distribution is cached; a family folder takes these from here rather than from another
+family's folder.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from accelerate import init_empty_weights
+
+from vramfit.formats import clip as clipfmt
+from vramfit.formats.safetensors_io import CheckpointError, meta_tensors, read_header
+from vramfit.memory.vae_tiling import set_vae_tiling
+from vramfit.models.adapter import ModelBundle, Source
+
+
+def shipped_config(name: str) -> dict:
+    """A shipped architecture config (models/configs/<name>.json)."""
+    text = resources.files("vramfit.models").joinpath("configs", f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def build_checked(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
+                  file_key: Optional[Callable[[str], str]] = None):
+    """Instantiate without allocating random weights, then take the checkpoint's tensors."""
+    with init_empty_weights():
+        model = cls(**config)
+    return assign_state(model, state, what, path, file_key)
+
+
+def check_shapes(model, state: Mapping[str, torch.Tensor], what: str, path: Path,
+                 file_key: Optional[Callable[[str], str]] = None) -> None:
+    """Refuse, naming the tensor (as the file names it, via `file_key`) and both shapes, a state
+    whose tensor shapes differ from those of `model` (built on the meta device from the config the
+    file describes), before load_state_dict would fail with a traceback."""
+    expected = model.state_dict()
+    for key, t in state.items():
+        want = expected.get(key)
+        if want is not None and tuple(t.shape) != tuple(want.shape):
+            name = file_key(key) if file_key else key
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(t.shape)}, but the {what} that the file's other "
+                f"tensors describe needs {list(want.shape)}; the file is damaged or mixes two models")
+
+
+def check_folder_shapes(cls, folder: Path, sub: str) -> None:
+    """check_shapes for a diffusers/transformers model folder: its config built on the meta device
+    against the shapes in its safetensors headers (no weights read)."""
+    where = folder / sub
+    try:
+        with init_empty_weights():
+            if hasattr(cls, "config_class"):  # transformers
+                model = cls(cls.config_class.from_pretrained(where))
+            else:
+                model = cls.from_config(cls.load_config(where))
+    except ValueError as exc:  # e.g. channel counts that norm_num_groups does not divide
+        raise CheckpointError(f"{where / 'config.json'}: {exc}") from None
+    keys = set(model.state_dict())
+    for file in _weight_files(where):
+        stored = meta_tensors(read_header(file)[0])
+        check_shapes(model, {_same_key(k, keys): t for k, t in stored.items()}, sub, file)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files from_pretrained loads (variants such as model.fp16.safetensors aside)."""
+    return [f for f in sorted(folder.glob("*.safetensors")) if "." not in f.name[:-len(".safetensors")]]
+
+
+def _same_key(key: str, keys) -> str:
+    """`key` as named among `keys`, with or without the `text_model.` wrapper that CLIP folders
+    of older transformers have and the installed CLIPTextModel may not (formats/clip.py)."""
+    for candidate in (key, key.removeprefix("text_model."), "text_model." + key):
+        if candidate in keys:
+            return candidate
+    return key
+
+
+def as_stored(model, folder: Path) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with each tensor in the dtype its source folder stores it in (loaders
+    widen some: diffusers loads fp32, transformers keeps T5's `wo` in fp32), so that carried-over
+    weights are written back as the source holds them. Variant files (model.fp16.safetensors) are
+    not what from_pretrained loaded and are skipped."""
+    state = model.state_dict()
+    stored: dict[str, torch.dtype] = {}
+    for file in _weight_files(folder):
+        stored.update({_same_key(k, state): t.dtype for k, t in meta_tensors(read_header(file)[0]).items()})
+    return {k: v.to(stored[k]) if k in stored and v.is_floating_point() else v for k, v in state.items()}
+
+
+def assign_state(model, state: dict[str, torch.Tensor], what: str, path: Path,
+                 file_key: Optional[Callable[[str], str]] = None):
+    """Give `model`, made under accelerate's init_empty_weights (parameters on the meta device,
+    buffers real), the checkpoint's tensors; a mismatch is a CheckpointError naming the file."""
+    check_shapes(model, state, what, path, file_key)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the {what} weights do not match the detected architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for name, buf in list(model.named_buffers()):
+        if buf.device.type == "meta":  # non-persistent buffers (e.g. position_ids) are rebuilt
+            raise CheckpointError(f"{path}: {what} buffer {name} was not initialised")
+    return model.eval()
+
+
+def clip_text_model(state: dict, act: str, projection: bool, path: Path):
+    """A CLIP text encoder from its transformers-keyed state (`act` its activation; with a
+    projection or not), built on the meta device and given the file's tensors in the precision
+    the file stores them."""
+    # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = clipfmt.clip_config_from_keys(state, hidden_act=act, with_projection=projection)
+    vocab = cfg["vocab_size"]
+    cfg.update(bos_token_id=vocab - 2, eos_token_id=vocab - 1)
+    config = CLIPTextConfig(**cfg)
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    with init_empty_weights():
+        model = cls(config)
+    state = clipfmt.normalize_hf_clip_keys(state, model)
+    # Parameters on the meta device (no random initialisation: 10 s for bigG on two cores),
+    # then the file's tensors, in the precision the file stores: an fp16 bigG on the GPU is
+    # half the size of an fp32 one.
+    stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
+    return assign_state(model, state, "text encoder", path)
+
+
+def load_clip_tokenizers(folder: Path) -> list[Any]:
+    """The two CLIP tokenizers of `folder` (tokenizer/, tokenizer_2/); the second pads with "!"
+    (id 0) rather than end-of-text, as SDXL's and SD3's CLIP-G do."""
+    # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
+    from transformers import CLIPTokenizer
+
+    return [CLIPTokenizer.from_pretrained(folder / "tokenizer"),
+            CLIPTokenizer.from_pretrained(folder / "tokenizer_2", pad_token="!")]
+
+
+def require_tokenizers(source: Source) -> Path:
+    """The folder of `source`'s tokenizers; a CheckpointError saying what to provide where there is none."""
+    if source.tokenizers is None:
+        raise CheckpointError(
+            f"{source.path}: this single file has no tokenizers and none were found beside it or in "
+            "the local Hugging Face cache. Set model.tokenizers to a folder containing tokenizer/ "
+            "and tokenizer_2/ (and tokenizer_3/ for SD3 with T5), e.g. a downloaded "
+            "stabilityai/stable-diffusion-xl-base-1.0 or stabilityai/stable-diffusion-3-medium-diffusers, "
+            "or put those folders next to the checkpoint."
+        )
+    for sub in ("tokenizer", "tokenizer_2"):
+        if not (source.tokenizers / sub).is_dir():
+            raise CheckpointError(f"model.tokenizers: {source.tokenizers} has no {sub}/ folder")
+    return source.tokenizers
+
+
+@torch.no_grad()
+def encode_vae_images(bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
+    """The VAE's latent distribution (mean, log-variance); sampling happens at train time."""
+    vae = bundle.vae
+    set_vae_tiling(vae, tiling)
+    vae_dtype = next(vae.parameters()).dtype
+    dist = vae.encode(pixels.to(device, vae_dtype)).latent_dist
+    return {"mean": dist.mean.float().cpu().to(dtype), "logvar": dist.logvar.float().cpu().to(dtype)}
+
+
+def count_params(header: dict, prefix: str) -> dict:
+    """Parameters and their count per stored dtype of the header entries under `prefix`."""
+    params, dtypes = 0, {}
+    for key, info in header.items():
+        if key.startswith(prefix):
+            n = 1
+            for s in info["shape"]:
+                n *= s
+            params += n
+            dtypes[info["dtype"]] = dtypes.get(info["dtype"], 0) + n
+    return {"params": params, "dtypes": dtypes}
+
+
+def merge_counts(counts: list[dict]) -> dict:
+    """The sum of several `count_params` results (a component stored in several files)."""
+    out = {"params": 0, "dtypes": {}}
+    for c in counts:
+        out["params"] += c["params"]
+        for k, v in c["dtypes"].items():
+            out["dtypes"][k] = out["dtypes"].get(k, 0) + v
+    return out
