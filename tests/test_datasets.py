@@ -351,3 +351,20 @@ def test_sd3_trains_two_datasets_with_flips_masks_dropout_validation_and_epoch_s
     assert run["cache"]["latents_cached"] == 2 + 2 * 2 + 1  # b's mirrored latents too
     assert all(torch.isfinite(torch.tensor(run["losses"])))
     assert len(run["samples"]) == 1  # the end of the run (its one epoch ends there)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", [["memory.stream_weights=true", "train.optimizer_in_backward=true"],
+                                    ["memory.offload_activations=true"], ["train.cuda_graphs=true"]])
+def test_the_validation_loss_on_a_gpu_is_the_same_beside_each_memory_setting(tmp_path, cache_root, memory):
+    """The validation forward runs eagerly between steps, beside streamed weights, offloaded
+    activations or CUDA graph recordings; its values match a run without them."""
+    a, held = _images(tmp_path / "a", 3, 0), _images(tmp_path / "held", 2, 5)
+    config = _config(tmp_path, _datasets(f'path = "{a}"', f'path = "{held}"\nvalidation = true'))
+    sets = ["train.device=cuda", "train.steps=4", "validation.every_steps=2", "train.precision=fp32",
+            "train.max_grad_norm=0"]  # the step in backward clips per tensor: no clipping, the same steps
+    plain = _run(config, tmp_path / "plain", cache_root / "gpu-validation", *sets, "train.cuda_graphs=false")
+    other = _run(config, tmp_path / "other", cache_root / "gpu-validation", *sets, *memory)
+    assert [v[0] for v in other["validation"]] == [2, 4]
+    for (_, x), (_, y) in zip(plain["validation"], other["validation"]):
+        assert abs(x - y) <= 1e-3 * abs(x), (plain["validation"], other["validation"])
