@@ -147,6 +147,26 @@ def test_repo_id_offline_uses_local_cache_or_says_what_to_do(tmp_path, cache_roo
         resolve_source(ModelConfig(path="someone/not-downloaded"))
 
 
+def test_a_repo_id_without_its_weights_fetches_only_configs_and_tokenizers(tmp_path, monkeypatch):
+    """`vramfit data` counts caption tokens of a repo id: configs and tokenizers, never the weights."""
+    from vramfit.models import sources
+
+    asked = []
+
+    def fake_download(repo_id, revision=None, allow_patterns=None, local_files_only=False):
+        asked.append(allow_patterns)
+        (tmp_path / "snap").mkdir(exist_ok=True)
+        (tmp_path / "snap" / "model_index.json").write_text("{}")
+        return str(tmp_path / "snap")
+
+    monkeypatch.setattr(sources, "snapshot_download", fake_download)
+    light = resolve_source(ModelConfig(path="someone/big-model"), weights=False)
+    assert light.kind == "diffusers" and not any(p.endswith(".safetensors") for p in asked[0])
+    assert "tokenizer*/*" in asked[0] and "model_index.json" in asked[0]
+    resolve_source(ModelConfig(path="someone/big-model"))  # a run: the weights too
+    assert "*/*.safetensors" in asked[1]
+
+
 @pytest.mark.parametrize("projection,dtype", [(False, torch.float32), (True, torch.float16)])
 def test_text_encoders_are_built_from_the_file_without_random_initialisation(projection, dtype, monkeypatch):
     """The CLIP of a single file is made on the meta device and given the file's tensors in the

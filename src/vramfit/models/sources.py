@@ -26,6 +26,8 @@ from vramfit.models.registry import materialize_tiny, unknown_tiny
 # Files of a diffusers SDXL repo that training needs; weights in safetensors only.
 _REPO_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*.safetensors",
                   "tokenizer*/*", "scheduler/*"]
+# what a repo id needs without its weights (`vramfit data`: the tokenizers and the folder's layout)
+_LIGHT_PATTERNS = [p for p in _REPO_PATTERNS if not p.endswith(".safetensors")]
 SDXL_TOKENIZER_REPO = "stabilityai/stable-diffusion-xl-base-1.0"
 
 
@@ -36,8 +38,10 @@ class SourceError(ValueError):
     """A model.path that cannot be turned into a model; the message says what to provide."""
 
 
-def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
-    source = _resolve(cfg, cache_root)
+def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None, weights: bool = True) -> Source:
+    """Where the model of `cfg` is, local paths resolved. `weights=False`: a Hugging Face repo id is
+    fetched without its weights (configs and tokenizers only), for what needs no weights."""
+    source = _resolve(cfg, cache_root, weights)
     files = tuple((part, Path(getattr(cfg, part)).expanduser()) for part in ENCODER_PARTS
                   if getattr(cfg, part, None))
     return dataclasses.replace(source, encoder_files=files) if files else source
@@ -46,7 +50,7 @@ def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Sourc
 ENCODER_PARTS = ("clip_l", "clip_g", "t5")
 
 
-def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
+def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None, weights: bool = True) -> Source:
     text = cfg.path
     cache_root = cache_root or default_cache_root()
     tokenizers = Path(cfg.tokenizers).expanduser() if cfg.tokenizers else None
@@ -65,7 +69,7 @@ def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None) -> Source:
         return _from_folder(path, tokenizers, text)
     if path.exists() or text.count("/") != 1:
         raise SourceError(f"model.path: {text} is not a file, a folder or a repo id (org/name)")
-    return _from_hub(text, cfg.revision, tokenizers)
+    return _from_hub(text, cfg.revision, tokenizers, _REPO_PATTERNS if weights else _LIGHT_PATTERNS)
 
 
 def _from_folder(path: Path, tokenizers: Optional[Path], label: str) -> Source:
@@ -80,10 +84,11 @@ def _from_folder(path: Path, tokenizers: Optional[Path], label: str) -> Source:
     )
 
 
-def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path]) -> Source:
+def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path],
+              patterns: list[str] = _REPO_PATTERNS) -> Source:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                         local_files_only=offline))
     except LocalEntryNotFoundError:
         if offline:
@@ -92,19 +97,19 @@ def _from_hub(repo_id: str, revision: Optional[str], tokenizers: Optional[Path])
                 "offline (HF_HUB_OFFLINE=1); download it where there is network "
                 f"(`hf download {repo_id}`) or set model.path to a local file or folder"
             ) from None
-        folder = _cached_or_fail(repo_id, revision)
+        folder = _cached_or_fail(repo_id, revision, patterns)
     except Exception as exc:  # network errors come in many classes; fall back to the cache
         if type(exc).__name__ in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
             raise SourceError(f"model.path: {repo_id}: {exc}") from None
-        folder = _cached_or_fail(repo_id, revision)
+        folder = _cached_or_fail(repo_id, revision, patterns)
     if (folder / "model_index.json").is_file():
         return Source("diffusers", folder, tokenizers or folder, label=repo_id)
     return _from_folder(folder, tokenizers, repo_id)
 
 
-def _cached_or_fail(repo_id: str, revision: Optional[str]) -> Path:
+def _cached_or_fail(repo_id: str, revision: Optional[str], patterns: list[str] = _REPO_PATTERNS) -> Path:
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_REPO_PATTERNS,
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                       local_files_only=True))
     except LocalEntryNotFoundError:
         raise SourceError(

@@ -159,7 +159,7 @@ def _tokenizers(cfg: RunConfig, notes: list[str]) -> list[Any]:
     """The tokenizers a run of `cfg` encodes captions with; none (and a note saying why) when the
     model or its tokenizers cannot be found."""
     try:
-        source = resolve_source(cfg.model, cache_root(cfg))
+        source = resolve_source(cfg.model, cache_root(cfg), weights=False)  # a repo id: no weights fetched
         family = detect_family(source, cfg.model.family)
         tokenizers = family.caption_tokenizers(source, cfg)
     except (ValueError, OSError) as exc:
