@@ -368,3 +368,13 @@ def test_the_validation_loss_on_a_gpu_is_the_same_beside_each_memory_setting(tmp
     assert [v[0] for v in other["validation"]] == [2, 4]
     for (_, x), (_, y) in zip(plain["validation"], other["validation"]):
         assert abs(x - y) <= 1e-3 * abs(x), (plain["validation"], other["validation"])
+
+
+def test_captions_over_an_encoders_limit_are_named_with_the_limit(tmp_path, cache_root, caplog):
+    root = _square(tmp_path / "a", 2, 0)
+    (root / "1.txt").write_text(", ".join(f"tag{i}" for i in range(60)))  # about 180 CLIP tokens
+    with caplog.at_level("WARNING", logger="vramfit"):
+        run = _run(_config(tmp_path, _datasets(f'path = "{root}"')), tmp_path / "run", cache_root / "long",
+                   "train.steps=1")
+    assert run["cache"]["captions_truncated"] == 1
+    assert "caption of 1.png is" in caplog.text and "the text encoder keeps the first 77" in caplog.text

@@ -203,15 +203,14 @@ class TrainingData:
     def drops_captions(self) -> bool:
         return any(r.spec.caption_dropout > 0 for r in self.trained)
 
-    def warn_long_captions(self) -> int:
-        """Name every caption the text encoders will truncate; returns how many images have one."""
+    def warn_long_captions(self, tokenizers: list) -> int:
+        """Name every caption the text encoders will truncate; returns how many images have one.
+        `tokenizers`: the family's caption tokenizers, each with the length its encoder keeps as its
+        model_max_length (Family.caption_tokenizers: CLIP 77, SD3's T5 model.max_sequence_length)."""
         long = 0
-        # CLIP stops at its 77 positions; SD3's T5 at model.max_sequence_length.
-        cap = self.bundle.extra.get("max_sequence_length")
         for r in self.records:
-            over = [(n, limit) for caption in r.captions for tok in self.bundle.tokenizers
-                    if (n := len(tok(caption, truncation=False).input_ids))
-                    > (limit := min(tok.model_max_length, cap or tok.model_max_length))]
+            over = [(n, tok.model_max_length) for caption in r.captions for tok in tokenizers
+                    if (n := len(tok(caption, truncation=False).input_ids)) > tok.model_max_length]
             if over:
                 n, limit = max(over)
                 log.warning("caption of %s is %d tokens; the text encoder keeps the first %d", r.item.key, n, limit)

@@ -242,7 +242,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
                         seed=cfg.train.seed, prior_weight=cfg.prior.loss_weight, identities=identities,
                         share=ranks.share)
     data.stats["class_images_generated"] = generated
-    data.stats["captions_truncated"] = data.warn_long_captions()
+    data.stats["captions_truncated"] = data.warn_long_captions(family.caption_tokenizers(source, cfg))
     data.assign_keys()
     return Prepared(family, bundle, data, combined(datasets))
 
