@@ -71,7 +71,7 @@ CASES = {
         "train.precision=full_bf16", "train.optimizer=adafactor", "train.lr=1e-3", "train.grad_accum=1",
         "train.optimizer_in_backward=true", "train.gradient_checkpointing=true", "train.compile=true"]),
     # streamed weights recorded with their copies into the streamer's slots, their step on those
-    # copies inside backward and the copies of the new values home (memory/offload.py)
+    # copies inside backward and the copies of the new values home (memory/offload/grads.py)
     "sd3-full-streamed-inbwd": ("tiny:sd3", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),
     # half of the blocks keep their saved weights as references, fetched again in backward; blocks
     # split into several units; the fit probe records its stand-in's streamed step too

@@ -95,7 +95,7 @@ def test_streamed_weights_leave_the_slots_of_the_two_largest_units_on_the_device
     units = sorted(u.nbytes for u in streamer.units)
     assert len(units) > 2  # the small unit size split the blocks
     resident = _held_bytes(bundle.denoiser) - streamer.streamed_bytes()
-    # the slots units are copied into (memory/offload.py) take the largest units' sizes
+    # the slots units are copied into (memory/offload/slots.py) take the largest units' sizes
     assert predicted["weights"] == resident and predicted["stream unit"] == units[-1] + units[-2]
     full = device_terms(read_facts(cfg), _cfg(model={"path": "tiny:ssd1b"}, data={"resolution": SIZE}))
     assert predicted["weights"] < full["weights"] and predicted["gradients"] < full["gradients"]

@@ -25,7 +25,7 @@ class Rule:
 
 
 def streamed_step_on_device(cfg: Any) -> bool:
-    """Whether the run steps its streamed weights on the device inside backward (memory/offload.py):
+    """Whether the run steps its streamed weights on the device inside backward (memory/offload/grads.py):
     a streamed full fine-tune with the step in backward and an optimizer of compact state."""
     t = cfg.train
     return (cfg.memory.stream_weights and t.mode == "full" and t.optimizer_in_backward

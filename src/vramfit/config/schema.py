@@ -495,7 +495,7 @@ class OutputConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    """How the denoiser's weights and activations are placed (memory/offload.py)."""
+    """How the denoiser's weights and activations are placed (memory/offload/)."""
 
     stream_weights: bool = Field(
         False, description="Keep the weights of the denoiser's blocks (SDXL family: down/mid/up "

@@ -147,7 +147,7 @@ TEXT_WORKSPACE = _FITTED["TEXT_WORKSPACE"]
 STEP_TEMP_BYTES = _FITTED["STEP_TEMP_BYTES"]  # by optimizer: fp32 temporaries per value of a pack
 IN_BACKWARD_TEMP_SHARE = _FITTED["IN_BACKWARD_TEMP_SHARE"]  # of T, overlapping the activation peak
 STREAM_GRAD_SHARE = _FITTED["STREAM_GRAD_SHARE"]  # of a stream unit: its gradients waiting to step on the device
-# the device buffers streamed units are copied into, kept while training (memory/offload.py `_slot`):
+# the device buffers streamed units are copied into, kept while training (memory/offload/slots.py):
 # as large as this many of the largest units, by whether streamed weights step on the device
 STREAM_SLOTS = _FITTED["STREAM_SLOTS"]
 WORKSPACE = _FITTED["WORKSPACE"]
@@ -180,7 +180,7 @@ def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
 
 def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
     """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
-    first (the slots of memory/offload.py take the largest units' sizes: STREAM_SLOTS)."""
+    first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS)."""
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
     lora = cfg.train.mode == "lora"
     method = cfg.lora.base_quantization if lora else "none"
@@ -329,7 +329,7 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     unit = units[0] if units else 0
     on_device = [x for x in tensors if not x.streamed]
     # streamed weights that step on the device inside backward keep their state there too, and
-    # their unit's gradients wait there until it steps (memory/offload.py)
+    # their unit's gradients wait there until it steps (memory/offload/grads.py)
     stepped_here = streamed_step_on_device(cfg)
     trained = [x for x in tensors if x.trained and (stepped_here or not x.streamed)]
     none = _Tensor("", (), 0, 0, True)
@@ -472,7 +472,7 @@ KNOBS = (
     Knob("train.gradient_checkpointing", (False, 0.25, 0.5, 0.75, True), (0, 0.25, 0.5, 0.75, 1), "train"),
     # the step in backward records with the backward (train/graphs.py): cheap beside graphs
     Knob("train.optimizer_in_backward", (False, True), (0, 2), "train"),
-    # its copies record with graphs (memory/offload.py keeps the pinned buffers)
+    # its copies record with graphs (memory/offload/activations.py keeps the pinned buffers)
     Knob("memory.offload_activations", (False, True), (0, 4), "train"),
     # without graphs every step is bound by the host: slower than any recorded rung
     Knob("train.cuda_graphs", (True, False), (0, 8), "train"),

@@ -303,7 +303,7 @@ class ParamOptimizer(torch.optim.Optimizer):
     elementwise = False
     MIN_PACK_NUMEL = 1 << 22
     # State that is a small fraction of the weights (Adafactor's row and column factors): a streamed
-    # weight's state may then live on the compute device and the weight step there (memory/offload.py).
+    # weight's state may then live on the compute device and the weight step there (memory/offload/grads.py).
     compact_state = False
 
     @classmethod

@@ -30,7 +30,7 @@ def optimizer_class(name: str) -> type[ParamOptimizer]:
 
 
 def steps_streamed_on_device(streamed: bool, mode: str, in_backward: bool, optimizer: type) -> bool:
-    """The rule of where streamed weights step (memory/offload.py): on the device inside backward
+    """The rule of where streamed weights step (memory/offload/grads.py): on the device inside backward
     for a streamed full fine-tune with the step in backward and an optimizer class with compact
     state; otherwise in CPU memory. The planner asks it of a config (`streamed_step_on_device`),
     the training loop of the run's live streamer and optimizer."""

@@ -90,7 +90,7 @@ class BackwardSteps:
                          and (device is None or _same_device(p.device, device))}
         self._device = device
         # the pack limit leaves out every tensor the optimizer chunks where it lies now: a streamed
-        # weight stepped on the device (memory/offload.py) steps in chunks there. One the optimizer
+        # weight stepped on the device (memory/offload/grads.py) steps in chunks there. One the optimizer
         # chunks only on the GPU (Adafactor's fused kernels: 1 to 4 Mi values) counts as waiting,
         # which leaves the limit as it is: it is under the 4 Mi floor
         waiting = [p for p in params if not (in_backward and optimizer.chunks(p))]
@@ -175,7 +175,7 @@ class BackwardSteps:
 
     def step_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Step these parameters with their fresh gradients (and their accumulation buffers) now,
-        where each parameter's values lie at this moment: memory/offload.py's streamed weights,
+        where each parameter's values lie at this moment: memory/offload/grads.py's streamed weights,
         whose gradient hook hands them over while their compute copy is on the device (their
         state moves there on the first such step; a tensor the optimizer chunks steps in chunks)."""
         for p, grad in pairs:

@@ -1,7 +1,7 @@
 """The denoiser's training step, built once per run: what owns the step's machinery.
 
 Setup (vramfit/run.py, fit/probe.py) builds one StepEngine over the placed denoiser and its
-optimizer: it takes the run's WeightStreamer (memory/offload.py; given, not looked up), registers
+optimizer: it takes the run's WeightStreamer (memory/offload/; given, not looked up), registers
 the backward hooks (optim/in_backward.py: the step inside backward, stochastically rounded bf16
 sums), wraps the denoiser for CUDA graph recordings (train/graphs.py) and turns on the streamed
 weights' step on the device where it applies. It exposes what the loop and the sampler need: one
@@ -85,7 +85,8 @@ class StepEngine:
             self.graphed = GraphedDenoiser(self.loss_bundle.denoiser, steps=stepping, sums=summing,
                                            warm_each=cfg.compile, streamer=streamer)
             self.loss_bundle = dataclasses.replace(self.loss_bundle, denoiser=self.graphed)
-        # streamed weights whose optimizer state is small step on the device in backward (memory/offload.py)
+        # streamed weights whose optimizer state is small step on the device in backward
+        # (memory/offload/grads.py)
         if self.hooks is not None and steps_streamed_on_device(streamer is not None, cfg.mode,
                                                                self.hooks.in_backward, type(optimizer)):
             streamer.step_on_device(self.hooks)

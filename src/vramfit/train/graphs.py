@@ -48,7 +48,7 @@ What a replay needs, and how a run provides it:
   the streamer's fixed device buffers, the waits between the copy streams and the compute, the
   step of the streamed weights on those copies (train.optimizer_in_backward with Adafactor) and
   the copies of their new values home become nodes of the graphs, and a replay moves the same
-  bytes between the same places (memory/offload.py: the buffers are fixed for that). Offloaded
+  bytes between the same places (memory/offload/slots.py: the buffers are fixed for that). Offloaded
   activations (memory.offload_activations) record alike: their copies to the streamer's kept
   pinned buffers in forward and back in backward are nodes too; as with compiled blocks, each
   signature runs once eagerly first, which makes the pinned buffers of its saves. Settings
@@ -147,7 +147,7 @@ class CudaRecording:
 
     `prepare(outs)` runs between the two recordings with the recorded forward's outputs: it puts
     the owned gradient buffers in place, so that the recorded backward adds into them. `around()`
-    is entered inside each recording (streamed weights: memory/offload.py WeightStreamer.recorded)."""
+    is entered inside each recording (streamed weights: memory/offload/weights.py WeightStreamer.recorded)."""
 
     def __init__(self, flat: _Flat, tensors: tuple[torch.Tensor, ...], prepare: Callable, pool, stream,
                  around: Callable = nullcontext):
@@ -212,9 +212,9 @@ class GraphedDenoiser(torch.nn.Module):
         self._recorder = recorder
         # compiled blocks (train.compile): each signature runs once eagerly before it records, since
         # compiling for a new shape loads kernels, which CUDA refuses while it records
-        self._streamer = streamer  # streamed weights (memory/offload.py): their copies are recorded too
+        self._streamer = streamer  # streamed weights (memory/offload/): their copies are recorded too
         # offloaded activations: the same for the pinned buffers a shape's saved tensors are copied
-        # into, which are not made while CUDA records (memory/offload.py `_host_buffer`)
+        # into, which are not made while CUDA records (memory/offload/activations.py `host_buffer`)
         self._warm_each = warm_each or bool(self._streamer and self._streamer.offload_activations)
         self._eager_keys: set = set()  # the signatures that ran eagerly (with warm_each only)
         self._steps = steps  # optim/in_backward.py BackwardSteps when the step runs inside backward

@@ -1,0 +1,258 @@
+"""Gradients of streamed weights (full fine-tune): home to pinned CPU memory, or a step on the device.
+
+Moving home. A post-accumulate-grad hook (`grad_ready`, registered by the streamer when it is
+built, before the loop's own hooks, so it sees the gradient first) moves each gradient to pinned
+CPU memory on the copy-home stream and frees the device copy. When backward ends they are handed
+to the home parameters through autograd's own accumulation (`deliver`: a small backward into the
+CPU leaves), so `p.grad` is a CPU tensor summed exactly as autograd sums micro-batches, and every
+other post-accumulate-grad hook (accumulation with stochastic rounding, the optimizer step in
+backward) runs on the CPU parameter as it would on a device one. The loop's clipping and
+`optimizer.step()` then run on the CPU for these parameters.
+
+Stepping on the device (`steps` set: the loop turns it on for the step in backward with an
+optimizer of compact state, Adafactor). In the backward that steps, a streamed weight's complete
+gradient is not moved home: the weight steps on its compute copy on the device, with the unit's
+other gradients that arrive together (through optim/in_backward.py `step_now`, so clipping, the
+finite check, packing and chunks are those of resident weights), and the new values are copied to
+their homes on the copy-home stream; the next fetch of the unit waits for that copy. Its optimizer
+state moves to the device at its first such step and stays there. The compute copy must still
+exist when the gradient arrives: a unit evicted while autograd still holds its copy (a
+checkpointed block's recomputed weights) and while some of its gradients are still to come is
+kept (`linger`) until they have stepped, which costs nothing while autograd holds that memory
+anyway (a kept copy autograd has let go of is dropped at the next eviction); a weight whose copy
+nothing kept (a projection whose input needs no gradient, such as cross-attention's keys and
+values of the text; under mixed_bf16 most weights, since autocast saves its bf16 casts instead)
+is fetched again alone, on the compute stream. Gradients of earlier micro-batches (accumulation)
+still go home and are brought back to be added when the last one steps.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from vramfit.memory.accounting import tensor_bytes
+from vramfit.memory.offload.slots import SlotPool, use_count
+from vramfit.memory.offload.units import StreamStats, Unit
+
+
+class GradsHome:
+    """The gradients of the trained weights of `units`: moved home, or stepped on the device.
+    The streamer calls it at its boundaries (`set_aside`, `step_gathered`, `backward_done`,
+    `evicting`, `settle`, `drop_stale`) and tells it whether a backward runs (`in_backward`) and
+    that one must be awaited (`expect_end_of_backward`)."""
+
+    def __init__(self, units: list[Unit], device: torch.device, *, side, back, stats: StreamStats,
+                 slots: SlotPool, expect_end_of_backward: Callable[[], None],
+                 in_backward: Callable[[], bool]):
+        self.units, self.device, self.stats, self.slots = units, device, stats, slots
+        self.cuda = device.type == "cuda"
+        self.side, self.back = side, back  # the copy streams: to the device, and home
+        self._expect_end_of_backward = expect_end_of_backward
+        self._in_backward = in_backward
+        self._stash: dict[nn.Parameter, Optional[torch.Tensor]] = {}
+        self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._delivering = False
+        self.recording = False  # inside a CUDA graph's recording (train/graphs.py): no host syncs
+        self.trainable = [p for u in self.units for p in u.params if p.requires_grad]
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self.steps = None  # optim/in_backward.py BackwardSteps that steps streamed weights on the device
+        self._stepped: set[int] = set()  # streamed weights stepped in the running backward
+        self._lingering: list[Unit] = []
+        self._gathering: Optional[Unit] = None  # the unit whose gradients arrive now
+
+    # ---- boundaries the streamer calls ---------------------------------------------------------
+
+    def set_aside(self) -> None:
+        """At the start of a backward: the CPU gradients step aside until it ends (autograd must not
+        add a device gradient to a CPU one)."""
+        for p in self.trainable:
+            self._stash[p] = p.grad
+            p.grad = None
+
+    def step_gathered(self) -> None:
+        """At the end of a backward: step the unit whose gradients were arriving last."""
+        if self._gathering is not None and self._gathering.to_step:  # a weight fetched alone, say
+            self._step_unit(self._gathering)
+        self._gathering = None
+
+    def backward_done(self) -> None:
+        """After the streamer let every unit go at the end of a backward: hand the gradients home."""
+        self._stepped.clear()
+        self._deliver_grads()
+
+    def drop_stale(self) -> None:
+        """At a forward's start: drop what a backward that stepped on the device and did not
+        finish left behind."""
+        if self._stepped or self._lingering:  # a backward that stepped on the device did not finish
+            self.drop()
+
+    def drop(self) -> None:
+        """Gradients gathered by a backward that did not finish (an error) are dropped, not stepped."""
+        for unit in self.units:
+            unit.to_step.clear()
+        self._drop_lingering()
+        self._stepped.clear()
+        self._gathering = None
+
+    def unbinding(self, unit: Unit) -> None:
+        """`unit` stops being the compute copy: its gathered gradients step now."""
+        if unit.to_step:
+            self._step_unit(unit)
+
+    def evicting(self, unit: Unit) -> None:
+        """`unit` leaves the device: its gathered gradients step, its copy is kept where autograd
+        holds it and gradients are to come; kept copies autograd let go of are dropped."""
+        if unit.to_step:
+            self._step_unit(unit)
+        if self._awaits_grads(unit) and self._shared(unit.buffers, unit.own_refs):
+            # autograd still holds this copy (a checkpointed block's recomputed weights) and gradients
+            # of the unit are to come: keep it, at no cost, so that they step on it
+            unit.linger = (unit.buffers, unit.views)
+            self._lingering.append(unit)
+        for other in list(self._lingering):  # one autograd let go of is not kept longer
+            if other is not unit and not self._shared(other.linger[0], other.own_refs):
+                if other.to_step:
+                    self._step_unit(other)
+                self.let_go(other)
+
+    def settle(self) -> None:
+        """Every kept copy's gradients step, and the copies go."""
+        for unit in list(self._lingering):  # a step may drop it from the list
+            if unit.to_step:
+                self._step_unit(unit)
+        self._drop_lingering()
+
+    def let_go(self, unit: Unit) -> None:
+        """Stop keeping `unit`'s copy for its gradients, if it is kept."""
+        if unit.linger is not None:
+            unit.linger = None
+            self._lingering.remove(unit)
+            unit.release_slot(self.slots)
+
+    def _drop_lingering(self) -> None:
+        for unit in self._lingering:
+            unit.linger = None
+            unit.release_slot(self.slots)
+        self._lingering.clear()
+
+    # ---- gradients of streamed weights --------------------------------------------------------
+
+    @torch.no_grad()
+    def grad_ready(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of a streamed trained weight."""
+        if self._delivering or p.grad is None:
+            return
+        self._expect_end_of_backward()
+        grad, p.grad = p.grad, None
+        unit = self._unit_of[id(p)]
+        if self.steps is not None and self.steps.stepping:
+            # stepped on the compute copy, with the rest of the unit's gradients that arrive together
+            # (a weight whose copy is gone, one autograd did not keep, is fetched again alone)
+            if self._copy_of(unit) is None:
+                unit = self._fetch_alone(unit, p)
+            earlier = self._stash.pop(p, None)  # earlier micro-batches' sum, as autograd accumulated it
+            if earlier is not None:
+                grad = grad.add_(earlier.to(grad.device, non_blocking=True))
+            if self._gathering is not None and self._gathering is not unit:
+                self._step_unit(self._gathering)
+            self._gathering = unit
+            unit.to_step.append((p, grad))
+            self._stepped.add(id(p))
+            return
+        host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.back.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.back):
+                host.copy_(grad, non_blocking=True)
+            grad.record_stream(self.back)  # its memory is reused only after the copy
+        else:
+            host.copy_(grad)
+        self._moved.append((p, host))
+        self.stats.grads_moved += 1
+
+    def _fetch_alone(self, unit: Unit, p: nn.Parameter) -> Unit:
+        """A one-weight unit holding a new compute copy of `p` (whose own unit holds none now)."""
+        home = unit.homes[unit.position(p)]
+        if self.cuda and unit.homed is not None:
+            torch.cuda.current_stream(self.device).wait_event(unit.homed)
+        copy = home.to(self.device, non_blocking=True) if self.cuda else home.clone()
+        self.stats.fetched(tensor_bytes(copy))
+        self.stats.released(tensor_bytes(copy))
+        return Unit(unit.index, unit.name, [p], [home], tensor_bytes(copy),
+                    linger=({copy.dtype: copy}, [copy]), owner=unit)
+
+    @staticmethod
+    def _shared(buffers: dict, own_refs: dict) -> bool:
+        """Whether tensors other than the streamer's own views share one of these buffers."""
+        return any(use_count(buf) > own_refs[dtype] for dtype, buf in buffers.items())
+
+    @staticmethod
+    def _copy_of(unit: Unit) -> Optional[tuple]:
+        """(buffers, views) of the unit's compute copy: fetched, or kept for its gradients; or None."""
+        if unit.buffers is not None:
+            return unit.buffers, unit.views
+        return unit.linger
+
+    def _awaits_grads(self, unit: Unit) -> bool:
+        """In the backward that steps on the device, whether a trained weight of `unit` has not
+        had its gradient yet."""
+        return (self.steps is not None and self.steps.stepping and self._in_backward()
+                and any(p.requires_grad and id(p) not in self._stepped for p in unit.params))
+
+    def _step_unit(self, unit: Unit) -> None:
+        """Step the unit's weights whose gradients are complete on their compute copies, then copy
+        the new values home on the back stream."""
+        pairs, unit.to_step = unit.to_step, []
+        if self._gathering is unit:
+            self._gathering = None
+        if unit.buffers is not None:  # a prefetched copy may not have been used (and waited for) yet
+            unit.await_copy(self.device)
+        _, views = self._copy_of(unit)
+        bound = [p.data for p, _ in pairs]
+        positions = [unit.position(p) for p, _ in pairs]
+        for (p, _), i in zip(pairs, positions):
+            p.data = views[i]  # already so while the unit is bound
+        self.steps.step_now(pairs)
+        self.stats.stepped_on_device += len(pairs)
+        # A copy of one weight fetched alone is the allocator's memory, which the compute stream
+        # reuses as soon as it is dropped: its copy home runs on the compute stream, so that no
+        # later kernel overwrites it first (a small copy, for that weight only). A slot is not
+        # reused before the copy-home stream is done with it (the streamer's fetch): the rest go there.
+        home_stream = None
+        if self.cuda:
+            home_stream = self.back if unit.owner is None else torch.cuda.current_stream(self.device)
+            home_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(home_stream) if self.cuda else nullcontext():
+            for (p, _), i in zip(pairs, positions):
+                unit.homes[i].copy_(p.data, non_blocking=self.cuda)
+            if self.cuda:
+                unit.homed = torch.cuda.Event()
+                unit.homed.record(home_stream)
+        if unit.slot is not None:  # the slot is not copied into again before these copies are done
+            unit.slot.read_home = unit.homed
+        for (p, _), data in zip(pairs, bound):
+            p.data = data
+        if unit.owner is not None:  # fetched alone: its home belongs to the owner's copies
+            unit.owner.homed = unit.homed
+        elif unit.linger is not None and not self._awaits_grads(unit):
+            self.let_go(unit)
+
+    def _deliver_grads(self) -> None:
+        """Hand the moved gradients to the home parameters through autograd's accumulation."""
+        if self.cuda and not self.recording:
+            self.side.synchronize()  # no copy may still read a home the optimizer will change
+            self.back.synchronize()
+        for p, grad in self._stash.items():
+            p.grad = grad
+        self._stash.clear()
+        moved, self._moved = self._moved, []
+        if not moved:
+            return
+        self._delivering = True
+        try:
+            torch.autograd.backward([p for p, _ in moved], [g for _, g in moved])
+        finally:
+            self._delivering = False

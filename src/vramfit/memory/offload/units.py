@@ -1,0 +1,95 @@
+"""What is streamed: the denoiser's blocks cut into units, a unit's state, and the counters.
+
+The blocks of the denoiser (the modules in the attributes its family names as `block_containers`:
+SDXL family `down_blocks`, `mid_block`, `up_blocks`; SD3 each of `transformer_blocks`), split into
+their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. The planner
+(fit/planner.py) cuts the same units to predict the slots' sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from vramfit.memory.accounting import CopyCounters, tensor_bytes
+from vramfit.memory.offload.slots import Slot, SlotPool
+
+
+@dataclass
+class StreamStats(CopyCounters):
+    """Counters of the compute-side copies (bytes in device buffers held by the streamer)."""
+
+    grads_moved: int = 0
+    stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
+    offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
+    kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    params: list[nn.Parameter]
+    homes: list[torch.Tensor]
+    nbytes: int
+    buffers: Optional[dict[torch.dtype, torch.Tensor]] = None
+    views: Optional[list[torch.Tensor]] = None
+    ready: Optional[object] = None  # CUDA event of the copy
+    streams: set = field(default_factory=set)  # streams the buffers were recorded on
+    bound: bool = False
+    # step on the device (grads.py): (parameter, gradient) waiting to step; the buffers' use counts
+    # when only the streamer held them; an evicted unit's copies autograd still holds
+    to_step: list = field(default_factory=list)
+    own_refs: dict = field(default_factory=dict)
+    linger: Optional[tuple] = None  # (buffers, views)
+    homed: Optional[object] = None  # CUDA event: the stepped values' copy back home is done
+    owner: Optional["Unit"] = None  # of a one-weight unit fetched again alone (grads.py `_fetch_alone`)
+    slot: Optional[Slot] = None  # where its copy (fetched, or kept for its gradients) is
+
+    def position(self, p: nn.Parameter) -> int:
+        return next(i for i, q in enumerate(self.params) if q is p)
+
+    def await_copy(self, device: torch.device) -> None:
+        """The current stream waits for the unit's copy to the device; the allocator keeps the
+        buffers until the work queued on this stream that uses them is done."""
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            if stream not in self.streams:
+                stream.wait_event(self.ready)
+                self.streams.add(stream)
+
+    def release_slot(self, pool: SlotPool) -> None:
+        """The unit's slot is no longer its own (the pool takes it once nothing else reads it)."""
+        if self.slot is not None:
+            pool.release(self.slot)
+            self.slot = None
+
+
+def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The denoiser's blocks: the modules of its attributes `containers` (a ModuleList's each, in
+    order, or the module itself), as the family names them."""
+    found = []
+    for attr in containers:
+        module = getattr(denoiser, attr, None)
+        if isinstance(module, nn.ModuleList):
+            found += [(f"{attr}.{i}", block) for i, block in enumerate(module)]
+        elif isinstance(module, nn.Module):
+            found.append((attr, module))
+    return found
+
+
+def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:
+    """`module` as one unit, or its children's units when it streams more than `limit` bytes.
+    Parameters held directly by a split module stay resident."""
+    size = sum(tensor_bytes(p) for p in module.parameters() if streamed(p))
+    if size == 0:
+        return []
+    children = list(module.named_children())
+    if size <= limit or not children:
+        return [(name, module)]
+    units = []
+    for child_name, child in children:
+        units += split_units(f"{name}.{child_name}", child, limit, streamed)
+    return units
