@@ -16,7 +16,6 @@ from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
-from accelerate import init_empty_weights
 
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
@@ -32,7 +31,7 @@ from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Sou
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
-    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
+    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -54,7 +53,6 @@ VAE_SCALE = 1.5305
 VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # (layers, width, qk_norm, dual attention layers) of the released models -> layout name
 _LAYOUTS = {
@@ -74,32 +72,6 @@ def layout_name(config: dict) -> str:
     key = (config["num_layers"], config["caption_projection_dim"], config.get("qk_norm"),
            tuple(config.get("dual_attention_layers") or ()))
     return _LAYOUTS.get(key, "sd3-custom")
-
-
-def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
-    """``T5Config`` kwargs of an encoder read from ``T5EncoderModel`` keys and shapes."""
-    def need(key: str) -> torch.Tensor:
-        if key not in sd:
-            raise ValueError(f"not a T5 encoder state dict: missing key {key!r}")
-        return sd[key]
-
-    emb = need("shared.weight")
-    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
-    if not blocks or blocks != set(range(len(blocks))):
-        raise ValueError(f"T5 encoder block numbering is not contiguous from 0: {sorted(blocks)[:10]}")
-    rel = need("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-    heads = int(rel.shape[1])
-    inner = int(need("encoder.block.0.layer.0.SelfAttention.q.weight").shape[0])
-    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
-    wi = need("encoder.block.0.layer.1.DenseReluDense." + ("wi_0" if gated else "wi") + ".weight")
-    return {
-        "vocab_size": int(emb.shape[0]), "d_model": int(emb.shape[1]), "d_kv": inner // heads,
-        "num_heads": heads, "d_ff": int(wi.shape[0]), "num_layers": len(blocks),
-        "relative_attention_num_buckets": int(rel.shape[0]), "relative_attention_max_distance": 128,
-        "feed_forward_proj": "gated-gelu" if gated else "relu", "is_encoder_decoder": False,
-        "layer_norm_epsilon": 1e-6, "dropout_rate": 0.0, "pad_token_id": 0, "eos_token_id": 1,
-        "decoder_start_token_id": 0, "use_cache": False, "tie_word_embeddings": False,
-    }
 
 
 class SD3Family:
@@ -242,28 +214,7 @@ class SD3Family:
         return vae, encoders
 
     def _t5(self, state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
-        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
-        from transformers import T5Config, T5EncoderModel
-
-        try:
-            config = T5Config(**t5_config_from_keys(state))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        # Stability ships T5-XXL in float8, which no matmul takes: widen it to bfloat16.
-        state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
-        with init_empty_weights():
-            model = T5EncoderModel(config)
-        check_shapes(model, state, "T5 encoder", path, lambda k: prefix + k)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()  # encoder.embed_tokens shares shared.weight; some files store it once
-        missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: T5 encoder weights do not match "
-                                  f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.device.type == "meta":
-                raise CheckpointError(f"{path}: T5 encoder tensor {name} was not initialised")
-        return model.eval()
+        return t5_encoder(state, path, prefix)
 
     def _load_diffusers(self, folder: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
