@@ -104,3 +104,40 @@ def test_bfl_key_map_round_trips_the_tiny_model():
     assert flux_config_from_keys(bfl) == config
     back = bfl_to_diffusers(bfl, config)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_transformer_only_file_with_vae_and_encoders_as_files(images, tmp_path, cache_root, capsys):
+    """flux1-dev.safetensors holds the transformer alone (bare BFL keys); BFL's ae.safetensors the
+    VAE (bare LDM keys); ComfyUI's clip_l and t5xxl files the encoders. Given with model.vae,
+    model.clip_l and model.t5 they are the tiny model's own parts: the text cache is reused, the
+    losses are the same, and the trained file is saved transformer-only again."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cache = cache_root / "f-split"
+    full_out = tmp_path / "full"
+    assert main(train_args(images, full_out, cache, "save.name=m", model="tiny:flux")) == 0
+    full = next((cache / "tiny").glob("tiny-flux-*/tiny-flux.safetensors"))
+    state = load_file(str(full))
+    split = tmp_path / "split"
+    split.mkdir()
+    parts = {"core": "model.diffusion_model.", "vae": "first_stage_model.",
+             "clip_l": "text_encoders.clip_l.transformer.", "t5": "text_encoders.t5xxl.transformer."}
+    for part, prefix in parts.items():
+        save_file({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                  str(split / f"{part}.safetensors"))
+    for tok in ("tokenizer", "tokenizer_2"):
+        shutil.copytree(full.parent / tok, split / tok)
+
+    out = tmp_path / "out"
+    base = train_args(images, out, cache, "save.name=m", "save.dtype=fp32", model=str(split / "core.safetensors"))
+    assert main(base) != 0  # without the VAE file the message says what to give
+    assert "model.vae" in capsys.readouterr().err
+    sets = [f"model.{p}={split / f'{p}.safetensors'}" for p in ("vae", "clip_l", "t5")]
+    assert main(base + [a for s in sets for a in ("--set", s)]) == 0
+    run = json.loads((out / "run.json").read_text())
+    ref = json.loads((full_out / "run.json").read_text())
+    assert run["cache"]["text_cached"] == 0 and run["cache"]["text_reused"] == ref["cache"]["text_cached"]
+    assert run["losses"] == ref["losses"]
+    assert set(load_file(str(out / "m.safetensors"))) == set(load_file(str(split / "core.safetensors")))

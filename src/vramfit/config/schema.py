@@ -78,6 +78,8 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    vae: Optional[str] = Field(None, description="Flux.1 transformer-only file (flux1-dev.safetensors): "
+                               "the VAE as a file of its own (BFL's ae.safetensors).")
     clip_l: Optional[str] = Field(
         None, description="SD3 single file: CLIP-L text encoder as a file of its own (e.g. ComfyUI's "
         "clip_l.safetensors), for files without it (sd3_medium.safetensors) or to replace it.")

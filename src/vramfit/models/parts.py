@@ -17,7 +17,7 @@ import torch
 from accelerate import init_empty_weights
 
 from vramfit.formats import clip as clipfmt
-from vramfit.formats.safetensors_io import CheckpointError, meta_tensors, read_header
+from vramfit.formats.safetensors_io import CheckpointError, load_prefixed, meta_tensors, read_header
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
 
@@ -251,3 +251,17 @@ def merge_counts(counts: list[dict]) -> dict:
         for k, v in c["dtypes"].items():
             out["dtypes"][k] = out["dtypes"].get(k, 0) + v
     return out
+
+
+def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
+    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
+    header, _ = read_header(path)
+    for candidate in (prefix, "transformer.", ""):
+        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
+            return load_prefixed(path, candidate)
+    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
+                          "shared.* keys)")
+
+
+ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}

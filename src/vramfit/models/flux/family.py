@@ -34,7 +34,7 @@ from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    merge_counts, require_tokenizers, shipped_config, t5_encoder,
+    encoder_file_state, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -156,29 +156,41 @@ class FluxFamily:
     def _load_single_file(self, source: Source):
         path = source.path
         header, _ = read_header(path)
-        prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
         if not self.detect_single_file(set(header)):
             raise CheckpointError(f"{path}: no Flux transformer found (no double_blocks.* keys)")
+        prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
         transformer = self._transformer(load_prefixed(path, prefix), path, prefix)
-        vae, encoders = self._single_file_encoders(path, header)
+        vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
-    def _single_file_encoders(self, path: Path, header: dict):
-        """VAE, CLIP-L and (where the file has it) T5 from an all-in-one file."""
+    def _single_file_encoders(self, path: Path, header: dict, source: Source):
+        """VAE, CLIP-L and (where there is one) T5: each from its own file where one is given
+        (model.vae, model.clip_l, model.t5: BFL's ae.safetensors, ComfyUI's clip_l and t5xxl
+        files), else from the single file (ComfyUI's all-in-one checkpoints)."""
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
-        for prefix, what in ((VAE, "VAE"), (CLIP_L, "CLIP-L text encoder")):
-            if not any(k.startswith(prefix) for k in header):
-                raise CheckpointError(f"{path}: the file has no {what} ({prefix}* keys); use a Flux "
-                                      "checkpoint with its VAE and text encoders or a diffusers folder")
-        vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
+        files = {part: source.encoder_file(part) for part in ("vae", "clip_l", "t5")}
+        for part, prefix, what in (("vae", VAE, "VAE"), ("clip_l", CLIP_L, "CLIP-L text encoder")):
+            if not files[part] and not any(k.startswith(prefix) for k in header):
+                raise CheckpointError(f"{path}: the file has no {what} ({prefix}* keys); give it as a file "
+                                      f"of its own with model.{part}, or use a Flux checkpoint with its VAE "
+                                      "and text encoders or a diffusers folder")
+        vae_file = files["vae"] or path
+        vae_prefix = _vae_prefix(vae_file) if files["vae"] else VAE
+        vae_header = read_header(vae_file)[0]
+        vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(vae_header, vae_prefix), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
         vae_names = ldm_vae.vae_key_map(vae_cfg)
-        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(path, VAE))
-        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", path, lambda k: VAE + vae_names[k])
-        encoders = [clip_text_model(load_prefixed(path, CLIP_L), "quick_gelu", False, path)]
-        if any(k.startswith(T5) for k in header):
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(vae_file, vae_prefix))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", vae_file,
+                            lambda k: vae_prefix + vae_names[k])
+        own = files["clip_l"]
+        clip = encoder_file_state(own, CLIP_L) if own else load_prefixed(path, CLIP_L)
+        encoders = [clip_text_model(clip, "quick_gelu", False, own or path)]
+        if files["t5"]:
+            encoders.append(t5_encoder(encoder_file_state(files["t5"], T5), files["t5"]))
+        elif any(k.startswith(T5) for k in header):
             encoders.append(t5_encoder(load_prefixed(path, T5), path, T5))
         return vae, encoders
 
@@ -205,7 +217,7 @@ class FluxFamily:
 
     def load_encoders(self, source: Source):
         if source.kind == "single_file":
-            return self._single_file_encoders(source.path, read_header(source.path)[0])
+            return self._single_file_encoders(source.path, read_header(source.path)[0], source)
         _, vae, encoders = self._load_diffusers(source.path)
         return vae, encoders
 
@@ -223,9 +235,15 @@ class FluxFamily:
         """Settings of another family's objective, refused before any weight loads."""
         problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for Flux.1"
                     for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
-        problems += [f"model.{key}: separate text encoder files are not read for Flux.1 yet; use a "
-                     "checkpoint with its text encoders or a diffusers folder"
-                     for key in ("clip_l", "clip_g", "t5") if getattr(cfg.model, key)]
+        problems += [f"{where}.negative_prompt: Flux.1 takes no negative prompt (its guidance is distilled "
+                     "into the model); leave it out" for where in ("sample", "prior")
+                     if getattr(getattr(cfg, where), "negative_prompt", None)]
+        if cfg.model.clip_g:
+            problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L and T5)")
+        path = cfg.model.path
+        if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
+            problems += [f"model.{key}: files of their own apply to single files; a diffusers folder or "
+                         "repo brings its own" for key in ("vae", "clip_l", "t5") if getattr(cfg.model, key)]
         for side in ("width", "height"):
             value = getattr(cfg.sample, side)
             if cfg.sample.every_steps and value and value % self.resolution_multiple:
@@ -328,14 +346,16 @@ class FluxFamily:
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
-        """The transformer in BFL keys under model.diffusion_model.; VAE and text encoders carried
-        over from the source (byte for byte from a single file)."""
-        state = {TRANSFORMER + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
+        """The transformer in BFL keys: alone where the source was a transformer-only file (BFL's own
+        layout), else under model.diffusion_model. with the VAE and text encoders carried over from
+        the source (byte for byte from a single file)."""
         src = bundle.source
-        if src.kind == "single_file":
-            header = read_header(src.path)[0]
-            if any(k.startswith(TRANSFORMER) for k in header):
-                state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+        bare = src.kind == "single_file" and not any(k.startswith(TRANSFORMER) for k in read_header(src.path)[0])
+        state = {("" if bare else TRANSFORMER) + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
+        if bare:
+            pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
+        elif src.kind == "single_file":
+            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
         else:
             vae, encoders = self.load_encoders(src)
             stored = [as_stored(enc, src.path / sub) for enc, sub in zip(encoders, ("text_encoder", "text_encoder_2"))]
@@ -449,3 +469,12 @@ class FluxFamily:
                 "width": config["num_attention_heads"] * config["attention_head_dim"],
                 "guidance_embeds": bool(config.get("guidance_embeds")),
                 "t5": any(k.startswith("text_encoder_2") for k in comps), "components": comps}
+
+
+def _vae_prefix(path: Path) -> str:
+    """The prefix of the LDM VAE keys in a VAE file of its own (BFL's ae.safetensors: none)."""
+    header = read_header(path)[0]
+    for candidate in (VAE, "vae.", ""):
+        if any(k.startswith((candidate + "encoder.", candidate + "decoder.")) for k in header):
+            return candidate
+    raise CheckpointError(f"{path}: not a VAE file (no encoder.* or decoder.* keys)")

@@ -30,8 +30,8 @@ from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
-    as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
-    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
+    as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
+    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -335,6 +335,12 @@ class SD3Family:
             if cfg.sample.every_steps and value and value % self.resolution_multiple:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which SD3 needs (VAE factor 8 x patch size 2)")
+        if cfg.model.vae:
+            problems.append("model.vae: a VAE file of its own is read for Flux.1 transformer-only files; "
+                            "SD3 files carry their VAE")
+        if cfg.train.guidance != 1.0:  # TrainConfig's default
+            problems.append("train.guidance: applies to Flux.1 dev's guidance embedding, not to SD3 "
+                            "(sampling guidance is sample.guidance)")
         if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
@@ -525,17 +531,3 @@ def _identity_projection(clip_state: dict[str, torch.Tensor]) -> torch.Tensor:
     if emb is None:
         raise CheckpointError("CLIP-L state has no embeddings.token_embedding.weight")
     return torch.eye(emb.shape[1], dtype=emb.dtype)
-
-
-def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
-    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
-    header, _ = read_header(path)
-    for candidate in (prefix, "transformer.", ""):
-        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
-            return load_prefixed(path, candidate)
-    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
-                          "shared.* keys)")
-
-
-ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}
