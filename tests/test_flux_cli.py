@@ -141,3 +141,57 @@ def test_transformer_only_file_with_vae_and_encoders_as_files(images, tmp_path, 
     assert run["cache"]["text_cached"] == 0 and run["cache"]["text_reused"] == ref["cache"]["text_cached"]
     assert run["losses"] == ref["losses"]
     assert set(load_file(str(out / "m.safetensors"))) == set(load_file(str(split / "core.safetensors")))
+
+
+def test_lora_exports_load_in_flux_pipeline(images, tmp_path, cache_root):
+    """A LoRA run writes diffusers/PEFT keys (<name>.safetensors), which FluxPipeline.load_lora_weights
+    reads and which change the transformer's output, and kohya's BFL names (<name>-kohya.safetensors),
+    whose update of each BFL weight (fused qkv and linear1 included) is exactly the BFL layout of the
+    diffusers LoRA merged into the transformer. (diffusers' kohya Flux reader fixes the released
+    3072 width, so it cannot read the tiny model's file.)"""
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "f3", *LORA, "lora.targets=['all_linear']",
+                           model="tiny:flux")) == 0
+    kohya = load_file(str(out / "m-kohya.safetensors"))
+    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", "lora_unet_single_blocks_1_linear1.alpha",
+            "lora_unet_double_blocks_1_txt_mlp_2.lora_up.weight"} <= set(kohya)
+    assert not any("to_q" in k for k in kohya)
+
+    from vramfit.config.schema import ModelConfig
+    from vramfit.models.flux.bfl import diffusers_to_bfl
+    from vramfit.models.flux.objective import image_ids
+    from vramfit.models.registry import detect_family
+    from vramfit.models.sources import resolve_source
+
+    source = resolve_source(ModelConfig(path="tiny:flux"), cache_root / "f3")
+    family = detect_family(source)
+    bundle = family.load(source)
+    base = {k: v.clone() for k, v in bundle.denoiser.state_dict().items()}
+    merged = dict(base)
+    lora = load_file(str(out / "m.safetensors"))
+    for key in lora:
+        if key.endswith(".lora_A.weight"):
+            module = key[len("transformer."):-len(".lora_A.weight")]
+            merged[module + ".weight"] = merged[module + ".weight"] + lora[key.replace("lora_A", "lora_B")] @ lora[key]
+    want, was = diffusers_to_bfl(merged), diffusers_to_bfl(base)
+    moved = {k for k in want if not torch.equal(want[k], was[k])}
+    names = {k.split(".")[0] for k in kohya}
+    assert {"lora_unet_" + k[:-len(".weight")].replace(".", "_") for k in moved} == names
+    for name in names:
+        key = name[len("lora_unet_"):]
+        bfl = next(k for k in moved if k[:-len(".weight")].replace(".", "_") == key)
+        scale = kohya[f"{name}.alpha"] / kohya[f"{name}.lora_down.weight"].shape[0]
+        delta = kohya[f"{name}.lora_up.weight"] @ kohya[f"{name}.lora_down.weight"] * scale
+        assert torch.allclose(was[bfl] + delta, want[bfl], atol=1e-6), name
+
+    pipe = family.pipeline(bundle, bundle.vae, bundle.text_encoders, bundle.tokenizers)
+    g = torch.Generator().manual_seed(0)
+    x = dict(hidden_states=torch.randn(1, 16, 64, generator=g), timestep=torch.tensor([0.5]),
+             guidance=torch.tensor([3.5]), pooled_projections=torch.randn(1, 64, generator=g),
+             encoder_hidden_states=torch.randn(1, 7, 256, generator=g), txt_ids=torch.zeros(7, 3),
+             img_ids=image_ids(8, 8), return_dict=False)
+    with torch.no_grad():
+        before = pipe.transformer(**x)[0]
+        pipe.load_lora_weights(str(out / "m.safetensors"), adapter_name="t")
+        after = pipe.transformer(**x)[0]
+    assert (after - before).abs().max() > 1e-4

@@ -28,6 +28,7 @@ from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.flow import density_from, flow_inputs, loss_weighting
 from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
+from vramfit.models.flux.kohya import to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
 from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
@@ -62,7 +63,8 @@ def layout_name(config: Mapping) -> str:
 class FluxFamily:
     name = "flux"
     display_name = "Flux.1"
-    lora_formats = ("lora",)  # diffusers/PEFT keys, as <name>.safetensors
+    # diffusers/PEFT keys as <name>.safetensors, and kohya's BFL names (ComfyUI, kohya, A1111 forks)
+    lora_formats = ("lora", "lora_kohya")
     resolution_multiple = 16  # VAE factor 8 x the 2x2 packing
     shipped_layouts: dict = {}  # no released Flux configs ship yet (vramfit plan reads a file's headers)
     shipped_aliases: dict = {}
@@ -249,9 +251,6 @@ class FluxFamily:
             if cfg.sample.every_steps and value and value % self.resolution_multiple:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which Flux.1 needs (VAE factor 8 x 2x2 packing)")
-        if "lora_kohya" in (cfg.save.formats or ()):
-            problems.append("save.formats: lora_kohya is not written for Flux.1 yet; its LoRAs are saved "
-                            "as 'lora' (diffusers/PEFT keys)")
         return problems + resolution_problems(self, cfg)
 
     # ---- encoding ----------------------------------------------------------------------------
@@ -404,8 +403,11 @@ class FluxFamily:
 
     def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
                      alpha: float) -> dict[str, torch.Tensor]:
-        """"lora": diffusers keys with alpha/rank folded into lora_B (FluxPipeline.load_lora_weights)."""
-        return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        """"lora": diffusers keys with alpha/rank folded into lora_B (FluxPipeline.load_lora_weights);
+        "lora_kohya": kohya's BFL names, fused modules exact (models/flux/kohya.py)."""
+        if fmt == "lora":
+            return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        return to_kohya_flux(state, config, alpha)
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
         """A FluxPipeline (speaking generate's conventions, models/flux/pipeline.py) over these parts;
