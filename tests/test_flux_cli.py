@@ -195,3 +195,36 @@ def test_lora_exports_load_in_flux_pipeline(images, tmp_path, cache_root):
         pipe.load_lora_weights(str(out / "m.safetensors"), adapter_name="t")
         after = pipe.transformer(**x)[0]
     assert (after - before).abs().max() > 1e-4
+
+
+def test_memory_techniques_train_tiny_flux_as_without_them(images, tmp_path, cache_root, caplog, monkeypatch):
+    """On the CPU: half the blocks checkpointed (double- and single-stream blocks alike), the
+    weights streamed block by block (transformer_blocks and single_transformer_blocks) and an
+    int8 base under the LoRA train as a plain run does: the same losses, int8's close."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="vramfit")
+    base = (*LORA, "lora.targets=['all_linear']", "train.precision=fp32", "train.optimizer=adamw")
+
+    def losses(name, *sets):
+        out = tmp_path / name
+        assert main(train_args(images, out, cache_root / "f4", *base, *sets, model="tiny:flux")) == 0
+        return json.loads((out / "run.json").read_text())["losses"]
+
+    plain = losses("plain", "train.gradient_checkpointing=false")
+    half = losses("half", "train.gradient_checkpointing=0.5")
+    told = [r.getMessage() for r in caplog.records if "checkpointable blocks" in r.getMessage()]
+    assert told and "2 of the denoiser's 4 checkpointable blocks" in told[0]
+    torch.testing.assert_close(half, plain, rtol=1e-5, atol=0)
+    from vramfit.memory import offload
+
+    streamers = []
+    init = offload.WeightStreamer.__init__
+    monkeypatch.setattr(offload.WeightStreamer, "__init__",
+                        lambda self, *a, **k: init(self, *a, **k) or streamers.append(self))
+    torch.testing.assert_close(losses("streamed", "memory.stream_weights=true"), plain, rtol=1e-5, atol=0)
+    (streamer,) = streamers
+    assert {u.name.split(".")[0] for u in streamer.units} == {"transformer_blocks", "single_transformer_blocks"}
+    int8 = losses("int8", "lora.base_quantization=int8")
+    assert int8 != plain
+    torch.testing.assert_close(int8, plain, rtol=2e-2, atol=0)
