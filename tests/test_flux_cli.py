@@ -228,3 +228,11 @@ def test_memory_techniques_train_tiny_flux_as_without_them(images, tmp_path, cac
     int8 = losses("int8", "lora.base_quantization=int8")
     assert int8 != plain
     torch.testing.assert_close(int8, plain, rtol=2e-2, atol=0)
+
+
+def test_plan_for_tiny_flux(capsys):
+    """`vramfit plan` reads the tiny Flux file's headers and predicts each phase (with SD3's
+    constants standing in: Flux's are not fitted, fit/calibration.json says so)."""
+    assert main(["plan", "--set", "model.path=tiny:flux", "--set", "train.mode=lora", "--vram", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out
