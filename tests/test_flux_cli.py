@@ -23,7 +23,8 @@ def test_flux_lora_trains_and_generate_renders(images, tmp_path, cache_root):
     assert any(k.startswith("transformer.transformer_blocks.") for k in lora)
     pics = tmp_path / "pics"
     assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
-                 "--width", "64", "--height", "64", "--out", str(pics), "--cache-dir", str(cache_root / "f1")]) == 0
+                 "--width", "64", "--height", "64", "--out", str(pics),
+                 "--cache-dir", str(cache_root / "f1")]) == 0
     assert len(list(pics.glob("*.png"))) == 1
 
 
@@ -54,8 +55,8 @@ def test_flux_full_finetune_saves_and_resumes_exactly(images, tmp_path, cache_ro
     from vramfit.models.sources import resolve_source
 
     pipe = FluxPipeline.from_pretrained(full / "m-diffusers", local_files_only=True)
-    source = resolve_source(ModelConfig(path=str(full / "m.safetensors"), tokenizers=str(full / "m-diffusers")),
-                            cache_root / "f2")
+    model = ModelConfig(path=str(full / "m.safetensors"), tokenizers=str(full / "m-diffusers"))
+    source = resolve_source(model, cache_root / "f2")
     family = detect_family(source)
     reloaded = family.load(source).denoiser.state_dict()
     assert family.name == "flux" and set(reloaded) == set(pipe.transformer.state_dict())
@@ -131,7 +132,8 @@ def test_transformer_only_file_with_vae_and_encoders_as_files(images, tmp_path, 
         shutil.copytree(full.parent / tok, split / tok)
 
     out = tmp_path / "out"
-    base = train_args(images, out, cache, "save.name=m", "save.dtype=fp32", model=str(split / "core.safetensors"))
+    base = train_args(images, out, cache, "save.name=m", "save.dtype=fp32",
+                      model=str(split / "core.safetensors"))
     assert main(base) != 0  # without the VAE file the message says what to give
     assert "model.vae" in capsys.readouterr().err
     sets = [f"model.{p}={split / f'{p}.safetensors'}" for p in ("vae", "clip_l", "t5")]
@@ -153,7 +155,8 @@ def test_lora_exports_load_in_flux_pipeline(images, tmp_path, cache_root):
     assert main(train_args(images, out, cache_root / "f3", *LORA, "lora.targets=['all_linear']",
                            model="tiny:flux")) == 0
     kohya = load_file(str(out / "m-kohya.safetensors"))
-    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", "lora_unet_single_blocks_1_linear1.alpha",
+    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
+            "lora_unet_single_blocks_1_linear1.alpha",
             "lora_unet_double_blocks_1_txt_mlp_2.lora_up.weight"} <= set(kohya)
     assert not any("to_q" in k for k in kohya)
 
@@ -172,7 +175,8 @@ def test_lora_exports_load_in_flux_pipeline(images, tmp_path, cache_root):
     for key in lora:
         if key.endswith(".lora_A.weight"):
             module = key[len("transformer."):-len(".lora_A.weight")]
-            merged[module + ".weight"] = merged[module + ".weight"] + lora[key.replace("lora_A", "lora_B")] @ lora[key]
+            delta = lora[key.replace("lora_A", "lora_B")] @ lora[key]
+            merged[module + ".weight"] = merged[module + ".weight"] + delta
     want, was = diffusers_to_bfl(merged), diffusers_to_bfl(base)
     moved = {k for k in want if not torch.equal(want[k], was[k])}
     names = {k.split(".")[0] for k in kohya}
@@ -224,7 +228,8 @@ def test_memory_techniques_train_tiny_flux_as_without_them(images, tmp_path, cac
                         lambda self, *a, **k: init(self, *a, **k) or streamers.append(self))
     torch.testing.assert_close(losses("streamed", "memory.stream_weights=true"), plain, rtol=1e-5, atol=0)
     (streamer,) = streamers
-    assert {u.name.split(".")[0] for u in streamer.units} == {"transformer_blocks", "single_transformer_blocks"}
+    streamed = {u.name.split(".")[0] for u in streamer.units}
+    assert streamed == {"transformer_blocks", "single_transformer_blocks"}
     int8 = losses("int8", "lora.base_quantization=int8")
     assert int8 != plain
     torch.testing.assert_close(int8, plain, rtol=2e-2, atol=0)
@@ -236,3 +241,23 @@ def test_plan_for_tiny_flux(capsys):
     assert main(["plan", "--set", "model.path=tiny:flux", "--set", "train.mode=lora", "--vram", "8GiB"]) == 0
     out = capsys.readouterr().out
     assert "train" in out
+
+
+def test_what_flux_cannot_take_is_refused_with_the_key(images, tmp_path, cache_root, capsys):
+    gen = ["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "1",
+           "--out", str(tmp_path / "pics"), "--cache-dir", str(cache_root / "f5")]
+    assert main(gen + ["--width", "72", "--height", "64"]) == 2
+    assert "width 72 is not a multiple of 16" in capsys.readouterr().err
+    assert main(gen + ["--width", "64", "--height", "64", "--negative", "blue"]) == 2
+    assert "no negative prompt" in capsys.readouterr().err
+    a_file = next(images.glob("*.png"))
+    negative = ("sample.every_steps=1", "sample.prompts=['a circle']", "sample.negative_prompt=blurry")
+    for sets, said in ((negative, "sample.negative_prompt: Flux.1 takes no negative prompt"),
+                       (("train.min_snr_gamma=5",), "train.min_snr_gamma: applies to the SDXL"),
+                       ((f"model.clip_g={a_file}",), "model.clip_g: Flux.1 has no CLIP-G")):
+        assert main(train_args(images, tmp_path / "run", cache_root / "f5", *sets, model="tiny:flux")) == 2
+        assert said in capsys.readouterr().err
+    for model in ("tiny:ssd1b", "tiny:sd3"):  # Flux's own keys are not ignored elsewhere
+        args = train_args(images, tmp_path / "run", cache_root / "f5", "train.guidance=3.5", model=model)
+        assert main(args) == 2
+        assert "train.guidance" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 
 # whole-tensor renames: diffusers module -> BFL module (each with .weight and .bias where present)
-_TOP = {
+TOP_NAMES = {
     "x_embedder": "img_in", "context_embedder": "txt_in",
     "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
     "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
@@ -24,8 +24,8 @@ _TOP = {
     "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
     "proj_out": "final_layer.linear",
 }
-_SWAPPED = ("norm_out.linear", "final_layer.adaLN_modulation.1")  # halves (scale, shift) <-> (shift, scale)
-_DOUBLE = {
+SWAPPED = ("norm_out.linear", "final_layer.adaLN_modulation.1")  # halves (scale, shift) <-> (shift, scale)
+DOUBLE_NAMES = {
     "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
     "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
     "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
@@ -33,11 +33,11 @@ _DOUBLE = {
     "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
     "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
 }
-_DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
                  "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2",
+SINGLE_NAMES = {"norm.linear": "modulation.lin", "proj_out": "linear2",
            "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
-_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 DOUBLE, SINGLE = "double_blocks.", "single_blocks."
 D_DOUBLE, D_SINGLE = "transformer_blocks.", "single_transformer_blocks."
 
@@ -68,28 +68,28 @@ def diffusers_to_bfl(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         used.add(key)
         return sd[key]
 
-    for d, b in [*_TOP.items(), _SWAPPED]:
+    for d, b in [*TOP_NAMES.items(), SWAPPED]:
         for suffix in ("weight", "bias"):
             if f"{d}.{suffix}" in sd:
                 t = take(f"{d}.{suffix}")
-                out[f"{b}.{suffix}"] = _swap(t) if d == _SWAPPED[0] else t
+                out[f"{b}.{suffix}"] = _swap(t) if d == SWAPPED[0] else t
     for i in _blocks(sd, D_DOUBLE):
         src, dst = f"{D_DOUBLE}{i}.", f"{DOUBLE}{i}."
-        for d, b in _DOUBLE.items():
+        for d, b in DOUBLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
                     out[dst + _param(b, suffix)] = take(src + f"{d}.{suffix}")
-        for b, parts in _DOUBLE_FUSED.items():
+        for b, parts in DOUBLE_FUSED.items():
             for suffix in ("weight", "bias"):
                 out[f"{dst}{b}.{suffix}"] = torch.cat([take(f"{src}{p}.{suffix}") for p in parts], dim=0)
     for i in _blocks(sd, D_SINGLE):
         src, dst = f"{D_SINGLE}{i}.", f"{SINGLE}{i}."
-        for d, b in _SINGLE.items():
+        for d, b in SINGLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
                     out[dst + _param(b, suffix)] = take(src + f"{d}.{suffix}")
         for suffix in ("weight", "bias"):
-            out[f"{dst}linear1.{suffix}"] = torch.cat([take(f"{src}{p}.{suffix}") for p in _SINGLE_FUSED], 0)
+            out[f"{dst}linear1.{suffix}"] = torch.cat([take(f"{src}{p}.{suffix}") for p in SINGLE_FUSED], 0)
     left = sorted(set(sd) - used)
     if left:
         raise ValueError(f"Flux transformer keys with no BFL name: {left[:5]}")
@@ -104,12 +104,12 @@ def bfl_names(keys) -> dict[str, str]:
 def _provenance(key: str) -> dict[str, str]:
     """{BFL key: key} for one diffusers key."""
     module, suffix = key.rsplit(".", 1)
-    if module in _TOP:
-        return {f"{_TOP[module]}.{suffix}": key}
-    if module == _SWAPPED[0]:
-        return {f"{_SWAPPED[1]}.{suffix}": key}
-    for src, dst, plain, fused in ((D_DOUBLE, DOUBLE, _DOUBLE, _DOUBLE_FUSED),
-                                   (D_SINGLE, SINGLE, _SINGLE, {"linear1": _SINGLE_FUSED})):
+    if module in TOP_NAMES:
+        return {f"{TOP_NAMES[module]}.{suffix}": key}
+    if module == SWAPPED[0]:
+        return {f"{SWAPPED[1]}.{suffix}": key}
+    for src, dst, plain, fused in ((D_DOUBLE, DOUBLE, DOUBLE_NAMES, DOUBLE_FUSED),
+                                   (D_SINGLE, SINGLE, SINGLE_NAMES, {"linear1": SINGLE_FUSED})):
         if module.startswith(src):
             i, rest = module[len(src):].split(".", 1)
             if rest in plain:
@@ -131,25 +131,25 @@ def bfl_to_diffusers(sd: Mapping[str, torch.Tensor], config: Mapping) -> dict[st
         used.add(key)
         return sd[key]
 
-    for d, b in [*_TOP.items(), _SWAPPED]:
+    for d, b in [*TOP_NAMES.items(), SWAPPED]:
         for suffix in ("weight", "bias"):
             if f"{b}.{suffix}" in sd:
                 t = take(f"{b}.{suffix}")
-                out[f"{d}.{suffix}"] = _swap(t) if d == _SWAPPED[0] else t
+                out[f"{d}.{suffix}"] = _swap(t) if d == SWAPPED[0] else t
     for i in _blocks(sd, DOUBLE):
         src, dst = f"{DOUBLE}{i}.", f"{D_DOUBLE}{i}."
-        for d, b in _DOUBLE.items():
+        for d, b in DOUBLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + _param(b, suffix) in sd:
                     out[f"{dst}{d}.{suffix}"] = take(src + _param(b, suffix))
-        for b, parts in _DOUBLE_FUSED.items():
+        for b, parts in DOUBLE_FUSED.items():
             for suffix in ("weight", "bias"):
                 if f"{src}{b}.{suffix}" in sd:
                     for p, t in zip(parts, take(f"{src}{b}.{suffix}").split(inner, dim=0)):
                         out[f"{dst}{p}.{suffix}"] = t
     for i in _blocks(sd, SINGLE):
         src, dst = f"{SINGLE}{i}.", f"{D_SINGLE}{i}."
-        for d, b in _SINGLE.items():
+        for d, b in SINGLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + _param(b, suffix) in sd:
                     out[f"{dst}{d}.{suffix}"] = take(src + _param(b, suffix))
@@ -157,7 +157,7 @@ def bfl_to_diffusers(sd: Mapping[str, torch.Tensor], config: Mapping) -> dict[st
             if f"{src}linear1.{suffix}" in sd:
                 t = take(f"{src}linear1.{suffix}")
                 sizes = [inner, inner, inner, t.shape[0] - 3 * inner]
-                for p, part in zip(_SINGLE_FUSED, t.split(sizes, dim=0)):
+                for p, part in zip(SINGLE_FUSED, t.split(sizes, dim=0)):
                     out[f"{dst}{p}.{suffix}"] = part
     out.update({k: v for k, v in sd.items() if k not in used})
     return out

@@ -241,7 +241,8 @@ class FluxFamily:
                      "into the model); leave it out" for where in ("sample", "prior")
                      if getattr(getattr(cfg, where), "negative_prompt", None)]
         if cfg.model.clip_g:
-            problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L and T5)")
+            problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
+                            "and T5)")
         path = cfg.model.path
         if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
             problems += [f"model.{key}: files of their own apply to single files; a diffusers folder or "
@@ -305,27 +306,32 @@ class FluxFamily:
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
-                    dtype: Optional[torch.dtype] = None, at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                    dtype: Optional[torch.dtype] = None,
+                    at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """On the CPU: the batch's conditioning, every random draw (latent sample, noise, the
         density's `u`, or `at`) and the sigmas, loss weights and guidance that follow from them."""
         for name in ("noise_offset", "min_snr_gamma"):
             if getattr(cfg, name, 0) > 0:
-                raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for Flux.1")
+                raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 "
+                                 "for Flux.1")
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
         u = at if at is not None else density_from(cfg, latents.shape[0], generator)
         h, w = latents.shape[-2:]
         sigmas = shifted(u.float(), mu_for((h // 2) * (w // 2), bundle.noise_scheduler.config))
+        guidance = float(getattr(cfg, "guidance", DEFAULT_GUIDANCE))
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas,
                   "weights": loss_weighting(getattr(cfg, "weighting_scheme", "logit_normal"), sigmas),
-                  "guidance": torch.full((latents.shape[0],), float(getattr(cfg, "guidance", DEFAULT_GUIDANCE)))}
-        inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
+                  "guidance": torch.full((latents.shape[0],), guidance)}
+        inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype)
+                       for k in ("prompt_embeds", "pooled")})
         inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
 
     def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
                   dtype: torch.dtype) -> torch.Tensor:
-        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device), inputs["sigmas"])
+        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device),
+                                    inputs["sigmas"])
         h, w = noisy.shape[-2:]
         text = inputs["prompt_embeds"].to(device, dtype)
         model = bundle.denoiser
@@ -349,16 +355,20 @@ class FluxFamily:
         layout), else under model.diffusion_model. with the VAE and text encoders carried over from
         the source (byte for byte from a single file)."""
         src = bundle.source
-        bare = src.kind == "single_file" and not any(k.startswith(TRANSFORMER) for k in read_header(src.path)[0])
-        state = {("" if bare else TRANSFORMER) + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
+        bare = src.kind == "single_file" and not any(k.startswith(TRANSFORMER)
+                                                     for k in read_header(src.path)[0])
+        prefix = "" if bare else TRANSFORMER
+        state = {prefix + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
         if bare:
             pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
         elif src.kind == "single_file":
             state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
         else:
             vae, encoders = self.load_encoders(src)
-            stored = [as_stored(enc, src.path / sub) for enc, sub in zip(encoders, ("text_encoder", "text_encoder_2"))]
-            state.update({VAE + k: v for k, v in ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae")).items()})
+            stored = [as_stored(enc, src.path / sub)
+                      for enc, sub in zip(encoders, ("text_encoder", "text_encoder_2"))]
+            vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
+            state.update({VAE + k: v for k, v in vae_state.items()})
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
             if len(stored) > 1:
                 state.update({T5 + k: v for k, v in stored[1].items()})
@@ -382,7 +392,8 @@ class FluxFamily:
         bundle.noise_scheduler.save_pretrained(tmp / "scheduler")
         has_t5 = len(encoders) == 2
         index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
-                 "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+                 "transformer": ["diffusers", "FluxTransformer2DModel"],
+                 "vae": ["diffusers", "AutoencoderKL"],
                  "text_encoder": ["transformers", "CLIPTextModel"],
                  "text_encoder_2": ["transformers", "T5EncoderModel"] if has_t5 else [None, None],
                  "tokenizer": ["transformers", "CLIPTokenizer"],
@@ -449,7 +460,8 @@ class FluxFamily:
 
     # ---- inspection --------------------------------------------------------------------------
     def describe(self, source: Source) -> dict:
-        """Family, layout, transformer shape and parameter counts/dtypes per component, without loading weights."""
+        """Family, layout, transformer shape and parameter counts/dtypes per component, without
+        loading weights."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
             prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""

@@ -16,18 +16,19 @@ import torch
 
 from vramfit.formats.lora import Alpha, alpha_for, kohya_name, peft_modules
 from vramfit.models.flux.bfl import (
-    _DOUBLE, _DOUBLE_FUSED, _SINGLE, _SINGLE_FUSED, _SWAPPED, _TOP, D_DOUBLE, D_SINGLE, DOUBLE, SINGLE,
+    D_DOUBLE, D_SINGLE, DOUBLE, DOUBLE_FUSED, DOUBLE_NAMES, SINGLE, SINGLE_FUSED, SINGLE_NAMES, SWAPPED,
+    TOP_NAMES,
 )
 
 
 def _target(module: str) -> tuple[str, tuple[str, ...], str]:
     """(BFL module, the diffusers parts fused into it in order, this module's block prefix)."""
-    if module in _TOP:
-        return _TOP[module], (module,), ""
-    if module == _SWAPPED[0]:
-        return _SWAPPED[1], (module,), ""
-    for src, dst, plain, fused in ((D_DOUBLE, DOUBLE, _DOUBLE, _DOUBLE_FUSED),
-                                   (D_SINGLE, SINGLE, _SINGLE, {"linear1": _SINGLE_FUSED})):
+    if module in TOP_NAMES:
+        return TOP_NAMES[module], (module,), ""
+    if module == SWAPPED[0]:
+        return SWAPPED[1], (module,), ""
+    for src, dst, plain, fused in ((D_DOUBLE, DOUBLE, DOUBLE_NAMES, DOUBLE_FUSED),
+                                   (D_SINGLE, SINGLE, SINGLE_NAMES, {"linear1": SINGLE_FUSED})):
         if module.startswith(src):
             i, rest = module[len(src):].split(".", 1)
             if rest in plain:
@@ -48,14 +49,15 @@ def to_kohya_flux(peft_state: Mapping[str, torch.Tensor], config: Mapping, alpha
     groups: dict[str, tuple[tuple[str, ...], str, dict[str, dict]]] = {}
     for module, pair in modules.items():
         bfl, parts, prefix = _target(module)
-        groups.setdefault(bfl, (parts, prefix, {}))[2][module[len(prefix):]] = {"pair": pair, "module": module}
+        entry = {"pair": pair, "module": module}
+        groups.setdefault(bfl, (parts, prefix, {}))[2][module[len(prefix):]] = entry
     out: dict[str, torch.Tensor] = {}
     for bfl, (parts, prefix, found) in groups.items():
         name = kohya_name(bfl)
         if len(parts) == 1:
             entry = found[parts[0]]
             a, b = entry["pair"]["A"], entry["pair"]["B"]
-            if bfl == _SWAPPED[1]:
+            if bfl == SWAPPED[1]:
                 b = torch.cat(b.chunk(2, dim=0)[::-1], dim=0)
             out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = a, b
             out[f"{name}.alpha"] = torch.tensor(alpha_for(alpha, entry["module"], int(a.shape[0])),
@@ -63,7 +65,7 @@ def to_kohya_flux(peft_state: Mapping[str, torch.Tensor], config: Mapping, alpha
             continue
         some = next(iter(found.values()))["pair"]
         rows = [inner] * len(parts)
-        if len(parts) == len(_SINGLE_FUSED):  # linear1's MLP rows: FluxSingleTransformerBlock's ratio 4
+        if len(parts) == len(SINGLE_FUSED):  # linear1's MLP rows: FluxSingleTransformerBlock's ratio 4
             rows[-1] = int(found["proj_mlp"]["pair"]["B"].shape[0]) if "proj_mlp" in found else 4 * inner
         downs = []
         total = sum(int(found[p]["pair"]["A"].shape[0]) for p in parts if p in found)

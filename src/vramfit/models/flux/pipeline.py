@@ -32,6 +32,11 @@ class VramfitFluxPipeline(FluxPipeline):
         return own[0], None, own[1], None
 
     def __call__(self, *args, latents=None, height=None, width=None, output_type="pil", **kwargs):
+        multiple = self.vae_scale_factor * 2
+        for side, value in (("width", width), ("height", height)):
+            if value is not None and int(value) % multiple:
+                raise ValueError(f"{side} {value} is not a multiple of {multiple}, which Flux.1 needs "
+                                 "(VAE factor 8 x 2x2 packing)")
         if latents is not None and latents.ndim == 4:
             channels = self.transformer.config.in_channels // 4
             latents = pack(latents[:, :channels])

@@ -52,7 +52,8 @@ def build_tiny_flux_state() -> dict[str, torch.Tensor]:
     state = {TRANSFORMER + k: t for k, t in diffusers_to_bfl(transformer.state_dict()).items()}
     state.update({VAE + k: t for k, t in diffusers_to_ldm_vae(vae.state_dict()).items()})
     state.update({CLIP_L + k: t for k, t in to_sgm_clip_keys(clip_l.state_dict()).items()})
-    state.update({T5 + k: t.clone() for k, t in t5.state_dict().items()})  # the tied embedding under both names
+    # the tied embedding under both names (shared and encoder.embed_tokens), as the released files
+    state.update({T5 + k: t.clone() for k, t in t5.state_dict().items()})
     return {k: v.detach().to(torch.float32).contiguous() if v.is_floating_point() else v.contiguous()
             for k, v in state.items()}
 
@@ -64,6 +65,7 @@ def materialize_flux(root: Path) -> Path:
     if path.exists() and (folder / "tokenizer_2" / "tokenizer_config.json").exists():
         return path
     write_flux_tokenizers(folder)
-    meta = {"vramfit.tiny": "flux", "modelspec.title": "vramfit tiny flux", "modelspec.architecture": "flux-1-dev"}
+    meta = {"vramfit.tiny": "flux", "modelspec.title": "vramfit tiny flux",
+            "modelspec.architecture": "flux-1-dev"}
     save_atomic(build_tiny_flux_state(), path, metadata=meta)
     return path
