@@ -85,3 +85,53 @@ def to_kohya_flux(peft_state: Mapping[str, torch.Tensor], config: Mapping, alpha
         out[f"{name}.lora_up.weight"] = up
         out[f"{name}.alpha"] = torch.tensor(float(total), dtype=torch.float32)
     return out
+
+
+def from_kohya_flux(kohya_state: Mapping[str, torch.Tensor], config: Mapping) -> dict[str, torch.Tensor]:
+    """A kohya Flux.1 LoRA (BFL names) as diffusers keys (``transformer.<module>.lora_A/B``) for a
+    transformer of `config`, with each module's alpha / rank folded into lora_B: a fused module's
+    lora_up is split by rows over its parts, each part keeping the whole lora_down (the same update;
+    this reads files of any width, where diffusers' own reader assumes the released one)."""
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    plain = {kohya_name(b): d for d, b in [*TOP_NAMES.items(), SWAPPED]}
+    out: dict[str, torch.Tensor] = {}
+    for key in kohya_state:
+        if not key.endswith(".lora_down.weight"):
+            continue
+        name = key[:-len(".lora_down.weight")]
+        down, up = kohya_state[key], kohya_state[f"{name}.lora_up.weight"]
+        alpha = kohya_state.get(f"{name}.alpha")
+        scale = (float(alpha) if alpha is not None else down.shape[0]) / down.shape[0]
+        up = (up.to(torch.float32) * scale).to(up.dtype)
+        targets = _modules_of(name, plain, inner, int(up.shape[0]))
+        if targets is None:
+            raise ValueError(f"kohya LoRA module {name!r} is not a module of a Flux.1 transformer")
+        if targets and targets[0][0] == SWAPPED[0]:
+            up = torch.cat(up.chunk(2, dim=0)[::-1], dim=0)
+        row = 0
+        for module, height in targets:
+            out[f"transformer.{module}.lora_A.weight"] = down
+            out[f"transformer.{module}.lora_B.weight"] = up[row:row + height]
+            row += height
+    return out
+
+
+def _modules_of(name: str, plain: dict, inner: int, rows: int):
+    """[(diffusers module, rows of lora_up)] of kohya module `name`; None if it names none."""
+    if name in plain:
+        return [(plain[name], rows)]
+    for src, dst, names, fused in ((D_DOUBLE, DOUBLE, DOUBLE_NAMES, DOUBLE_FUSED),
+                                   (D_SINGLE, SINGLE, SINGLE_NAMES, {"linear1": SINGLE_FUSED})):
+        head = kohya_name(dst)
+        if not name.startswith(head):
+            continue
+        i, _, rest = name[len(head):].partition("_")
+        for d, b in names.items():
+            if kohya_name(b) == "lora_unet_" + rest:
+                return [(f"{src}{i}.{d}", rows)]
+        for b, parts in fused.items():
+            if kohya_name(b) == "lora_unet_" + rest:
+                heights = [inner] * len(parts)
+                heights[-1] = rows - inner * (len(parts) - 1)
+                return [(f"{src}{i}.{p}", h) for p, h in zip(parts, heights)]
+    return None

@@ -6,11 +6,16 @@ itself. Flux's pipeline returns (prompt, pooled, text ids), packs its latents an
 packed; this subclass answers in generate's terms: no negative embeddings (Flux.1 is guidance-
 distilled: guidance_scale feeds its guidance embedding, a negative prompt is refused), the
 start's first 16 channels are the latent image (packed here), and latents come back unpacked.
+kohya Flux LoRAs are read here (models/flux/kohya.py), at any width.
 """
 from __future__ import annotations
 
-from diffusers import FluxPipeline
+from pathlib import Path
 
+from diffusers import FluxPipeline
+from safetensors.torch import load_file
+
+from vramfit.models.flux.kohya import from_kohya_flux
 from vramfit.models.flux.objective import pack
 
 
@@ -50,3 +55,11 @@ class VramfitFluxPipeline(FluxPipeline):
         unpacked = self._unpack_latents(images, h * self.vae_scale_factor, w * self.vae_scale_factor,
                                         self.vae_scale_factor)
         return (unpacked,) if isinstance(out, tuple) else type(out)(images=unpacked)
+
+    def load_lora_weights(self, weights, adapter_name=None, **kwargs):
+        """diffusers' loader, with kohya's BFL names converted first (its own kohya reader assumes
+        the released 3072 width)."""
+        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
+        if isinstance(state, dict) and any(k.startswith("lora_unet_") for k in state):
+            weights = from_kohya_flux(state, self.transformer.config)
+        return super().load_lora_weights(weights, adapter_name=adapter_name, **kwargs)
