@@ -15,7 +15,9 @@ LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m")
 
 def test_flux_lora_trains_and_generate_renders(images, tmp_path, cache_root):
     out = tmp_path / "run"
-    assert main(train_args(images, out, cache_root / "f1", *LORA, model="tiny:flux")) == 0
+    samples = ("sample.every_steps=2", "sample.prompts=['a red circle']", "sample.seeds=[1]", "sample.steps=1")
+    assert main(train_args(images, out, cache_root / "f1", *LORA, *samples, model="tiny:flux")) == 0
+    assert list((out / "samples").glob("*.png"))
     run = json.loads((out / "run.json").read_text())
     assert len(run["losses"]) == 2 and all(l > 0 for l in run["losses"])
     lora = load_file(str(out / "m.safetensors"))
@@ -55,6 +57,8 @@ def test_flux_full_finetune_saves_and_resumes_exactly(images, tmp_path, cache_ro
     from vramfit.models.sources import resolve_source
 
     pipe = FluxPipeline.from_pretrained(full / "m-diffusers", local_files_only=True)
+    folder = resolve_source(ModelConfig(path=str(full / "m-diffusers")), cache_root / "f2")
+    assert detect_family(folder).name == "flux" and detect_family(folder).load(folder).layout == "flux-custom"
     model = ModelConfig(path=str(full / "m.safetensors"), tokenizers=str(full / "m-diffusers"))
     source = resolve_source(model, cache_root / "f2")
     family = detect_family(source)
@@ -237,6 +241,13 @@ def test_memory_techniques_train_tiny_flux_as_without_them(images, tmp_path, cac
     int8 = losses("int8", "lora.base_quantization=int8")
     assert int8 != plain
     torch.testing.assert_close(int8, plain, rtol=2e-2, atol=0)
+
+
+def test_inspect_tiny_flux(capsys):
+    assert main(["inspect", "tiny:flux", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "flux" and info["guidance_embeds"] is True and info["t5"] is True
+    assert (info["num_layers"], info["num_single_layers"], info["width"]) == (2, 2, 64)
 
 
 def test_plan_for_tiny_flux(capsys):
