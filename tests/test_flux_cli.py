@@ -273,6 +273,8 @@ def test_what_flux_cannot_take_is_refused_with_the_key(images, tmp_path, cache_r
         assert main(train_args(images, tmp_path / "run", cache_root / "f5", *sets, model="tiny:flux")) == 2
         assert said in capsys.readouterr().err
     for model in ("tiny:ssd1b", "tiny:sd3"):  # Flux's own keys are not ignored elsewhere
-        args = train_args(images, tmp_path / "run", cache_root / "f5", "train.guidance=3.5", model=model)
+        args = train_args(images, tmp_path / "run", cache_root / "f5", "train.guidance=3.5",
+                          f"model.vae={a_file}", model=model)
         assert main(args) == 2
-        assert "train.guidance" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "train.guidance: applies to Flux.1" in err and "model.vae: a VAE file of its own" in err
