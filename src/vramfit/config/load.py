@@ -229,7 +229,7 @@ def check_paths(data: dict, *, need_data: bool, need_model: bool = True) -> list
                 f"model.path: {mp!r} is neither an existing file or folder nor a repo id "
                 f"like org/name (or a tiny model, tiny:<name>)"
             )
-    for part in ("clip_l", "clip_g", "t5"):
+    for part in ("vae", "clip_l", "clip_g", "t5"):
         enc = _text(model.get(part))
         if enc and not Path(enc).expanduser().is_file():
             problems.append(f"model.{part}: {enc} is not a file")

@@ -69,7 +69,7 @@ class ModelConfig(_Section):
         "tiny model vramfit builds for tests and the demo (tiny:<name>; the error for an unknown "
         "one lists them).",
     )
-    family: Literal["auto", "sdxl", "sd3"] = Field(
+    family: Literal["auto", "sdxl", "sd3", "flux"] = Field(
         "auto", description="Model family; auto reads it from the checkpoint."
     )
     tokenizers: Optional[str] = Field(
@@ -78,6 +78,8 @@ class ModelConfig(_Section):
         "works). Needed when a single file is used and no tokenizer is found beside it.",
     )
     revision: Optional[str] = Field(None, description="Revision of a Hugging Face repo id.")
+    vae: Optional[str] = Field(None, description="Flux.1 transformer-only file (flux1-dev.safetensors): "
+                               "the VAE as a file of its own (BFL's ae.safetensors).")
     clip_l: Optional[str] = Field(
         None, description="SD3 single file: CLIP-L text encoder as a file of its own (e.g. ComfyUI's "
         "clip_l.safetensors), for files without it (sd3_medium.safetensors) or to replace it.")
@@ -410,6 +412,9 @@ class TrainConfig(_Section):
                              "logit_mean picks, larger spreads them toward both ends.")
     mode_scale: float = Field(1.29, ge=-1.0, le=MODE_SCALE_MAX, description="SD3's mode density; "
                               f"between -1 and 2/(pi-2) = {MODE_SCALE_MAX:.4f}, where it stays a density.")
+    guidance: float = Field(1.0, ge=0, le=100.0, description="Flux.1 dev (a guidance-distilled transformer): "
+                            "the guidance its guidance embedding is given while training (1.0 as most Flux "
+                            "trainers; the pipeline samples at 3.5).")
     seed: Seed = Field(42, description="Seed of the run's random draws: the batch order, random crops, each "
                        "micro-batch's noise and timesteps, a LoRA's initial weights and stochastic rounding.")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")

@@ -17,7 +17,7 @@ import torch
 from accelerate import init_empty_weights
 
 from vramfit.formats import clip as clipfmt
-from vramfit.formats.safetensors_io import CheckpointError, meta_tensors, read_header
+from vramfit.formats.safetensors_io import CheckpointError, load_prefixed, meta_tensors, read_header
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
 
@@ -136,6 +136,63 @@ def clip_text_model(state: dict, act: str, projection: bool, path: Path):
     return assign_state(model, state, "text encoder", path)
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
+    """``T5Config`` kwargs of an encoder read from ``T5EncoderModel`` keys and shapes."""
+    def need(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise ValueError(f"not a T5 encoder state dict: missing key {key!r}")
+        return sd[key]
+
+    emb = need("shared.weight")
+    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
+    if not blocks or blocks != set(range(len(blocks))):
+        raise ValueError(f"T5 encoder block numbering is not contiguous from 0: {sorted(blocks)[:10]}")
+    rel = need("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    heads = int(rel.shape[1])
+    inner = int(need("encoder.block.0.layer.0.SelfAttention.q.weight").shape[0])
+    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
+    wi = need("encoder.block.0.layer.1.DenseReluDense." + ("wi_0" if gated else "wi") + ".weight")
+    return {
+        "vocab_size": int(emb.shape[0]), "d_model": int(emb.shape[1]), "d_kv": inner // heads,
+        "num_heads": heads, "d_ff": int(wi.shape[0]), "num_layers": len(blocks),
+        "relative_attention_num_buckets": int(rel.shape[0]), "relative_attention_max_distance": 128,
+        "feed_forward_proj": "gated-gelu" if gated else "relu", "is_encoder_decoder": False,
+        "layer_norm_epsilon": 1e-6, "dropout_rate": 0.0, "pad_token_id": 0, "eos_token_id": 1,
+        "decoder_start_token_id": 0, "use_cache": False, "tie_word_embeddings": False,
+    }
+
+
+def t5_encoder(state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
+    """A T5 encoder from its transformers-keyed state (config read from the keys; float8 widened to
+    bfloat16, the tied embedding restored), built on the meta device."""
+    # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
+    from transformers import T5Config, T5EncoderModel
+
+    try:
+        config = T5Config(**t5_config_from_keys(state))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    # Stability ships T5-XXL in float8, which no matmul takes: widen it to bfloat16.
+    state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
+    with init_empty_weights():
+        model = T5EncoderModel(config)
+    check_shapes(model, state, "T5 encoder", path, lambda k: prefix + k)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # encoder.embed_tokens shares shared.weight; some files store it once
+    missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: T5 encoder weights do not match "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise CheckpointError(f"{path}: T5 encoder tensor {name} was not initialised")
+    return model.eval()
+
+
+
 def load_clip_tokenizers(folder: Path) -> list[Any]:
     """The two CLIP tokenizers of `folder` (tokenizer/, tokenizer_2/); the second pads with "!"
     (id 0) rather than end-of-text, as SDXL's and SD3's CLIP-G do."""
@@ -194,3 +251,17 @@ def merge_counts(counts: list[dict]) -> dict:
         for k, v in c["dtypes"].items():
             out["dtypes"][k] = out["dtypes"].get(k, 0) + v
     return out
+
+
+def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
+    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
+    header, _ = read_header(path)
+    for candidate in (prefix, "transformer.", ""):
+        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
+            return load_prefixed(path, candidate)
+    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
+                          "shared.* keys)")
+
+
+ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}

@@ -9,10 +9,11 @@ from pathlib import Path
 from vramfit.formats.lora import describe_lora
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.models.adapter import Family, Source, resolution_problems
+from vramfit.models.flux import FluxFamily
 from vramfit.models.sd3 import SD3Family
 from vramfit.models.sdxl import SDXLFamily
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SDXLFamily(), SD3Family())}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SDXLFamily(), SD3Family(), FluxFamily())}
 
 # Every tiny model (model.path tiny:<name>) and its family's name: the one list that messages and
 # the config check read.
@@ -49,7 +50,6 @@ _KNOWN_OTHERS = {
     "(the model.diffusion_model. prefix is missing)",
     "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": "Stable Diffusion 1.x",
     "cond_stage_model.model.token_embedding.weight": "Stable Diffusion 2.x",
-    "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": "FLUX",
 }
 
 

@@ -47,7 +47,7 @@ def resolve_source(cfg: ModelConfig, cache_root: Optional[Path] = None, weights:
     return dataclasses.replace(source, encoder_files=files) if files else source
 
 
-ENCODER_PARTS = ("clip_l", "clip_g", "t5")
+ENCODER_PARTS = ("vae", "clip_l", "clip_g", "t5")  # parts given as files of their own
 
 
 def _resolve(cfg: ModelConfig, cache_root: Optional[Path] = None, weights: bool = True) -> Source:

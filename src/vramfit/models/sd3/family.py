@@ -16,7 +16,6 @@ from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
-from accelerate import init_empty_weights
 
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
@@ -31,8 +30,8 @@ from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
-    as_stored, build_checked, check_folder_shapes, check_shapes, clip_text_model, count_params,
-    encode_vae_images, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
+    as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
+    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -54,7 +53,6 @@ VAE_SCALE = 1.5305
 VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # (layers, width, qk_norm, dual attention layers) of the released models -> layout name
 _LAYOUTS = {
@@ -74,32 +72,6 @@ def layout_name(config: dict) -> str:
     key = (config["num_layers"], config["caption_projection_dim"], config.get("qk_norm"),
            tuple(config.get("dual_attention_layers") or ()))
     return _LAYOUTS.get(key, "sd3-custom")
-
-
-def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
-    """``T5Config`` kwargs of an encoder read from ``T5EncoderModel`` keys and shapes."""
-    def need(key: str) -> torch.Tensor:
-        if key not in sd:
-            raise ValueError(f"not a T5 encoder state dict: missing key {key!r}")
-        return sd[key]
-
-    emb = need("shared.weight")
-    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
-    if not blocks or blocks != set(range(len(blocks))):
-        raise ValueError(f"T5 encoder block numbering is not contiguous from 0: {sorted(blocks)[:10]}")
-    rel = need("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-    heads = int(rel.shape[1])
-    inner = int(need("encoder.block.0.layer.0.SelfAttention.q.weight").shape[0])
-    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
-    wi = need("encoder.block.0.layer.1.DenseReluDense." + ("wi_0" if gated else "wi") + ".weight")
-    return {
-        "vocab_size": int(emb.shape[0]), "d_model": int(emb.shape[1]), "d_kv": inner // heads,
-        "num_heads": heads, "d_ff": int(wi.shape[0]), "num_layers": len(blocks),
-        "relative_attention_num_buckets": int(rel.shape[0]), "relative_attention_max_distance": 128,
-        "feed_forward_proj": "gated-gelu" if gated else "relu", "is_encoder_decoder": False,
-        "layer_norm_epsilon": 1e-6, "dropout_rate": 0.0, "pad_token_id": 0, "eos_token_id": 1,
-        "decoder_start_token_id": 0, "use_cache": False, "tie_word_embeddings": False,
-    }
 
 
 class SD3Family:
@@ -242,28 +214,7 @@ class SD3Family:
         return vae, encoders
 
     def _t5(self, state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
-        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
-        from transformers import T5Config, T5EncoderModel
-
-        try:
-            config = T5Config(**t5_config_from_keys(state))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        # Stability ships T5-XXL in float8, which no matmul takes: widen it to bfloat16.
-        state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
-        with init_empty_weights():
-            model = T5EncoderModel(config)
-        check_shapes(model, state, "T5 encoder", path, lambda k: prefix + k)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()  # encoder.embed_tokens shares shared.weight; some files store it once
-        missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: T5 encoder weights do not match "
-                                  f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.device.type == "meta":
-                raise CheckpointError(f"{path}: T5 encoder tensor {name} was not initialised")
-        return model.eval()
+        return t5_encoder(state, path, prefix)
 
     def _load_diffusers(self, folder: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
@@ -384,6 +335,12 @@ class SD3Family:
             if cfg.sample.every_steps and value and value % self.resolution_multiple:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which SD3 needs (VAE factor 8 x patch size 2)")
+        if cfg.model.vae:
+            problems.append("model.vae: a VAE file of its own is read for Flux.1 transformer-only files; "
+                            "SD3 files carry their VAE")
+        if cfg.train.guidance != 1.0:  # TrainConfig's default
+            problems.append("train.guidance: applies to Flux.1 dev's guidance embedding, not to SD3 "
+                            "(sampling guidance is sample.guidance)")
         if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
@@ -574,17 +531,3 @@ def _identity_projection(clip_state: dict[str, torch.Tensor]) -> torch.Tensor:
     if emb is None:
         raise CheckpointError("CLIP-L state has no embeddings.token_embedding.weight")
     return torch.eye(emb.shape[1], dtype=emb.dtype)
-
-
-def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
-    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
-    header, _ = read_header(path)
-    for candidate in (prefix, "transformer.", ""):
-        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
-            return load_prefixed(path, candidate)
-    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
-                          "shared.* keys)")
-
-
-ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}

@@ -9,7 +9,6 @@ T5 tokenizer is a small Unigram vocabulary made here, so nothing is ever downloa
 """
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.safetensors_io import save_atomic
 from vramfit.models.parts import shipped_config
 from vramfit.models.sd3.mmdit import diffusers_to_sai_mmdit
-from vramfit.models.tiny import write_tiny_tokenizers
+from vramfit.models.tiny import write_t5_tokenizer, write_tiny_tokenizers
 
 TINY_NAMES = ("sd3",)  # tiny:<name>
 _FORMAT = "2"  # bump when the tiny SD3 architecture or the way it is written changes
@@ -28,28 +27,6 @@ VAE = "first_stage_model."
 CLIP_L = "text_encoders.clip_l.transformer."
 CLIP_G = "text_encoders.clip_g.transformer."
 T5 = "text_encoders.t5xxl.transformer."
-_WORDS = ("a", "the", "of", "red", "blue", "green", "circle", "square", "photo", "on", "and", "with")
-
-
-def t5_vocab() -> list[tuple[str, float]]:
-    """Unigram pieces and scores: T5's three specials at ids 0-2, the word boundary, whole
-    words, then every printable character with and without a leading boundary."""
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(_WORDS)]
-    chars = string.ascii_letters + string.digits + string.punctuation
-    vocab += [("\u2581" + c, -5.0) for c in chars] + [(c, -6.0) for c in chars]
-    return vocab
-
-
-def write_t5_tokenizer(folder: Path) -> None:
-    """Write a T5 tokenizer (tokenizer.json + tokenizer_config.json) that
-    ``T5TokenizerFast.from_pretrained(folder)`` loads: pad id 0, eos id 1, unk id 2."""
-    # heavy: diffusers/transformers classes (~2 s), kept off `vramfit plan` and pre-load checks
-    from transformers import T5TokenizerFast
-
-    tok = T5TokenizerFast(vocab=t5_vocab(), extra_ids=0, model_max_length=512)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(folder))
 
 
 def write_sd3_tokenizers(folder: Path) -> None:

@@ -114,6 +114,10 @@ class SDXLFamily:
             if getattr(cfg.model, key):
                 problems.append(f"model.{key}: separate text encoder files are read for SD3 single "
                                 "files only")
+        if cfg.model.vae:
+            problems.append("model.vae: a VAE file of its own is read for Flux.1 transformer-only files only")
+        if cfg.train.guidance != train.guidance:
+            problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding, not to {self.name}")
         return problems + resolution_problems(self, cfg)
 
     def prepare_encoders(self, bundle: ModelBundle) -> None:

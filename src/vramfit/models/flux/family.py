@@ -1,0 +1,494 @@
+"""The Flux.1 family (dev and schnell-shaped transformers): BFL and diffusers layouts, CLIP-L and
+T5 text encoding, the rectified-flow objective with Flux's resolution-dependent shift, 2x2 latent
+packing, the guidance embedding of dev, LoRA formats, tiny model and memory profile.
+
+Text conditioning is Flux's: T5's last hidden states are the text tokens, CLIP-L's pooled output
+the conditioning vector. T5 is optional (model.t5_precision none): its tokens are then zeros.
+A guidance-distilled (dev) transformer is given train.guidance as its guidance while training.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import diffusers
+import torch
+
+from vramfit.data.fingerprint import module_fingerprint
+from vramfit.formats import clip as clipfmt
+from vramfit.formats import ldm_vae
+from vramfit.formats.lora import module_kind, to_diffusers
+from vramfit.formats.safetensors_io import (
+    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
+    save_model_folder, write_text_atomic,
+)
+from vramfit.memory.encoder_stream import encoder_on
+from vramfit.memory.quantize import quantize_encoder
+from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.flow import density_from, flow_inputs, loss_weighting
+from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
+from vramfit.models.flux.kohya import to_kohya_flux
+from vramfit.models.flux.memory import flux_activations, flux_batch
+from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
+from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
+from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.parts import (
+    as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
+    encoder_file_state, merge_counts, require_tokenizers, shipped_config, t5_encoder,
+)
+
+TRANSFORMER = "model.diffusion_model."
+VAE = "first_stage_model."
+CLIP_L = "text_encoders.clip_l.transformer."
+T5 = "text_encoders.t5xxl.transformer."
+VAE_SCALE = 0.3611
+VAE_SHIFT = 0.1159
+CLIP_MAX_LENGTH = 77
+DEFAULT_MAX_SEQUENCE_LENGTH = 77
+DEFAULT_GUIDANCE = 1.0  # train.guidance when the config has none
+TINY_SIDE = 8  # the tiny model's native latent side (64 pixels)
+_ARCHITECTURES = {"flux-dev": "flux-1-dev", "flux-schnell": "flux-1-schnell"}
+
+
+def layout_name(config: Mapping) -> str:
+    """flux-dev / flux-schnell for the released shape (19 double, 38 single blocks, 3072 wide)."""
+    released = (config["num_layers"], config["num_single_layers"],
+                config["num_attention_heads"] * config["attention_head_dim"]) == (19, 38, 3072)
+    if not released:
+        return "flux-custom"
+    return "flux-dev" if config.get("guidance_embeds") else "flux-schnell"
+
+
+class FluxFamily:
+    name = "flux"
+    display_name = "Flux.1"
+    # diffusers/PEFT keys as <name>.safetensors, and kohya's BFL names (ComfyUI, kohya, A1111 forks)
+    lora_formats = ("lora", "lora_kohya")
+    resolution_multiple = 16  # VAE factor 8 x the 2x2 packing
+    shipped_layouts: dict = {}  # no released Flux configs ship yet (vramfit plan reads a file's headers)
+    shipped_aliases: dict = {}
+    tiny_models = TINY_NAMES
+    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
+                                                         ("T5", T5, "text_encoder_2", "t5")))
+    block_containers = ("transformer_blocks", "single_transformer_blocks")
+    repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    default_guidance = 3.5  # FluxPipeline's, fed to dev's guidance embedding
+    has_t5 = True
+    denoiser_component = "transformer"
+    lora_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder", "context_embedder",
+                  "time_text_embed.", "norm_out.", "proj_out")
+    kohya_roots = ("double_blocks_", "single_blocks_")
+
+    def materialize_tiny(self, name: str, root: Path) -> Path:
+        return materialize_flux(root)
+
+    def tiny_denoiser_config(self, name: str) -> dict:
+        """The shipped config, with the native latent side generate asks for (Flux has no sample_size)."""
+        return {**shipped_config("tiny_flux_transformer"), "sample_size": TINY_SIDE}
+
+    # ---- detection ---------------------------------------------------------------------------
+    def detect_single_file(self, keys: set[str]) -> bool:
+        return any(k.startswith((TRANSFORMER + "double_blocks.", "double_blocks.")) for k in keys)
+
+    def detect_diffusers(self, model_index: dict) -> bool:
+        return model_index.get("_class_name", "").startswith("Flux")
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load(self, source: Source) -> ModelBundle:
+        if source.kind == "single_file":
+            transformer, vae, encoders = self._load_single_file(source)
+        else:
+            transformer, vae, encoders = self._load_diffusers(source.path)
+        tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
+        return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
+                           encoders, tokenizers, self._scheduler(source),
+                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH})
+
+    def _scheduler(self, source: Source):
+        # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        folder = source.path
+        if source.kind == "diffusers" and (folder / "scheduler" / "scheduler_config.json").is_file():
+            return FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+        return FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+
+    def load_tokenizers(self, folder: Path, t5: bool) -> list[Any]:
+        """CLIP-L's tokenizer (tokenizer/), then T5's (tokenizer_2/, as diffusers' Flux folders) when used."""
+        # heavy: transformers classes, kept off `vramfit plan` and pre-load checks
+        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        tokenizers = [CLIPTokenizer.from_pretrained(folder / "tokenizer")]
+        if t5:
+            try:
+                tokenizers.append(T5TokenizerFast.from_pretrained(folder / "tokenizer_2"))
+            except (OSError, ValueError, TypeError) as exc:
+                raise CheckpointError(f"model.tokenizers: {folder / 'tokenizer_2'} is not a T5 tokenizer "
+                                      f"folder ({exc}); Flux's second tokenizer is T5's") from None
+        return tokenizers
+
+    def caption_tokenizers(self, source: Source, cfg) -> list[Any]:
+        """CLIP-L's (77 tokens), then T5's (model.max_sequence_length) unless model.t5_precision is none."""
+        if source.kind == "single_file":
+            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in read_header(source.path)[0])
+        else:
+            t5 = (source.path / "text_encoder_2" / "config.json").is_file()
+        tokenizers = self.load_tokenizers(require_tokenizers(source),
+                                          t5=t5 and cfg.model.t5_precision != "none")
+        tokenizers[0].model_max_length = CLIP_MAX_LENGTH
+        if len(tokenizers) > 1:
+            tokenizers[1].model_max_length = cfg.model.max_sequence_length
+        return tokenizers
+
+    def _transformer(self, state: dict, path: Path, prefix: str):
+        # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
+        from diffusers import FluxTransformer2DModel
+
+        try:
+            config = flux_config_from_keys(meta_tensors({k: v for k, v in read_header(path)[0].items()
+                                                          if k.startswith(prefix)}, prefix))
+            state = bfl_to_diffusers(state, config)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        names = bfl_names(state)
+        return build_checked(FluxTransformer2DModel, config, state, "transformer", path,
+                             lambda k: prefix + names.get(k, k))
+
+    def _load_single_file(self, source: Source):
+        path = source.path
+        header, _ = read_header(path)
+        if not self.detect_single_file(set(header)):
+            raise CheckpointError(f"{path}: no Flux transformer found (no double_blocks.* keys)")
+        prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
+        transformer = self._transformer(load_prefixed(path, prefix), path, prefix)
+        vae, encoders = self._single_file_encoders(path, header, source)
+        return transformer, vae, encoders
+
+    def _single_file_encoders(self, path: Path, header: dict, source: Source):
+        """VAE, CLIP-L and (where there is one) T5: each from its own file where one is given
+        (model.vae, model.clip_l, model.t5: BFL's ae.safetensors, ComfyUI's clip_l and t5xxl
+        files), else from the single file (ComfyUI's all-in-one checkpoints)."""
+        # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
+        from diffusers import AutoencoderKL
+
+        files = {part: source.encoder_file(part) for part in ("vae", "clip_l", "t5")}
+        for part, prefix, what in (("vae", VAE, "VAE"), ("clip_l", CLIP_L, "CLIP-L text encoder")):
+            if not files[part] and not any(k.startswith(prefix) for k in header):
+                raise CheckpointError(f"{path}: the file has no {what} ({prefix}* keys); give it as a file "
+                                      f"of its own with model.{part}, or use a Flux checkpoint with its VAE "
+                                      "and text encoders or a diffusers folder")
+        vae_file = files["vae"] or path
+        vae_prefix = _vae_prefix(vae_file) if files["vae"] else VAE
+        vae_header = read_header(vae_file)[0]
+        vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(vae_header, vae_prefix), scaling_factor=VAE_SCALE,
+                                              shift_factor=VAE_SHIFT)
+        vae_names = ldm_vae.vae_key_map(vae_cfg)
+        vae_state = ldm_vae.ldm_to_diffusers_vae(load_prefixed(vae_file, vae_prefix))
+        vae = build_checked(AutoencoderKL, vae_cfg, vae_state, "VAE", vae_file,
+                            lambda k: vae_prefix + vae_names[k])
+        own = files["clip_l"]
+        clip = encoder_file_state(own, CLIP_L) if own else load_prefixed(path, CLIP_L)
+        encoders = [clip_text_model(clip, "quick_gelu", False, own or path)]
+        if files["t5"]:
+            encoders.append(t5_encoder(encoder_file_state(files["t5"], T5), files["t5"]))
+        elif any(k.startswith(T5) for k in header):
+            encoders.append(t5_encoder(load_prefixed(path, T5), path, T5))
+        return vae, encoders
+
+    def _load_diffusers(self, folder: Path):
+        # heavy: diffusers/transformers classes, kept off `vramfit plan` and pre-load checks
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        parts = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
+        for sub, cls in parts.items():
+            if not (folder / sub / "config.json").is_file():
+                raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
+            check_folder_shapes(cls, folder, sub)
+        has_t5 = (folder / "text_encoder_2" / "config.json").is_file()
+        if has_t5:
+            check_folder_shapes(T5EncoderModel, folder, "text_encoder_2")
+        transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer",
+                                                             low_cpu_mem_usage=True)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+        encoders = [CLIPTextModel.from_pretrained(folder, subfolder="text_encoder").eval()]
+        if has_t5:
+            encoders.append(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2").eval())
+        return transformer.eval(), vae.eval(), encoders
+
+    def load_encoders(self, source: Source):
+        if source.kind == "single_file":
+            return self._single_file_encoders(source.path, read_header(source.path)[0], source)
+        _, vae, encoders = self._load_diffusers(source.path)
+        return vae, encoders
+
+    def prepare_encoders(self, bundle: ModelBundle) -> None:
+        """Store T5 as model.t5_precision asks (bundle.extra), or leave it out for "none"."""
+        mode = bundle.extra.get("t5_precision", "bf16")
+        if len(bundle.text_encoders) < 2:
+            return
+        if mode == "none":
+            bundle.text_encoders, bundle.tokenizers = bundle.text_encoders[:1], bundle.tokenizers[:1]
+        else:
+            quantize_encoder(bundle.text_encoders[1], mode)
+
+    def config_problems(self, cfg) -> list[str]:
+        """Settings of another family's objective, refused before any weight loads."""
+        problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for Flux.1"
+                    for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        problems += [f"{where}.negative_prompt: Flux.1 takes no negative prompt (its guidance is distilled "
+                     "into the model); leave it out" for where in ("sample", "prior")
+                     if getattr(getattr(cfg, where), "negative_prompt", None)]
+        if cfg.model.clip_g:
+            problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
+                            "and T5)")
+        path = cfg.model.path
+        if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
+            problems += [f"model.{key}: files of their own apply to single files; a diffusers folder or "
+                         "repo brings its own" for key in ("vae", "clip_l", "t5") if getattr(cfg.model, key)]
+        for side in ("width", "height"):
+            value = getattr(cfg.sample, side)
+            if cfg.sample.every_steps and value and value % self.resolution_multiple:
+                problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
+                                "which Flux.1 needs (VAE factor 8 x 2x2 packing)")
+        return problems + resolution_problems(self, cfg)
+
+    # ---- encoding ----------------------------------------------------------------------------
+    def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
+        if part == "vae":
+            return "flux-vae:" + module_fingerprint(bundle.vae)
+        prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
+        t5 = "t5" if len(bundle.text_encoders) == 2 else "no-t5"
+        precision = bundle.extra.get("t5_precision", "bf16")
+        joint = bundle.denoiser.config.joint_attention_dim
+        return f"flux-text:{prints}:{t5}:{precision}:{self._max_len(bundle, None)}:{joint}"
+
+    @staticmethod
+    def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
+        return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
+
+    @torch.no_grad()
+    def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                    dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """prompt_embeds [B, max_sequence_length, joint_attention_dim] (T5's last hidden states, or
+        zeros without T5) and pooled [B, CLIP-L width] (CLIP-L's pooled output)."""
+        stream = bundle.extra.get("stream_encoders", False)
+        n_t5 = self._max_len(bundle, max_sequence_length)
+        clip, tokenizer = bundle.text_encoders[0], bundle.tokenizers[0]
+        ids = tokenizer(captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
+                        return_tensors="pt").input_ids
+        with encoder_on(clip, device, stream):
+            pooled = clip(ids.to(device), output_hidden_states=False).pooler_output.float().cpu()
+        joint = bundle.denoiser.config.joint_attention_dim
+        if len(bundle.text_encoders) > 1:
+            t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]
+            ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
+                            return_tensors="pt").input_ids
+            with encoder_on(t5, device, stream):
+                text = t5(ids.to(device))[0].float().cpu()
+        else:
+            text = torch.zeros(len(captions), n_t5, joint)
+        return {"prompt_embeds": text.to(dtype), "pooled": pooled.to(dtype)}
+
+    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
+        return encode_vae_images(bundle, pixels, device, dtype, tiling)
+
+    def latents(self, bundle: ModelBundle, encoded: dict[str, torch.Tensor],
+                generator: torch.Generator) -> torch.Tensor:
+        return (sample_latent(encoded, generator) - VAE_SHIFT) * VAE_SCALE
+
+    # ---- the objective -----------------------------------------------------------------------
+    def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                      device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Rectified-flow loss (velocity target) with Flux's resolution-dependent shift."""
+        return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
+
+    def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
+                    dtype: Optional[torch.dtype] = None,
+                    at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """On the CPU: the batch's conditioning, every random draw (latent sample, noise, the
+        density's `u`, or `at`) and the sigmas, loss weights and guidance that follow from them."""
+        for name in ("noise_offset", "min_snr_gamma"):
+            if getattr(cfg, name, 0) > 0:
+                raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 "
+                                 "for Flux.1")
+        latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+        u = at if at is not None else density_from(cfg, latents.shape[0], generator)
+        h, w = latents.shape[-2:]
+        sigmas = shifted(u.float(), mu_for((h // 2) * (w // 2), bundle.noise_scheduler.config))
+        guidance = float(getattr(cfg, "guidance", DEFAULT_GUIDANCE))
+        inputs = {"latents": latents, "noise": noise, "sigmas": sigmas,
+                  "weights": loss_weighting(getattr(cfg, "weighting_scheme", "logit_normal"), sigmas),
+                  "guidance": torch.full((latents.shape[0],), guidance)}
+        inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype)
+                       for k in ("prompt_embeds", "pooled")})
+        inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
+        return inputs
+
+    def loss_from(self, bundle: ModelBundle, inputs: dict, cfg, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        noisy, target = flow_inputs(inputs["latents"].to(device), inputs["noise"].to(device),
+                                    inputs["sigmas"])
+        h, w = noisy.shape[-2:]
+        text = inputs["prompt_embeds"].to(device, dtype)
+        model = bundle.denoiser
+        guided = bool(model.config.get("guidance_embeds"))
+        packed = model(hidden_states=pack(noisy).to(dtype), timestep=inputs["sigmas"].to(device, dtype),
+                       guidance=inputs["guidance"].to(device, dtype) if guided else None,
+                       pooled_projections=inputs["pooled"].to(device, dtype), encoder_hidden_states=text,
+                       txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
+                       img_ids=image_ids(h, w).to(device, dtype), return_dict=False)[0]
+        return weighted_mse(unpack(packed, h, w), target, inputs["weights"].to(device),
+                            inputs.get("sample_weight"), inputs.get("loss_mask"))
+
+    # ---- saving ------------------------------------------------------------------------------
+    def transformer_bfl_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
+        return diffusers_to_bfl(sd)
+
+    def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
+                         metadata: dict[str, str]) -> None:
+        """The transformer in BFL keys: alone where the source was a transformer-only file (BFL's own
+        layout), else under model.diffusion_model. with the VAE and text encoders carried over from
+        the source (byte for byte from a single file)."""
+        src = bundle.source
+        bare = src.kind == "single_file" and not any(k.startswith(TRANSFORMER)
+                                                     for k in read_header(src.path)[0])
+        prefix = "" if bare else TRANSFORMER
+        state = {prefix + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
+        if bare:
+            pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
+        elif src.kind == "single_file":
+            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+        else:
+            vae, encoders = self.load_encoders(src)
+            stored = [as_stored(enc, src.path / sub)
+                      for enc, sub in zip(encoders, ("text_encoder", "text_encoder_2"))]
+            vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
+            state.update({VAE + k: v for k, v in vae_state.items()})
+            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
+            if len(stored) > 1:
+                state.update({T5 + k: v for k, v in stored[1].items()})
+        meta = dict(metadata)
+        meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "flux-1")
+        save_atomic(state, path, meta)
+
+    def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
+        """A diffusers Flux folder that FluxPipeline.from_pretrained loads."""
+        tmp = begin_folder(folder)
+        save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
+        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
+            self.load_encoders(bundle.source)
+        vae.save_pretrained(tmp / "vae")
+        for sub, enc in zip(("text_encoder", "text_encoder_2"), encoders):
+            enc.save_pretrained(tmp / sub)
+        tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \
+            self.load_tokenizers(require_tokenizers(bundle.source), t5=len(encoders) == 2)
+        for sub, tok in zip(("tokenizer", "tokenizer_2"), tokenizers[:len(encoders)]):
+            tok.save_pretrained(tmp / sub)
+        bundle.noise_scheduler.save_pretrained(tmp / "scheduler")
+        has_t5 = len(encoders) == 2
+        index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
+                 "transformer": ["diffusers", "FluxTransformer2DModel"],
+                 "vae": ["diffusers", "AutoencoderKL"],
+                 "text_encoder": ["transformers", "CLIPTextModel"],
+                 "text_encoder_2": ["transformers", "T5EncoderModel"] if has_t5 else [None, None],
+                 "tokenizer": ["transformers", "CLIPTokenizer"],
+                 "tokenizer_2": ["transformers", "T5TokenizerFast"] if has_t5 else [None, None],
+                 "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                 "image_encoder": [None, None], "feature_extractor": [None, None]}
+        write_text_atomic(tmp / "model_index.json", json.dumps(index, indent=2))
+        commit_folder(tmp, Path(folder))
+
+    # ---- LoRA files, sampling ------------------------------------------------------------------
+    def kohya_names(self, config: Optional[Mapping]) -> None:
+        """None: kohya Flux LoRAs are not read yet (save them in the diffusers layout)."""
+        return None
+
+    def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
+        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        return "Flux.1 transformer" + (f" ({q} wide)" if q else "")
+
+    def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
+                     alpha: float) -> dict[str, torch.Tensor]:
+        """"lora": diffusers keys with alpha/rank folded into lora_B (FluxPipeline.load_lora_weights);
+        "lora_kohya": kohya's BFL names, fused modules exact (models/flux/kohya.py)."""
+        if fmt == "lora":
+            return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        return to_kohya_flux(state, config, alpha)
+
+    def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
+        """A FluxPipeline (speaking generate's conventions, models/flux/pipeline.py) over these parts;
+        without T5 the pipeline is refused: FluxPipeline has no T5-less path."""
+        # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from vramfit.models.flux.pipeline import VramfitFluxPipeline
+
+        if len(encoders) < 2 or len(tokenizers) < 2:
+            raise CheckpointError(f"{bundle.source.path}: sampling a Flux.1 model needs its T5 encoder "
+                                  "and tokenizer (FluxPipeline has no T5-less path)")
+        return VramfitFluxPipeline(transformer=bundle.denoiser,
+                                   scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
+                                   text_encoder=encoders[0], tokenizer=tokenizers[0],
+                                   text_encoder_2=encoders[1], tokenizer_2=tokenizers[1])
+
+    def prompt_options(self, t5_tokens: int) -> dict:
+        return {"max_sequence_length": t5_tokens}
+
+    def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
+        return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)
+
+    # ---- memory profile ------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        # heavy: diffusers classes (~2 s); `vramfit plan` reads a model's facts from headers
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:
+        return flux_config_from_keys(keys)
+
+    def activations(self, config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+        return flux_activations(config, latent_h, latent_w, t5_tokens)
+
+    def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg) -> dict:
+        return flux_batch(config, batch, side, cfg)
+
+    # ---- inspection --------------------------------------------------------------------------
+    def describe(self, source: Source) -> dict:
+        """Family, layout, transformer shape and parameter counts/dtypes per component, without
+        loading weights."""
+        if source.kind == "single_file":
+            header, _ = read_header(source.path)
+            prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
+            parts = {"vae": VAE, "text_encoder (CLIP-L)": CLIP_L, "text_encoder_2 (T5)": T5}
+            comps = {name: count_params(header, p) for name, p in parts.items()
+                     if any(k.startswith(p) for k in header)}
+            comps["transformer"] = count_params({k: v for k, v in header.items()
+                                                 if not k.startswith((VAE, CLIP_L, T5))}, prefix)
+            config = flux_config_from_keys(meta_tensors(header, prefix))
+        else:
+            comps = {}
+            for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+                files = sorted((source.path / sub).glob("*.safetensors"))
+                if files:
+                    comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
+            config = json.loads((source.path / "transformer" / "config.json").read_text())
+        return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
+                "num_single_layers": config["num_single_layers"],
+                "width": config["num_attention_heads"] * config["attention_head_dim"],
+                "guidance_embeds": bool(config.get("guidance_embeds")),
+                "t5": any(k.startswith("text_encoder_2") for k in comps), "components": comps}
+
+
+def _vae_prefix(path: Path) -> str:
+    """The prefix of the LDM VAE keys in a VAE file of its own (BFL's ae.safetensors: none)."""
+    header = read_header(path)[0]
+    for candidate in (VAE, "vae.", ""):
+        if any(k.startswith((candidate + "encoder.", candidate + "decoder.")) for k in header):
+            return candidate
+    raise CheckpointError(f"{path}: not a VAE file (no encoder.* or decoder.* keys)")

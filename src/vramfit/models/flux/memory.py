@@ -1,0 +1,35 @@
+"""The Flux family's memory profile: the planner's activation model of the transformer and the fit
+probe's synthetic batch.
+
+Not calibrated: no fitted constants per element exist for Flux yet (fit/calibration.json); the
+element counts below are the model's own (tokens times width at each block's input), the bytes
+the planner makes of them are an estimate until a GPU measurement fits them.
+"""
+from __future__ import annotations
+
+import torch
+
+from vramfit.models.adapter import ActivationShape
+
+
+def flux_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
+    """Each double-stream and single-stream block is checkpointed; its inputs are the image
+    tokens (2x2 latent patches) and the T5 tokens, `inner` wide, and the conditioning vector."""
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    tokens = (latent_h // 2) * (latent_w // 2) + t5_tokens
+    layers = int(config["num_layers"]) + int(config["num_single_layers"])
+    per_block = tokens * inner
+    return ActivationShape(saved=layers * (per_block + inner), work=per_block, resnet_inputs=0,
+                           blocks=[("block", per_block)] * layers, fixed=layers * inner)
+
+
+def flux_batch(config: dict, batch: int, side: tuple[int, int], cfg) -> dict[str, torch.Tensor]:
+    """The fit probe's batch of `batch` items of `side` (width, height): a cached batch's shapes
+    (16-channel latent distribution, T5 states of model.max_sequence_length tokens, CLIP-L's
+    pooled vector) for the transformer `config`."""
+    w, h = side
+    channels = int(config["in_channels"]) // 4  # packed 2x2
+    return {"mean": torch.zeros(batch, channels, h // 8, w // 8),
+            "logvar": torch.full((batch, channels, h // 8, w // 8), -10.0),
+            "prompt_embeds": torch.zeros(batch, cfg.model.max_sequence_length, config["joint_attention_dim"]),
+            "pooled": torch.zeros(batch, config["pooled_projection_dim"])}
