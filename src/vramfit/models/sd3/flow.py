@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from vramfit.models.flow import (  # noqa: F401 (SD3's objective, re-exported)
+from vramfit.models.flow import (  # SD3's objective, re-exported (__all__)
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, WEIGHTING_SCHEMES, flow_inputs,
     loss_weighting, sample_density,
 )
+
+__all__ = ["DEFAULT_LOGIT_MEAN", "DEFAULT_LOGIT_STD", "DEFAULT_MODE_SCALE", "DEFAULT_SCHEME", "WEIGHTING_SCHEMES",
+           "flow_inputs", "loss_weighting", "sample_density", "DEFAULT_SHIFT", "NUM_TRAIN_TIMESTEPS",
+           "shifted_sigmas", "lookup_sigmas"]
 
 DEFAULT_SHIFT = 3.0
 NUM_TRAIN_TIMESTEPS = 1000
