@@ -378,3 +378,12 @@ def test_captions_over_an_encoders_limit_are_named_with_the_limit(tmp_path, cach
                    "train.steps=1")
     assert run["cache"]["captions_truncated"] == 1
     assert "caption of 1.png is" in caplog.text and "the text encoder keeps the first 77" in caplog.text
+
+
+def test_the_short_forms_missing_folder_and_metadata_are_named_once(tmp_path, capsys):
+    (tmp_path / "imgs").mkdir()
+    for path, expected in (("nowhere", ["data.path: ", "data.metadata: "]), ("imgs", ["data.metadata: "])):
+        assert main(["train", "--set", f"data.path={tmp_path / path}", "--set", "data.metadata=meta.jsonl",
+                     "--set", f"cache.dir={tmp_path / 'cache'}", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
+        lines = [line.strip() for line in capsys.readouterr().err.splitlines() if line.strip().startswith("- ")]
+        assert [line[2:].split(" ")[0] + " " for line in lines] == expected, lines

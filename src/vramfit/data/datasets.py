@@ -88,8 +88,9 @@ def dataset_problems(cfg: RunConfig) -> list[str]:
         # config.load names a data.datasets entry by its name too; a kohya one is named here
         key = "data" if short else f"data.datasets[{i}]" if cfg.data.datasets else f"data.kohya ({d.label!r})"
         folder = Path(d.path).expanduser()
-        if not folder.is_dir():
-            problems.append(f"{key}.path: {d.path} is {'not a folder' if folder.exists() else 'not there'}")
+        if not folder.is_dir():  # the short form's data.path and data.metadata: config/load.py check_paths
+            if not short:
+                problems.append(f"{key}.path: {d.path} is {'not a folder' if folder.exists() else 'not there'}")
             continue
         real = os.path.realpath(folder)
         if real in seen:
@@ -101,7 +102,7 @@ def dataset_problems(cfg: RunConfig) -> list[str]:
         elif d.masks is not None and Path(os.path.realpath(Path(d.masks).expanduser())).is_relative_to(real):
             problems.append(f"{key}.masks: {d.masks} lies inside the dataset's folder {d.path}, whose images "
                             "it would join; keep the masks in a folder of their own")
-        if d.metadata is not None:
+        if d.metadata is not None and not short:
             meta = Path(d.metadata).expanduser()
             if not meta.is_file() and not (folder / d.metadata).is_file():
                 problems.append(f"{key}.metadata: {d.metadata} does not exist")
