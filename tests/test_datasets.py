@@ -387,3 +387,12 @@ def test_the_short_forms_missing_folder_and_metadata_are_named_once(tmp_path, ca
                      "--set", f"cache.dir={tmp_path / 'cache'}", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
         lines = [line.strip() for line in capsys.readouterr().err.splitlines() if line.strip().startswith("- ")]
         assert [line[2:].split(" ")[0] + " " for line in lines] == expected, lines
+
+
+def test_the_same_image_in_two_datasets_is_one_latent_entry(tmp_path, cache_root):
+    a = _square(tmp_path / "a", 2, 0)
+    b = _square(tmp_path / "b", 2, 0, caption="another caption")  # the same pixels, captioned otherwise
+    run = _run(_config(tmp_path, _datasets(f'path = "{a}"', f'path = "{b}"')), tmp_path / "run",
+               cache_root / "shared-images", "train.steps=1")
+    assert run["cache"]["latents_cached"] == 2 and run["cache"]["latents_entries"] == 2
+    assert run["cache"]["text_cached"] == 2  # two captions

@@ -241,9 +241,14 @@ class TrainingData:
                 self.empty_key = text_key(captions.EMPTY, text_id, store)
 
     def latent_entries(self) -> list[tuple[Record, bool, str]]:
-        """(record, mirrored, key) of every latent entry the run trains from."""
-        return [(r, flipped, key) for r in self.records
-                for flipped, key in ((False, r.latent_key), (True, r.flip_key)) if key]
+        """(record, mirrored, key) of every latent entry the run trains from, each key once (the same
+        image in two datasets, or with two captions, is one entry: encoded and counted once)."""
+        entries: dict[str, tuple[Record, bool, str]] = {}
+        for r in self.records:
+            for flipped, key in ((False, r.latent_key), (True, r.flip_key)):
+                if key and key not in entries:
+                    entries[key] = (r, flipped, key)
+        return list(entries.values())
 
     def text_entries(self) -> dict[str, str]:
         """Text key -> caption of every text entry the run trains from (the empty caption's too)."""
