@@ -162,13 +162,13 @@ def test_what_does_not_compose_is_refused_before_launching(images, tmp_path, cap
     assert not (tmp_path / "run").exists()
     # the same check guards a run started by accelerate launch directly, before any weight loads
     from vramfit.config.load import ConfigError, load_config
-    from vramfit.train.distributed import start
+    from vramfit.fit.resolve import Environment, resolve
 
     cfg = load_config(None, args[3::2])  # the --set values
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WORLD_SIZE", "2")
         with pytest.raises(ConfigError, match="config for 2 processes: 3 problem"):
-            start(cfg)
+            resolve(cfg, Environment.detect(cfg))
     from vramfit.config.schema import RunConfig
     from vramfit.train.distributed import composition_problems
 

@@ -50,7 +50,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from vramfit.config.load import ConfigError
 from vramfit.config.rules import process_problems
 from vramfit.config.schema import RunConfig
 from vramfit.data.fingerprint import digest
@@ -339,15 +338,10 @@ def _fsdp_no_sync(root):
 
 def start(cfg: RunConfig) -> DataParallel:
     """The ranks of this run: a plain DataParallel() unless launched on several processes, where
-    the config is checked for what does not compose (before any weight loads) and accelerate
-    sets up the process group (NCCL on GPUs, gloo on CPUs)."""
-    world = launched_world()
-    if world <= 1:
+    accelerate sets up the process group (NCCL on GPUs, gloo on CPUs). What does not compose on
+    several processes was refused before, when the config was resolved (fit/resolve.py)."""
+    if launched_world() <= 1:
         return DataParallel()
-    problems = composition_problems(cfg, world)
-    if problems:
-        raise ConfigError(problems, f"config for {world} processes")
-
     cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
     # Rank 0 alone converts or downloads the model and generates class images while the others
     # wait in a collective; NCCL's default 10-minute timeout would end such a wait, so allow hours.
