@@ -17,6 +17,9 @@ Cases (see seed-baselines.md):
   sd3 LoRA workloads: seed (VAE encoding every step, 8-bit AdamW, checkpointing), cached (latents
     cached), fast (cached, no checkpointing)
   sd3 full fine-tune: fused (Adafactor inside backward, bf16, checkpointing), fast (as above)
+  flux LoRA: stock (diffusers' train_dreambooth_lora_flux.py defaults: bf16 transformer and VAE,
+    VAE encoding every step, fp32 LoRA on the attention projections, torch AdamW, no
+    checkpointing, guidance 3.5, 512 T5 tokens precomputed)
 8-bit AdamW is bitsandbytes' where it is installed (and CUDA is there), else torchao's AdamW8bit;
 the row says which.
 """
@@ -44,15 +47,19 @@ WORKLOADS = {
                          title="SD3-Medium LoRA r4, 1024, batch 1"),
     "sd3_full": dict(kind="sd3", layout="sd3m", res=1024, batch=1, mode="full",
                      title="SD3-Medium full fine-tune, 1024, batch 1"),
+    "flux_lora1024": dict(kind="flux", layout="flux1dev", res=1024, batch=1, mode="lora", rank=16,
+                          title="Flux.1-dev LoRA r16, 1024, batch 1"),
 }
 # Seed cases per workload; the first is the seed recipe the memory-saving targets compare with,
 # "fast" the stock configuration the fastest vramfit configuration compares with.
 SEED_CASES = {"ssd1b": ["seed", "fused", "fast"], "sdxl": ["seed", "fused", "fast"],
               "sd3_lora512": ["seed", "cached", "fast"], "sd3_lora1024": ["cached", "fast"],
-              "sd3_full": ["fused", "fast"]}
+              "sd3_full": ["fused", "fast"], "flux_lora1024": ["stock"]}
 TINY_RES = 64
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 CONTEXT_TOKENS = 154  # SD3: 77 CLIP + 77 T5 tokens (max_sequence_length 77, as the write-up)
+FLUX_TOKENS = 512  # Flux.1-dev: T5 tokens (the diffusers script's max_sequence_length)
+FLUX_GUIDANCE = 3.5
 
 
 def configs(layout: str, tiny: bool) -> tuple[dict, Optional[dict]]:
@@ -60,6 +67,9 @@ def configs(layout: str, tiny: bool) -> tuple[dict, Optional[dict]]:
     from vramfit.models.parts import shipped_config
 
     pre = "tiny_" if tiny else ""
+    if layout == "flux1dev":
+        return (shipped_config("tiny_flux_transformer" if tiny else "flux1_dev_transformer"),
+                shipped_config(f"{pre}flux_vae"))
     if layout == "sd3m":
         return (shipped_config("tiny_sd3_transformer" if tiny else "sd3_medium_transformer"),
                 shipped_config(f"{pre}sd3_vae"))
@@ -78,9 +88,9 @@ class Bench:
 
     # -- models ------------------------------------------------------------------------------
     def build(self, dtype: torch.dtype, device: Optional[str] = None) -> torch.nn.Module:
-        from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
-        cls = SD3Transformer2DModel if self.w["kind"] == "sd3" else UNet2DConditionModel
+        cls = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}.get(self.w["kind"], UNet2DConditionModel)
         torch.manual_seed(0)
         with torch.device(device or self.device):
             model = cls(**self.cfg)
@@ -90,7 +100,9 @@ class Bench:
         from peft import LoraConfig
 
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS))
+        rank = self.w.get("rank", 4)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                     target_modules=LORA_TARGETS))
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # LoRA weights in fp32 over the bf16 base, as the write-up's script
             p.data = p.data.float()
@@ -98,13 +110,15 @@ class Bench:
 
     # -- inputs ------------------------------------------------------------------------------
     def latents(self, device: str, dtype: torch.dtype) -> torch.Tensor:
-        ch = self.cfg["in_channels"]
+        ch = self.cfg["in_channels"] // (4 if self.w["kind"] == "flux" else 1)  # Flux: 2x2-packed channels
         lat = self.res // 8
         return torch.randn(self.bs, ch, lat, lat, device=device, dtype=dtype)
 
     def forward(self, model, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The denoiser on noisy latents x with random conditioning of the right shapes."""
         dev, bs = x.device, x.shape[0]
+        if self.w["kind"] == "flux":
+            return self.flux_forward(model, x, dtype)
         if self.w["kind"] == "sd3":
             sig = torch.rand(bs, device=dev)
             return model(hidden_states=x, timestep=sig * 1000,
@@ -120,14 +134,34 @@ class Bench:
                      torch.randn(bs, 77, self.cfg["cross_attention_dim"], device=dev, dtype=dtype),
                      added_cond_kwargs=added).sample
 
+    def flux_forward(self, model, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Flux's transformer on 2x2-packed latents, with its position ids and the dev guidance; the
+        prediction unpacked to the latents' shape."""
+        dev, (bs, ch, h, w) = x.device, x.shape
+        packed = x.view(bs, ch, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(bs, h * w // 4, ch * 4)
+        img_ids = torch.zeros(h // 2, w // 2, 3, device=dev)
+        img_ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
+        img_ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        guidance = torch.full((bs,), FLUX_GUIDANCE, device=dev) if self.cfg.get("guidance_embeds") else None
+        out = model(hidden_states=packed, timestep=torch.rand(bs, device=dev), guidance=guidance,
+                     encoder_hidden_states=torch.randn(bs, FLUX_TOKENS, self.cfg["joint_attention_dim"],
+                                                       device=dev, dtype=dtype),
+                     pooled_projections=torch.randn(bs, self.cfg["pooled_projection_dim"], device=dev, dtype=dtype),
+                     img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(FLUX_TOKENS, 3, device=dev)).sample
+        return out.view(bs, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(bs, ch, h, w)
+
     # -- one case ----------------------------------------------------------------------------
     def run(self, case: str, steps: int) -> dict:
         fast = case == "fast"
+        stock = case == "stock"  # the diffusers Flux script's defaults
         dtype = torch.float32 if fast and self.w["mode"] == "full" else torch.bfloat16
         model = self.build(dtype)
         n_params = sum(p.numel() for p in model.parameters())
         info: dict = {}
-        if self.w["mode"] == "lora":
+        if stock:
+            opt = torch.optim.AdamW(self.add_lora(model), lr=1e-4, weight_decay=1e-4)
+            info["optimizer"] = "torch AdamW"
+        elif self.w["mode"] == "lora":
             opt, info["optimizer"] = adam8bit(self.add_lora(model), self.device)
         elif fast:
             cuda = self.device == "cuda"
@@ -138,10 +172,10 @@ class Bench:
             opt, info["optimizer"] = None, "transformers Adafactor, per parameter inside backward"
         else:
             opt, info["optimizer"] = adafactor(model.parameters()), "transformers Adafactor"
-        if not fast:
+        if not (fast or stock):
             model.enable_gradient_checkpointing()
         model.train()
-        vae = self.live_vae() if case == "seed" and self.w["kind"] == "sd3" else None
+        vae = self.live_vae() if (case == "seed" and self.w["kind"] == "sd3") or stock else None
         mixed = fast and self.w["mode"] == "full"  # fp32 master weights under bf16 autocast
         autocast = torch.autocast(self.device, dtype=torch.bfloat16) if mixed else nullcontext()
         in_dtype = torch.bfloat16
@@ -166,13 +200,13 @@ class Bench:
         from diffusers import AutoencoderKL
 
         with torch.device(self.device):
-            vae = AutoencoderKL(**self.vae_cfg)  # fp32, as the diffusers script runs it
+            vae = AutoencoderKL(**self.vae_cfg)  # fp32, as the diffusers SD3 script runs it
         vae.requires_grad_(False)
-        return vae
+        return vae.to(torch.bfloat16) if self.w["kind"] == "flux" else vae  # the Flux script: weight dtype
 
     def encode(self, vae) -> torch.Tensor:
         with torch.no_grad():
-            px = torch.randn(self.bs, 3, self.res, self.res, device=self.device)
+            px = torch.randn(self.bs, 3, self.res, self.res, device=self.device, dtype=vae.dtype)
             return vae.encode(px).latent_dist.sample().to(torch.bfloat16)
 
     # -- FLOPs -------------------------------------------------------------------------------
