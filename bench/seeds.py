@@ -191,7 +191,11 @@ class Bench:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-        times = timed_steps(step, steps, self.device)
+        try:
+            times = timed_steps(step, steps, self.device)
+        except RuntimeError as exc:  # a recipe that does not run here is a row too: what failed, at what peak
+            return dict(case=case, params_m=round(n_params / 1e6, 1), error=f"{type(exc).__name__}: {exc}"[:600],
+                        **info, **peak(self.device))
         return dict(case=case, params_m=round(n_params / 1e6, 1), images_per_step=self.bs, steps=steps,
                     step_times=[round(t, 4) for t in times], step_s=round(statistics.median(times[1:] or times), 4),
                     **info, **peak(self.device))

@@ -48,3 +48,34 @@ def test_flux_example_parses_and_trains_on_tiny_parts(images, tmp_path, cache_ro
     assert main(args) == 0
     assert any(k.startswith("transformer.") for k in load_file(str(out / "model.safetensors")))
     assert any(k.startswith("lora_unet_double_blocks_") for k in load_file(str(out / "model-kohya.safetensors")))
+
+
+class _Wrapped(torch.nn.Module):
+    """A denoiser behind a wrapper with no diffusers config, as the CUDA graph replay is."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_flux_loss_needs_no_config_on_the_denoiser(cache_root):
+    """The step engine may hand the family a wrapped denoiser: the loss is the same through it."""
+    import dataclasses
+
+    from vramfit.config.schema import RunConfig
+    from vramfit.models.registry import FAMILIES
+    from vramfit.models.sources import resolve_source
+
+    family = FAMILIES["flux"]
+    run = RunConfig.model_validate({"model": {"path": "tiny:flux"}})
+    bundle = family.load(resolve_source(run.model, cache_root / "flux-example-tiny"))
+    batch = family.synthetic_batch(dict(bundle.denoiser.config), 1, (64, 64), run)
+    cfg = run.train
+    inputs = family.loss_inputs(bundle, batch, cfg, torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    plain = family.loss_from(bundle, inputs, cfg, cpu, torch.float32)
+    wrapped = dataclasses.replace(bundle, denoiser=_Wrapped(bundle.denoiser))
+    assert torch.equal(family.loss_from(wrapped, inputs, cfg, cpu, torch.float32), plain)

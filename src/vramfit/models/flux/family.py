@@ -103,7 +103,8 @@ class FluxFamily:
         tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
         return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
                            encoders, tokenizers, self._scheduler(source),
-                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH})
+                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
+                                  "guidance_embeds": bool(transformer.config.get("guidance_embeds"))})
 
     def _scheduler(self, source: Source):
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
@@ -334,8 +335,8 @@ class FluxFamily:
                                     inputs["sigmas"])
         h, w = noisy.shape[-2:]
         text = inputs["prompt_embeds"].to(device, dtype)
-        model = bundle.denoiser
-        guided = bool(model.config.get("guidance_embeds"))
+        model = bundle.denoiser  # maybe a wrapper (CUDA graph replay) without the diffusers config
+        guided = bundle.extra["guidance_embeds"]
         packed = model(hidden_states=pack(noisy).to(dtype), timestep=inputs["sigmas"].to(device, dtype),
                        guidance=inputs["guidance"].to(device, dtype) if guided else None,
                        pooled_projections=inputs["pooled"].to(device, dtype), encoder_hidden_states=text,
