@@ -134,12 +134,14 @@ def main() -> None:
 
     runs = ([("example", [])] if not args.skip_example else []) + [
         (v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
-    for name, sets in runs:
+    for i, (name, sets) in enumerate(runs):
         log(f"vramfit {name} ...")
         report = run_train(ROOT / "examples" / "flux1_dev_lora_8gb.toml",
                            base + [f"cache.dir={args.work / 'cache'}", *sets], args.work / f"run-{name}")
         put(summary(name, report))
-    if args.stock:
+        if i == 0 and args.stock:  # the reference right after the first row, before any variant
+            put(stock(args))
+    if args.stock and not runs:
         put(stock(args))
 
 

@@ -17,7 +17,7 @@ LAYERS = [
     {"run"},  # one training run: the plan and the probe around train/
     {"fit"},  # policy: planner, model facts, fit probe, spill watch
     {"train"},  # the loop and the pieces a run is made of
-    {"generate"},  # sampling pipelines (the training's sample grids and class images use them)
+    {"generate", "lora_tools"},  # sampling pipelines (sample grids, class images use them); LoRA merge/extract
     {"models"},  # families: loading, layouts, encoding, objectives
     {"optim"},  # optimizers, the step in backward
     {"memory"},  # mechanisms: streaming, quantization, rounding, checkpointing, accounting

@@ -87,11 +87,74 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         from vramfit.generate import add_generate_parser
 
         add_generate_parser(sub)
+    _add_lora_parser(sub)
     p = sub.add_parser("demo", help="fine-tune tiny:ssd1b on generated images (no arguments needed)")
     p.add_argument("--output", type=Path, default=Path("vramfit-demo"), help="folder for the demo run")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
+
+
+def _lora_weight(text: str) -> tuple[Path, float]:
+    """FILE or FILE:SCALE (a scale that is not a number is refused as argparse refuses types)."""
+    path, _, scale = text.rpartition(":") if re.search(r":-?[0-9.]+(e-?[0-9]+)?$", text) else (text, "", "1")
+    return Path(path).expanduser(), float(scale)
+
+
+def _add_lora_parser(sub) -> None:
+    lora = sub.add_parser("lora", help="merge a LoRA into a checkpoint, extract one from two checkpoints, "
+                          "or resize one to a lower rank")
+    tools = lora.add_subparsers(dest="tool", required=True)
+    p = tools.add_parser("merge", help="add LoRAs into a checkpoint's weights; saves a single file")
+    p.add_argument("model", help="the checkpoint: single file, diffusers folder or tiny:<name>")
+    p.add_argument("loras", nargs="+", type=_lora_weight, metavar="LORA[:SCALE]",
+                   help="LoRA files (any format vramfit reads), each with an optional scale (default 1)")
+    p.add_argument("--out", type=Path, required=True, help="the merged single file to write")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16",
+                   help="dtype of the merged denoiser's weights (default bf16)")
+    p.add_argument("--tokenizers", help="folder with the tokenizers, where the checkpoint has none beside it")
+    p = tools.add_parser("extract", help="a LoRA of a given rank from the difference of two checkpoints (SVD)")
+    p.add_argument("base", help="the base checkpoint")
+    p.add_argument("tuned", help="the fine-tuned checkpoint of the same model")
+    p.add_argument("--rank", type=int, required=True, help="rank of the LoRA")
+    p.add_argument("--out", type=Path, required=True, help="the LoRA file to write")
+    p.add_argument("--format", action="append", dest="formats", choices=("lora", "lora_kohya"),
+                   help="LoRA format(s), the first written to --out, others beside it (default: the family's own)")
+    p.add_argument("--device", default="auto", help="where the SVDs run: auto (the GPU if there is one), cpu, cuda")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16", help="dtype of the LoRA's tensors")
+    p.add_argument("--min-change", type=float, default=0.0, metavar="X",
+                   help="skip layers whose difference is at most X times their weights' norm (default 0)")
+    p.add_argument("--tokenizers", help="folder with the tokenizers, where the checkpoints have none beside them")
+    p = tools.add_parser("resize", help="re-factor a LoRA at a lower rank (SVD), in its own format")
+    p.add_argument("lora", type=Path, help="the LoRA file")
+    p.add_argument("--rank", type=int, required=True, help="the new rank")
+    p.add_argument("--out", type=Path, required=True, help="the LoRA file to write")
+    p.add_argument("--device", default="auto", help="where the SVDs run: auto, cpu, cuda")
+
+
+def cmd_lora(args) -> int:
+    from vramfit import lora_tools
+
+    if args.tool in ("extract", "resize") and args.rank < 1:
+        raise ValueError(f"--rank {args.rank}: give a rank of 1 or more")
+    for path in [*(p for p, _ in getattr(args, "loras", [])), *([args.lora] if args.tool == "resize" else [])]:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+    if args.tool == "merge":
+        result = lora_tools.merge(args.model, args.loras, args.out, args.dtype, args.tokenizers)
+        print(f"{args.out}: {sum(result['layers'].values())} layers merged from {len(args.loras)} LoRA file(s)")
+    elif args.tool == "extract":
+        result = lora_tools.extract(args.base, args.tuned, args.rank, args.out, args.formats or (), args.device,
+                                    args.dtype, args.min_change, args.tokenizers)
+        print(f"{', '.join(result['files'])}: rank {args.rank} on {result['layers']} layers "
+              f"({result['unchanged_layers']} unchanged), keeping {100 * result['kept_energy']:.1f}% of the "
+              "difference's energy")
+    else:
+        result = lora_tools.resize(args.lora, args.rank, args.out, args.device)
+        print(f"{args.out}: {result['resized_layers']} of {result['layers']} layers resized to rank {args.rank}"
+              + (f", keeping at least {100 * result['least_kept_energy']:.1f}% of each layer's energy"
+                 if result["resized_layers"] else ""))
+    return 0
 
 
 def _named_model_problems(cfg) -> list[str]:
@@ -281,13 +344,14 @@ def cmd_generate(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "cache": cmd_cache, "data": cmd_data,
-            "inspect": cmd_inspect, "demo": cmd_demo, "generate": cmd_generate}
+            "inspect": cmd_inspect, "demo": cmd_demo, "generate": cmd_generate, "lora": cmd_lora}
 # What a stop signal leaves behind where the library has not said it (it does for each phase of
 # train, cache and demo: train/setup.py Interrupted).
 STOPPED = {"train": "while starting: nothing was written", "cache": "while starting: nothing was written",
            "demo": "while starting: run `vramfit demo` again to continue (what it wrote is reused)",
            "plan": "before the plan was done (planning writes nothing)",
            "inspect": "(inspect writes nothing)",
+           "lora": "(each file is written whole or not at all)",
            "data": "(the preview writes each of its files whole or not at all)",
            "generate": "before every image was rendered: those whose paths are printed above are kept"}
 # Library notices about optional kernels and deprecations, not about the user's run, by the logger

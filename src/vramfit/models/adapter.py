@@ -87,6 +87,7 @@ class Family(LoraFamily, Protocol):
     # downsampling factor, times the denoiser's patch size where it has one.
     resolution_multiple: int
     lora_formats: tuple[str, ...]  # the save.formats LoRA entries it writes, the primary first
+    base_model_version: str  # ss_base_model_version in LoRA metadata (kohya's name, read by A1111/Civitai)
     # released layouts whose configs ship in models/configs: name -> (denoiser, VAE, encoder configs)
     shipped_layouts: dict[str, tuple[str, str, tuple[str, ...]]]
     shipped_aliases: dict[str, str]  # other names of shipped layouts

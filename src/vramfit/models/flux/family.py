@@ -65,6 +65,7 @@ class FluxFamily:
     display_name = "Flux.1"
     # diffusers/PEFT keys as <name>.safetensors, and kohya's BFL names (ComfyUI, kohya, A1111 forks)
     lora_formats = ("lora", "lora_kohya")
+    base_model_version = "flux1"  # ss_base_model_version, as kohya writes it
     resolution_multiple = 16  # VAE factor 8 x the 2x2 packing
     shipped_layouts: dict = {}  # no released Flux configs ship yet (vramfit plan reads a file's headers)
     shipped_aliases: dict = {}

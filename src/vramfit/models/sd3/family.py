@@ -78,6 +78,7 @@ class SD3Family:
     name = "sd3"
     display_name = "SD3"
     lora_formats = ("lora",)  # diffusers/PEFT keys, as <name>.safetensors: ComfyUI and diffusers load them
+    base_model_version = "sd3"  # ss_base_model_version, as kohya writes it
     # VAE factor 8 x patch size 2: every SD3 and SD3.5 release patches 2x2 latents (the
     # family is checked before its file is read, so the released value stands here)
     resolution_multiple = 16

@@ -68,6 +68,7 @@ class SDXLFamily:
     # LoRA files a run writes by default, the primary first (saved as <name>.safetensors): kohya
     # keys, which ComfyUI and A1111 load; the diffusers/PEFT file goes beside it.
     lora_formats = ("lora_kohya", "lora")
+    base_model_version = "sdxl_base_v1-0"  # ss_base_model_version, as kohya writes it
     resolution_multiple = 8  # the VAE's factor; the UNet's up blocks follow any latent size
     shipped_layouts = SHIPPED_LAYOUTS
     shipped_aliases: dict[str, str] = {}

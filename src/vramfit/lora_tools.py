@@ -1,0 +1,247 @@
+"""`vramfit lora merge | extract | resize`: LoRA files and checkpoints made from one another.
+
+* merge: adds each LoRA's scaled low-rank product to the denoiser's weights and saves the checkpoint
+  in its own layout through the family (a single file in, a single file out).
+* extract: the best LoRA of a given rank (truncated SVD, per linear layer) of the difference between
+  a fine-tuned checkpoint and its base, written in the family's LoRA formats.
+* resize: each layer's product re-factored at a lower rank the same way, key names kept, so a file
+  of any format and family stays that format.
+
+The arithmetic is a matrix product and an SVD per layer (torch.linalg, on the GPU where there is
+one). peft merges only adapters it has injected into a loaded model and neither extracts nor
+resizes, so the tools work on the weights directly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from vramfit.config.schema import ModelConfig
+from vramfit.formats.lora import (
+    DIFFUSERS_METADATA_KEY, LORA_FILE_SUFFIXES, load_lora, lora_scale_metadata, save_lora,
+)
+from vramfit.formats.safetensors_io import read_header
+from vramfit.models.registry import FAMILIES, detect_family
+from vramfit.models.sources import resolve_source, write_tokenizers
+
+log = logging.getLogger("vramfit")
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# Down/up key endings of the LoRA layouts a file may hold (kohya and diffusers/peft).
+_PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"))
+# Tensors of adapters that are not a plain low-rank product (DoRA, LoKr, LoHa).
+_NOT_LORA = ("dora_scale", "lora_magnitude_vector", "lokr_w1", "hada_w1")
+
+
+def load_model(path: str, tokenizers: Optional[str] = None):
+    """(family, bundle) of a checkpoint as `vramfit train` would load it."""
+    source = resolve_source(ModelConfig(path=path, tokenizers=tokenizers))
+    family = detect_family(source)
+    return family, family.load(source)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+# ---- merge --------------------------------------------------------------------------------------
+
+def add_products(model: torch.nn.Module, state: dict, alphas: dict, scale: float, what: str) -> int:
+    """W += scale * alpha/r * B @ A for every module of a peft-key LoRA `state`; returns the count.
+    Every module must be in `model` (a LoRA for another layout is refused, nothing changed)."""
+    modules = dict(model.named_modules())
+    names = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    missing = [n for n in names if n not in modules or not hasattr(modules[n], "weight")]
+    if missing:
+        raise ValueError(f"{what}: {len(missing)} LoRA module(s) are not layers of this model, e.g. "
+                         f"{missing[0]!r}; is it a LoRA for another model?")
+    for name in names:
+        weight = modules[name].weight
+        down, up = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()
+        rank = down.shape[0]
+        delta = up.flatten(1) @ down.flatten(1) * (scale * alphas.get(name, rank) / rank)
+        with torch.no_grad():
+            weight.add_(delta.reshape(weight.shape).to(weight.device, weight.dtype))
+    return len(names)
+
+
+def merge(model_path: str, loras: Sequence[tuple[Path, float]], out: Path, dtype: str = "bf16",
+          tokenizers: Optional[str] = None) -> dict:
+    """Merge `loras` ((file, scale), ...) into the checkpoint at `model_path`; save it to `out`."""
+    if Path(out).resolve() == Path(model_path).expanduser().resolve():
+        raise ValueError(f"{out}: the output would overwrite the input checkpoint; give another path")
+    family, bundle = load_model(model_path, tokenizers)
+    merged = {}
+    for path, scale in loras:
+        try:
+            lora = load_lora(path, FAMILIES.values(), unet_config=dict(bundle.denoiser.config))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a LoRA vramfit can merge into {model_path} (a {family.display_name} "
+                             f"checkpoint, layout {bundle.layout}): {exc}") from None
+        if lora.text_encoders:
+            raise ValueError(f"{path}: the LoRA also holds text-encoder layers ({', '.join(lora.text_encoders)}); "
+                             "merging those is not supported: the saved checkpoint carries the source's text "
+                             "encoders unchanged. Merge a denoiser-only LoRA")
+        if lora.family not in (None, bundle.family):
+            raise ValueError(f"{path}: a {FAMILIES[lora.family].display_name} LoRA, but {model_path} is a "
+                             f"{family.display_name} checkpoint")
+        merged[str(path)] = add_products(bundle.denoiser, lora.state, lora.alphas, scale, str(path))
+    meta = {"vramfit.merged_loras": json.dumps([[str(p), s] for p, s in loras])}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    family.save_single_file(bundle, Path(out), DTYPES[dtype], meta)
+    write_tokenizers(bundle.source, bundle.tokenizers, Path(out))  # generate and train need no setting
+    return {"model": str(out), "layers": merged}
+
+
+# ---- extract ------------------------------------------------------------------------------------
+
+@dataclass
+class Extracted:
+    state: dict  # peft keys
+    layers: int
+    unchanged: int
+    kept: float  # share of the difference's energy (squared Frobenius norm) the LoRA keeps
+
+
+def low_rank(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A [r, in], B [out, r], kept energy share) of the best rank-`rank` approximation B @ A."""
+    u, s, vh = torch.linalg.svd(delta.float(), full_matrices=False)
+    r = min(rank, s.numel())
+    root = s[:r].sqrt()
+    total = float((s * s).sum())
+    kept = float((s[:r] * s[:r]).sum()) / total if total > 0 else 1.0
+    return (root[:, None] * vh[:r]).contiguous(), (u[:, :r] * root[None, :]).contiguous(), kept
+
+
+def extract_state(base: torch.nn.Module, tuned: torch.nn.Module, rank: int, device: torch.device,
+                  min_change: float = 0.0) -> Extracted:
+    """A rank-`rank` LoRA (peft keys) of every linear layer whose weights differ between the two."""
+    base_layers, state, unchanged = _linears(base), {}, 0
+    energy_total = energy_kept = 0.0
+    for name, layer in _linears(tuned).items():
+        other = base_layers.get(name)
+        if other is None or other.weight.shape != layer.weight.shape:
+            raise ValueError(f"layer {name!r} differs in shape between the two checkpoints: they are not the "
+                             "same architecture")
+        delta = layer.weight.detach().to(device, torch.float32) - other.weight.detach().to(device, torch.float32)
+        size = float(delta.norm())
+        if size <= min_change * max(float(other.weight.detach().float().norm()), 1e-12) or size == 0.0:
+            unchanged += 1
+            continue
+        down, up, kept = low_rank(delta, rank)
+        state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"] = down.cpu(), up.cpu()
+        energy_total += size * size
+        energy_kept += kept * size * size
+    return Extracted(state, len(state) // 2, unchanged, energy_kept / energy_total if energy_total else 1.0)
+
+
+def extract(base_path: str, tuned_path: str, rank: int, out: Path, formats: Sequence[str] = (),
+            device: str = "auto", dtype: str = "bf16", min_change: float = 0.0,
+            tokenizers: Optional[str] = None) -> dict:
+    """Write the LoRA of rank `rank` that takes `base_path` closest to `tuned_path` (per layer)."""
+    family, base = load_model(base_path, tokenizers)
+    tuned_family, tuned = load_model(tuned_path, tokenizers)
+    if tuned_family.name != family.name:
+        raise ValueError(f"{tuned_path} is a {tuned_family.display_name} checkpoint and {base_path} a "
+                         f"{family.display_name} one: extract needs two checkpoints of the same model")
+    got = extract_state(base.denoiser, tuned.denoiser, rank, _device(device), min_change)
+    if not got.state:
+        raise ValueError(f"{tuned_path}: no linear layer of the denoiser differs from {base_path}; nothing to "
+                         "extract")
+    state = {k: v.to(DTYPES[dtype]) for k, v in got.state.items()}
+    chosen = list(formats) or [family.lora_formats[0]]
+    bad = [f for f in chosen if f not in family.lora_formats]
+    if bad:
+        raise ValueError(f"--format {bad[0]}: {family.display_name} LoRAs are written as "
+                         f"{' or '.join(family.lora_formats)}")
+    meta = {"vramfit.extracted_from": json.dumps([str(base_path), str(tuned_path)]),
+            "vramfit.extract_kept_energy": f"{got.kept:.6f}", "ss_base_model_version": family.base_model_version}
+    paths = []
+    for fmt in chosen:
+        path = Path(out) if fmt == chosen[0] else _beside(Path(out), fmt)
+        tensors = family.lora_tensors(fmt, state, dict(base.denoiser.config), rank)
+        style = "kohya" if fmt == "lora_kohya" else "diffusers"
+        save_lora(path, tensors, {**meta, **lora_scale_metadata(rank, rank, style)})
+        paths.append(str(path))
+    return {"files": paths, "layers": got.layers, "unchanged_layers": got.unchanged, "kept_energy": got.kept}
+
+
+def _beside(primary: Path, fmt: str) -> Path:
+    """Where a second format goes beside the primary file: <stem>-kohya / -diffusers.safetensors."""
+    return primary.with_name(primary.stem + LORA_FILE_SUFFIXES[fmt])
+
+
+# ---- resize -------------------------------------------------------------------------------------
+
+def _scale(raw: dict, meta: dict, down_key: str, suffix: str, rank: int) -> float:
+    """alpha / r of one module: its `.alpha` tensor (kohya), diffusers' own metadata, else 1
+    (diffusers files with the scale folded into lora_B, as vramfit writes them)."""
+    alpha_key = down_key[: -len(suffix)] + ".alpha"
+    if alpha_key in raw:
+        return float(raw[alpha_key]) / rank
+    if DIFFUSERS_METADATA_KEY in meta:
+        config = json.loads(meta[DIFFUSERS_METADATA_KEY])
+        config = next(iter(config.values())) if "lora_alpha" not in config and config else config
+        return float(config.get("lora_alpha", rank)) / float(config.get("r", rank))
+    return 1.0
+
+
+def resize(path: Path, rank: int, out: Path, device: str = "auto") -> dict:
+    """Every layer of the LoRA at `path` re-factored at rank `rank` (layers already at or below it
+    are kept), keys and format unchanged; the scale is folded in (alpha = the new rank)."""
+    path, out = Path(path), Path(out)
+    if out.resolve() == path.resolve():
+        raise ValueError(f"{out}: the output would overwrite the input LoRA; give another path")
+    _, meta = read_header(path)
+    raw = load_file(str(path))
+    odd = sorted(k for k in raw if any(part in k for part in _NOT_LORA))
+    if odd:
+        raise ValueError(f"{path}: holds adapter tensors that are not a plain LoRA (e.g. {odd[0]!r}: DoRA, "
+                         "LoKr or LoHa); resize takes LoRA files only")
+    dev, result, layers, shrunk, worst = _device(device), {}, 0, 0, 1.0
+    for key in sorted(raw):
+        pair = next(((d, u) for d, u in _PAIRS if key.endswith(d)), None)
+        if pair is None:
+            continue
+        down_suffix, up_suffix = pair
+        up_key = key[: -len(down_suffix)] + up_suffix
+        if up_key not in raw:
+            raise ValueError(f"{path}: {key} has no {up_key}")
+        down, up = raw[key], raw[up_key]
+        old = down.shape[0]
+        scale = _scale(raw, meta, key, down_suffix, old)
+        layers += 1
+        if old <= rank:
+            new_down, new_up = down, up * scale if scale != 1.0 else up
+        else:
+            delta = up.to(dev, torch.float32).flatten(1) @ down.to(dev, torch.float32).flatten(1) * scale
+            a, b, kept = low_rank(delta, rank)
+            worst = min(worst, kept)
+            shrunk += 1
+            new_down = a.reshape(rank, *down.shape[1:]).to(down.dtype).cpu()
+            new_up = b.reshape(up.shape[0], rank, *up.shape[2:]).to(up.dtype).cpu()
+        result[key], result[up_key] = new_down.contiguous(), new_up.to(up.dtype).contiguous()
+        alpha_key = key[: -len(down_suffix)] + ".alpha"
+        if alpha_key in raw:
+            result[alpha_key] = torch.tensor(float(new_down.shape[0]), dtype=raw[alpha_key].dtype)
+    if not layers:
+        raise ValueError(f"{path}: no LoRA layers found (no lora_down/lora_up or lora_A/lora_B keys)")
+    result.update({k: v for k, v in raw.items() if k not in result and not k.endswith(".alpha")})
+    meta = {k: v for k, v in meta.items() if k != DIFFUSERS_METADATA_KEY}
+    meta.update({"ss_network_dim": str(rank), "ss_network_alpha": repr(float(rank)),
+                 "vramfit.lora.rank": str(rank), "vramfit.lora.alpha": repr(float(rank)),
+                 "vramfit.resized_from": str(path)})
+    save_lora(out, result, meta)
+    return {"file": str(out), "layers": layers, "resized_layers": shrunk, "least_kept_energy": worst}

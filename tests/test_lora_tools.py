@@ -1,0 +1,118 @@
+"""`vramfit lora merge | extract | resize` through the CLI on tiny models: merged weights equal peft's
+own merge, extraction recovers a merged LoRA, resizing gives the best lower-rank product."""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.formats.lora import load_lora, lora_config_kwargs
+from vramfit.lora_tools import load_model
+from vramfit.models.registry import FAMILIES
+
+LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m", "save.formats=['lora_kohya', 'lora']")
+
+
+@pytest.fixture
+def trained(images, tmp_path, cache_root):
+    """A tiny:sdxl LoRA of rank 4 after two steps, in kohya (m.safetensors) and diffusers keys."""
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", *LORA, model="tiny:sdxl")) == 0
+    return out
+
+
+def _products(path, config) -> dict[str, torch.Tensor]:
+    """{module: alpha/r * B @ A} of a LoRA file, read the way vramfit reads LoRAs."""
+    lora = load_lora(path, FAMILIES.values(), unet_config=config)
+    names = {k.rsplit(".lora_", 1)[0] for k in lora.state}
+    out = {}
+    for n in names:
+        a, b = lora.state[f"{n}.lora_A.weight"].float(), lora.state[f"{n}.lora_B.weight"].float()
+        out[n] = (b.flatten(1) @ a.flatten(1)) * lora.alphas.get(n, a.shape[0]) / a.shape[0]
+    return out
+
+
+def test_merge_equals_peft_merge_and_extract_recovers_the_lora(trained, tmp_path, capsys):
+    merged = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", "tiny:sdxl", f"{trained / 'm.safetensors'}:0.5", "--out", str(merged),
+                 "--dtype", "fp32"]) == 0
+    assert "layers merged" in capsys.readouterr().out
+
+    # the reference: peft injects the same LoRA into the base UNet and merges it at scale 0.5
+    _, base = load_model("tiny:sdxl")
+    lora = load_lora(trained / "m.safetensors", FAMILIES.values(), unet_config=dict(base.denoiser.config))
+    unet = base.denoiser
+    inject_adapter_in_model(LoraConfig(**lora_config_kwargs(lora.state, lora.alphas)), unet)
+    set_peft_model_state_dict(unet, lora.state)
+    for module in unet.modules():
+        if hasattr(module, "scale_layer") and hasattr(module, "merge"):
+            module.scale_layer(0.5)
+            module.merge()
+    want = {k.replace(".base_layer", ""): v for k, v in unet.state_dict().items() if "lora_" not in k}
+    _, got = load_model(str(merged))
+    got_state = got.denoiser.state_dict()
+    assert set(want) == set(got_state)
+    original = load_model("tiny:sdxl")[1].denoiser.state_dict()
+    changed = [k for k in want if not torch.equal(want[k], original[k])]
+    assert changed and all(torch.allclose(got_state[k], want[k], atol=1e-6) for k in want)
+
+    # extract (rank 4) from base and merged: the same products at 0.5, to 1e-4 relative
+    extracted = tmp_path / "x.safetensors"
+    assert main(["lora", "extract", "tiny:sdxl", str(merged), "--rank", "4", "--out", str(extracted),
+                 "--dtype", "fp32", "--format", "lora_kohya", "--format", "lora"]) == 0
+    assert "100.0% of the difference's energy" in capsys.readouterr().out
+    config = dict(base.denoiser.config)
+    source, back = _products(trained / "m.safetensors", config), _products(extracted, config)
+    assert set(back) == set(source)
+    for name, p in source.items():
+        assert (back[name] - 0.5 * p).norm() <= 1e-4 * (0.5 * p).norm() + 1e-7, name
+    assert (tmp_path / "x-diffusers.safetensors").is_file()
+    from vramfit.formats.safetensors_io import read_header
+
+    meta = read_header(extracted)[1]
+    assert meta["ss_base_model_version"] == "sdxl_base_v1-0" and meta["ss_network_dim"] == "4"
+
+
+def test_resize_gives_the_best_lower_rank_product_in_the_same_format(trained, tmp_path, capsys):
+    for name in ("m.safetensors", "m-diffusers.safetensors"):
+        out = tmp_path / f"r2-{name}"
+        assert main(["lora", "resize", str(trained / name), "--rank", "2", "--out", str(out)]) == 0
+        assert "resized to rank 2" in capsys.readouterr().out
+        raw, small = load_file(str(trained / name)), load_file(str(out))
+        assert set(raw) == set(small)  # the same keys: the same format
+        _, base = load_model("tiny:sdxl")
+        config = dict(base.denoiser.config)
+        before, after = _products(trained / name, config), _products(out, config)
+        for module, p in before.items():
+            s = torch.linalg.svdvals(p)
+            best = s[2:].square().sum().sqrt()  # Eckart-Young: the least error of any rank-2 product
+            assert (after[module] - p).norm() <= best * (1 + 1e-4) + 1e-6, module
+            assert torch.linalg.matrix_rank(after[module], rtol=1e-5) <= 2
+
+
+def test_lora_tools_refuse_bad_input_with_the_file_named(trained, tmp_path, capsys):
+    # a LoRA of another family
+    assert main(["lora", "merge", "tiny:sd3", str(trained / "m.safetensors"), "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "m.safetensors" in err and "tiny:sd3" in err
+    # not a plain LoRA (a DoRA magnitude vector)
+    dora = dict(load_file(str(trained / "m-diffusers.safetensors")))
+    first = next(k for k in dora if k.endswith("lora_A.weight"))
+    dora[first.replace("lora_A.weight", "lora_magnitude_vector")] = torch.ones(3)
+    save_file(dora, str(tmp_path / "dora.safetensors"))
+    assert main(["lora", "resize", str(tmp_path / "dora.safetensors"), "--rank", "2", "--out",
+                 str(tmp_path / "d2.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "dora.safetensors" in err and "not a plain LoRA" in err and not (tmp_path / "d2.safetensors").exists()
+    # two identical checkpoints hold nothing to extract; a missing file is named
+    assert main(["lora", "extract", "tiny:sdxl", "tiny:sdxl", "--rank", "2", "--out", str(tmp_path / "e.safetensors")]) == 2
+    assert "nothing to extract" in capsys.readouterr().err
+    assert main(["lora", "resize", str(tmp_path / "missing.safetensors"), "--rank", "2", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2
+    assert "missing.safetensors does not exist" in capsys.readouterr().err
+    assert main(["lora", "resize", str(trained / "m.safetensors"), "--rank", "0", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2
+    assert "--rank 0" in capsys.readouterr().err
