@@ -116,3 +116,22 @@ def test_lora_tools_refuse_bad_input_with_the_file_named(trained, tmp_path, caps
     assert main(["lora", "resize", str(trained / "m.safetensors"), "--rank", "0", "--out",
                  str(tmp_path / "x.safetensors")]) == 2
     assert "--rank 0" in capsys.readouterr().err
+
+
+def test_trained_lora_files_carry_the_metadata_a1111_reads(images, tmp_path, cache_root):
+    """ss_base_model_version, ss_network_dim/alpha and ss_tag_frequency (per dataset, from the captions)."""
+    import json
+
+    from vramfit.formats.safetensors_io import read_header
+
+    for path in images.glob("*.txt"):  # tags, as booru-style captions are
+        path.write_text("sks, " + path.read_text().strip() + ", photo\n")
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", *LORA, "lora.alpha=2", model="tiny:sdxl")) == 0
+    kohya = read_header(out / "m.safetensors")[1]
+    assert kohya["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert kohya["ss_network_dim"] == "4" and float(kohya["ss_network_alpha"]) == 2.0
+    tags = json.loads(kohya["ss_tag_frequency"])
+    assert tags[images.name]["sks"] == 4 and tags[images.name]["photo"] == 4
+    assert sum(tags[images.name].values()) == 4 * 3
+    assert read_header(out / "m-diffusers.safetensors")[1]["ss_tag_frequency"] == kohya["ss_tag_frequency"]

@@ -127,7 +127,11 @@ def test_missing_paths_are_reported_together(tmp_path, capsys):
 def test_example_config_parses():
     from vramfit.config import load_config
 
+    import tomllib
+
     for example in Path(__file__).resolve().parents[1].glob("examples/*.toml"):
+        if set(tomllib.loads(example.read_text()).get("model", {})) & {"vae", "clip_l", "clip_g", "t5"}:
+            continue  # it names its part files: its own test parses it with them (tests/test_flux_example.py)
         cfg = load_config(example, ["model.path=tiny:ssd1b"], need_data=False)
         assert cfg.train.steps > 0
 

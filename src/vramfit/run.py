@@ -28,7 +28,7 @@ from vramfit.memory.accounting import MemoryTracker
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
-from vramfit.train.data import free_device_memory
+from vramfit.train.data import free_device_memory, tag_frequency
 from vramfit.train.logs import RunLogger
 from vramfit.train.engine import StepEngine
 from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop
@@ -151,11 +151,12 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             assert_finite(model)
             save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last)
 
+    lora_meta = {"ss_tag_frequency": json.dumps(tag_frequency(data.records))}
     flag = StopFlag()
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
                       save_at=clock.due(cfg.save.every_epochs) if cfg.save.every_epochs else None,
                       on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
-                          save_on_main(ranks, family, bundle, cfg, p.step)), out),
+                          save_on_main(ranks, family, bundle, cfg, p.step, lora_meta)), out),
                       on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     engine = StepEngine(family, bundle, optimizer, cfg.train, device, streamer=streamer, ranks=ranks)
@@ -212,7 +213,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         with tracker.phase("save"):
             write_state(state)  # also at the end, so a finished run can be extended with more steps
             if not result.interrupted:
-                saved += save_on_main(ranks, family, bundle, cfg, None)
+                saved += save_on_main(ranks, family, bundle, cfg, None, lora_meta)
         saved = [p for p in saved if p.exists()]  # intermediate saves pruned since (save.keep_last) are gone
         free_device_memory(device)
         report = tracker.report

@@ -476,6 +476,19 @@ class TrainingData:
                 for i in range(0, len(recs), batch_size)]
 
 
+def tag_frequency(records: list[Record]) -> dict[str, dict[str, int]]:
+    """Per dataset (its name, else its folder's), how many trained images carry each comma-separated
+    tag of their first caption: kohya's ss_tag_frequency, which A1111 and Civitai show for a LoRA."""
+    out: dict[str, Counter] = {}
+    for rec in records:
+        if rec.prior or rec.validation or not rec.captions:
+            continue
+        name = rec.spec.name or Path(rec.spec.path).name or "data"
+        tags = {t.strip() for t in rec.captions[0].split(",") if t.strip()}
+        out.setdefault(name, Counter()).update(tags)
+    return {name: dict(sorted(c.items())) for name, c in out.items()}
+
+
 def _by_bucket(records: list[Record]) -> dict[tuple[int, int], list[Record]]:
     """The records of each bucket, in record order."""
     out: dict[tuple[int, int], list[Record]] = {}

@@ -344,8 +344,10 @@ def assert_finite(model: torch.nn.Module) -> None:
             raise NonFiniteLoss(f"parameter {name} holds NaN or inf; nothing was saved")
 
 
-def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list[Path]:
-    """Write the formats asked for; `step` None means the final save."""
+def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int],
+                    lora_meta: Optional[dict] = None) -> list[Path]:
+    """Write the formats asked for; `step` None means the final save. `lora_meta`: what a LoRA file
+    says of the run besides (the dataset's tag frequencies)."""
     assert_finite(bundle.denoiser)
     out = cfg.output_dir
     name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
@@ -357,7 +359,7 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int]) -> list
     paths = []
     formats = cfg.save_formats
     if cfg.train.mode == "lora":
-        paths = save_lora_files(bundle, cfg, name, formats, meta)
+        paths = save_lora_files(bundle, cfg, name, formats, {**meta, **(lora_meta or {})})
     if "single_file" in formats:
         path = out / f"{name}.safetensors"
         # the base's own size, which generate renders at by default (a tiny base's is small)
@@ -382,18 +384,20 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
     own = family.lora_formats
     state = lora_state(bundle.denoiser)
     alpha = cfg.lora.alpha or cfg.lora.rank
-    meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha)}
+    meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha),
+            "ss_base_model_version": family.base_model_version}
     paths = []
     for fmt in [f for f in own if f in formats]:
         path = cfg.output_dir / lora_formats.lora_file_name(name, fmt, own[0])
         tensors = family.lora_tensors(fmt, state, dict(bundle.denoiser.config), alpha)
-        lora_formats.save_lora(path, tensors, meta)
+        scale = lora_formats.lora_scale_metadata(cfg.lora.rank, alpha, "kohya" if fmt == "lora_kohya" else "diffusers")
+        lora_formats.save_lora(path, tensors, {**meta, **scale})
         paths.append(path)
     return paths
 
 
 def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
-                  step: Optional[int]) -> list[Path]:
+                  step: Optional[int], lora_meta: Optional[dict] = None) -> list[Path]:
     """save_checkpoint on rank 0, with the whole denoiser (FSDP gathers it: every rank takes part)."""
     whole = ranks.whole_bundle(bundle)
     if whole is None:
@@ -401,7 +405,7 @@ def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig
     name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
     with writing(f"the checkpoint {name}", cfg.output_dir,  # a full disk: say what is kept
                  lambda: f"Nothing was left under its name. {kept_note(cfg.output_dir)}"):
-        return save_checkpoint(family, whole, cfg, step)
+        return save_checkpoint(family, whole, cfg, step, lora_meta)
 
 
 def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int, newest: int) -> None:
