@@ -31,6 +31,8 @@ from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bf
 from vramfit.models.flux.kohya import to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
+from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
+from vramfit.models.flux.stored import is_stored_extra, load_widened
 from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
@@ -147,7 +149,8 @@ class FluxFamily:
 
         try:
             config = flux_config_from_keys(meta_tensors({k: v for k, v in read_header(path)[0].items()
-                                                          if k.startswith(prefix)}, prefix))
+                                                          if k.startswith(prefix)
+                                                          and not is_stored_extra(k[len(prefix):])}, prefix))
             state = bfl_to_diffusers(state, config)
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
@@ -161,7 +164,8 @@ class FluxFamily:
         if not self.detect_single_file(set(header)):
             raise CheckpointError(f"{path}: no Flux transformer found (no double_blocks.* keys)")
         prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
-        transformer = self._transformer(load_prefixed(path, prefix), path, prefix)
+        # float8 files (flux1-dev-fp8, ComfyUI's scaled fp8) widened as read (models/flux/stored.py)
+        transformer = self._transformer(load_widened(path, prefix, exclude=(VAE, CLIP_L, T5)), path, prefix)
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
@@ -361,8 +365,9 @@ class FluxFamily:
         state = {prefix + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
         if bare:
             pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
-        elif src.kind == "single_file":
-            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+        elif src.kind == "single_file":  # not a scaled-fp8 marker: the transformer is saved widened
+            state.update({k: v for k, v in load_prefixed(src.path, "", exclude=TRANSFORMER).items()
+                          if k != SCALED_FP8_MARKER})
         else:
             vae, encoders = self.load_encoders(src)
             stored = [as_stored(enc, src.path / sub)
