@@ -101,3 +101,58 @@ def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):
     bundle.text_encoders[1].float()
     out = FAMILIES["flux"].encode_text(bundle, ["a red circle"], torch.device("cpu"), torch.float32)
     assert out["prompt_embeds"].abs().sum() > 0
+
+
+def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images, tmp_path, cache_root, capsys):
+    """A trained tiny Flux LoRA's kohya export (BFL names, fused qkv and linear1) reads back through
+    load_lora as the same update of every transformer module as its diffusers/PEFT file, `vramfit
+    inspect` says what each is (format, rank, Flux.1 at its width), and `vramfit generate --lora`
+    renders the same image from either."""
+    import numpy as np
+    from PIL import Image
+
+    from vramfit.formats.lora import load_lora
+
+    out = tmp_path / "run"
+    cache = cache_root / "flux-kohya"
+    assert main(train_args(images, out, cache, *LORA, "lora.targets=['all_linear']", model="tiny:flux")) == 0
+    peft, kohya = out / "m.safetensors", out / "m-kohya.safetensors"
+    assert any(k.startswith("lora_unet_single_blocks_") for k in load_file(str(kohya)))
+    capsys.readouterr()
+
+    said = {}
+    for path in (peft, kohya):
+        assert main(["inspect", str(path), "--json"]) == 0
+        said[path] = json.loads(capsys.readouterr().out)
+    assert said[kohya]["format"] == "kohya" and said[peft]["format"] == "diffusers"
+    assert all(s["for"] == "Flux.1 transformer (64 wide)" for s in said.values())
+    # a fused module's rank is its parts' together: qkv 3 x 4, linear1 (q, k, v, MLP) 4 x 4
+    assert said[peft]["rank"] == 4 and said[kohya]["rank"] == [4, 12, 16]
+
+    def deltas(path):
+        loaded = load_lora(path, FAMILIES.values())
+        assert loaded.family == "flux"
+        state = loaded.state
+        return {k[:-len(".lora_A.weight")]: state[k.replace("lora_A", "lora_B")] @ state[k]
+                * loaded.alphas[k[:-len(".lora_A.weight")]] / state[k].shape[0]
+                for k in state if k.endswith(".lora_A.weight")}
+
+    want, got = deltas(peft), deltas(kohya)
+    assert set(got) == set(want) and any("single_transformer_blocks" in m for m in want)
+    assert any(want[m].abs().max() > 0 for m in want)
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, rtol=1e-4, atol=1e-7, msg=module)
+
+    pics = {}
+    for path in (peft, kohya):
+        folder = tmp_path / f"pics-{path.stem}"
+        assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
+                     "--lora", str(path), "--out", str(folder), "--cache-dir", str(cache)]) == 0
+        (png,) = folder.glob("*.png")
+        pics[path] = np.asarray(Image.open(png), dtype=np.int16)
+    plain = tmp_path / "pics-plain"
+    assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
+                 "--out", str(plain), "--cache-dir", str(cache)]) == 0
+    base = np.asarray(Image.open(next(plain.glob("*.png"))), dtype=np.int16)
+    assert np.abs(pics[peft] - base).max() > 0  # the LoRA changes the image
+    assert np.abs(pics[kohya] - pics[peft]).max() <= 1

@@ -18,7 +18,7 @@ import torch
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
-from vramfit.formats.lora import module_kind, to_diffusers
+from vramfit.formats.lora import lora_ranks, module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
@@ -28,7 +28,7 @@ from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.flow import density_from, flow_inputs, loss_weighting
 from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
-from vramfit.models.flux.kohya import to_kohya_flux
+from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
 from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
@@ -410,11 +410,23 @@ class FluxFamily:
 
     # ---- LoRA files, sampling ------------------------------------------------------------------
     def kohya_names(self, config: Optional[Mapping]) -> None:
-        """None: kohya Flux LoRAs are not read yet (save them in the diffusers layout)."""
+        """None: kohya Flux.1 modules are not renames of the transformer's (read_kohya reads them)."""
         return None
 
+    def read_kohya(self, tensors: Mapping[str, torch.Tensor], config: Optional[Mapping]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A kohya Flux.1 LoRA (lora_unet_double_blocks_..., BFL names) as the transformer's peft keys
+        with each module's alpha / rank folded into lora_B (so alpha = rank): fused modules split
+        into their parts (models/flux/kohya.py), at the width of `config`, else the file's own."""
+        if config is None:
+            config = {"num_attention_heads": 1, "attention_head_dim": kohya_width(tensors)}
+        out = from_kohya_flux(tensors, config)
+        state = {k[len(self.denoiser_component) + 1:]: v for k, v in out.items()}
+        return state, {m: float(r) for m, r in lora_ranks(state).items()}
+
     def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
-        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"
+                  or kohya and m.endswith(("_img_attn_qkv", "_linear1"))), None)
         return "Flux.1 transformer" + (f" ({q} wide)" if q else "")
 
     def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
