@@ -33,11 +33,11 @@ from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
 from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
 from vramfit.models.flux.stored import is_stored_extra, load_widened
-from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
+from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux, tiny_transformer_config
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, merge_counts, require_tokenizers, shipped_config, t5_encoder,
+    encoder_file_state, merge_counts, require_tokenizers, t5_encoder,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -51,6 +51,17 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 77
 DEFAULT_GUIDANCE = 1.0  # train.guidance when the config has none
 TINY_SIDE = 8  # the tiny model's native latent side (64 pixels)
 _ARCHITECTURES = {"flux-dev": "flux-1-dev", "flux-schnell": "flux-1-schnell"}
+
+
+# What each variant's pipeline is made for (BFL's model cards and diffusers' FluxPipeline examples):
+# dev is guidance-distilled (its guidance embedding takes the scale), schnell timestep-distilled.
+VARIANT_DEFAULTS = {"dev": {"guidance": 3.5, "steps": 28, "t5_tokens": 512},
+                    "schnell": {"guidance": 0.0, "steps": 4, "t5_tokens": 256}}
+
+
+def variant(config: Mapping) -> str:
+    """dev (a guidance embedding: guidance_in keys) or schnell (none)."""
+    return "dev" if config.get("guidance_embeds") else "schnell"
 
 
 def layout_name(config: Mapping) -> str:
@@ -83,11 +94,14 @@ class FluxFamily:
     kohya_roots = ("double_blocks_", "single_blocks_")
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
-        return materialize_flux(root)
+        return materialize_flux(root, name)
 
     def tiny_denoiser_config(self, name: str) -> dict:
-        """The shipped config, with the native latent side generate asks for (Flux has no sample_size)."""
-        return {**shipped_config("tiny_flux_transformer"), "sample_size": TINY_SIDE}
+        """The tiny model's config, with the native latent side generate asks for (Flux has no
+        sample_size)."""
+        if name not in TINY_NAMES:
+            raise FileNotFoundError(f"no tiny Flux.1 model {name!r}")
+        return {**tiny_transformer_config(name), "sample_size": TINY_SIDE}
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -247,6 +261,9 @@ class FluxFamily:
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
+        if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":  # TrainConfig's default
+            problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding; {cfg.model.path} "
+                            "is schnell-shaped (no guidance_in keys), which takes no guidance: leave it out")
         path = cfg.model.path
         if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
             problems += [f"model.{key}: files of their own apply to single files; a diffusers folder or "
@@ -257,6 +274,21 @@ class FluxFamily:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which Flux.1 needs (VAE factor 8 x 2x2 packing)")
         return problems + resolution_problems(self, cfg)
+
+    @staticmethod
+    def _variant_of(path: str) -> Optional[str]:
+        """The variant of model.path from its name (tiny), header or transformer config, without
+        loading weights; None where that needs a download (a repo id)."""
+        if path.startswith("tiny:"):
+            return variant(tiny_transformer_config(path[5:])) if path[5:] in TINY_NAMES else None
+        where = Path(path).expanduser()
+        if where.is_file() and where.suffix == ".safetensors":
+            keys = read_header(where)[0]
+            return "dev" if any(k.endswith("guidance_in.in_layer.weight") for k in keys) else "schnell"
+        try:
+            return variant(json.loads((where / "transformer" / "config.json").read_text()))
+        except (OSError, ValueError, AttributeError):  # not there (yet), or not a config: load says so
+            return None
 
     # ---- encoding ----------------------------------------------------------------------------
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
@@ -453,6 +485,11 @@ class FluxFamily:
                                    text_encoder=encoders[0], tokenizer=tokenizers[0],
                                    text_encoder_2=encoders[1], tokenizer_2=tokenizers[1])
 
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """{"guidance", "steps", "t5_tokens"} a transformer of `config` samples with unless told
+        otherwise: its variant's (VARIANT_DEFAULTS)."""
+        return dict(VARIANT_DEFAULTS[variant(config)])
+
     def prompt_options(self, t5_tokens: int) -> dict:
         return {"max_sequence_length": t5_tokens}
 
@@ -495,7 +532,8 @@ class FluxFamily:
                 if files:
                     comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
             config = json.loads((source.path / "transformer" / "config.json").read_text())
-        return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
+        return {"family": self.name, "layout": layout_name(config), "variant": variant(config),
+                "num_layers": config["num_layers"],
                 "num_single_layers": config["num_single_layers"],
                 "width": config["num_attention_heads"] * config["attention_head_dim"],
                 "guidance_embeds": bool(config.get("guidance_embeds")),
