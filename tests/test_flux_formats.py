@@ -156,3 +156,77 @@ def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images,
     base = np.asarray(Image.open(next(plain.glob("*.png"))), dtype=np.int16)
     assert np.abs(pics[peft] - base).max() > 0  # the LoRA changes the image
     assert np.abs(pics[kohya] - pics[peft]).max() <= 1
+
+
+_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def _header_only_file(path, parts: dict) -> None:
+    """A safetensors file with every key and shape of `parts` ({prefix: (dtype, state)}) whose data
+    is a hole (a sparse file): what the planner reads of a released checkpoint."""
+    import math
+    import struct
+
+    header, offset = {}, 0
+    for prefix, (dtype, state) in parts.items():
+        for key, t in state.items():
+            n = math.prod(t.shape) * _BYTES[dtype]
+            header[prefix + key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        fh.truncate(8 + len(blob) + offset)
+
+
+def test_full_size_flux_dev_plan_weighs_its_parameters(tmp_path):
+    """A Flux.1 dev all-in-one file at its released size (built on meta, written header-only as
+    ComfyUI's flux1-dev-fp8 holds it: the transformer in float8, the T5 in float8) is planned
+    from its headers: the transformer's 11.9 B parameters are the train phase's weights (2 bytes
+    each under a bf16 LoRA base, about 1 under int8, a few blocks when streamed)."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from vramfit.config.schema import RunConfig
+    from vramfit.fit.model_facts import T5_XXL, read_facts
+    from vramfit.fit.planner import predict
+    from vramfit.formats.clip import to_sgm_clip_keys
+    from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
+    from vramfit.models.flux.bfl import diffusers_to_bfl
+    from vramfit.models.parts import shipped_config
+
+    dev = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+               num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+               guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**dev)
+        vae = AutoencoderKL(**{**shipped_config("tiny_flux_vae"), "block_out_channels": [128, 256, 512, 512],
+                               "layers_per_block": 2, "norm_num_groups": 32})
+        clip = CLIPTextModel(CLIPTextConfig(**shipped_config("clip_l")))
+        t5 = T5EncoderModel(T5Config(**T5_XXL))
+    params = sum(p.numel() for p in transformer.parameters())
+    assert params == pytest.approx(11.9e9, rel=0.01)
+    path = tmp_path / "flux1-dev-fp8.safetensors"
+    _header_only_file(path, {CORE: ("F8_E4M3", diffusers_to_bfl(transformer.state_dict())),
+                             "first_stage_model.": ("BF16", diffusers_to_ldm_vae(vae.state_dict())),
+                             "text_encoders.clip_l.transformer.": ("F16", to_sgm_clip_keys(clip.state_dict())),
+                             T5: ("F8_E4M3", t5.state_dict())})
+    base = {"model": {"path": str(path)}, "data": {"resolution": 1024, "max_aspect": 1.0}}
+    facts = read_facts(RunConfig.model_validate(base), tmp_path / "cache")
+    assert facts.family == "flux" and facts.config["guidance_embeds"] is True
+    assert sum(p.numel() for p in facts.denoiser.parameters()) == params
+
+    def train(**sections):
+        cfg = RunConfig.model_validate({**base, **sections})
+        return next(p for p in predict(facts, cfg).phases if p.name == "train").parts
+
+    GIB = 2**30
+    lora = {"mode": "lora", "optimizer": "adamw"}
+    bf16 = train(train=lora)
+    assert bf16["weights"] / GIB == pytest.approx(params * 2 / GIB, rel=0.02)  # ~22.2 GiB
+    int8 = train(train=lora, lora={"base_quantization": "int8"})
+    assert int8["weights"] / GIB == pytest.approx(params / GIB, rel=0.05)  # ~11.1 GiB
+    streamed = train(train=lora, memory={"stream_weights": True})
+    assert streamed["weights"] < bf16["weights"] / 10
+    assert 0 < bf16["saved"] < 24 * GIB  # the 1024 activations, checkpointed: a few GiB
