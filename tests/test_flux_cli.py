@@ -267,7 +267,8 @@ def test_schnell_lora_trains_and_generate_renders(images, tmp_path, cache_root, 
     out = tmp_path / "run"
     assert main(train_args(images, out, cache, *LORA, "train.guidance=3.5", model="tiny:flux-schnell")) == 2
     assert "train.guidance: applies to Flux.1 dev's guidance embedding" in capsys.readouterr().err
-    samples = ("sample.every_steps=2", "sample.prompts=['a red circle']", "sample.seeds=[1]", "sample.steps=1")
+    samples = ("sample.every_steps=2", "sample.prompts=['a red circle']", "sample.seeds=[1]",
+               "sample.steps=1")
     assert main(train_args(images, out, cache, *LORA, *samples, model="tiny:flux-schnell")) == 0
     assert list((out / "samples").glob("*.png"))
     assert any("single_transformer_blocks" in k for k in load_file(str(out / "m.safetensors")))

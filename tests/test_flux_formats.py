@@ -92,7 +92,8 @@ def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):
     save_file({k: v for k, v in state.items() if not k.startswith(T5)}, str(folder / "no-t5.safetensors"))
     save_file({k[len(T5):]: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
                for k, v in state.items() if k.startswith(T5)}, str(folder / "t5xxl_fp8_e4m3fn.safetensors"))
-    bundle = _load(folder / "no-t5.safetensors", tmp_path / "c", t5=str(folder / "t5xxl_fp8_e4m3fn.safetensors"))
+    t5_file = folder / "t5xxl_fp8_e4m3fn.safetensors"
+    bundle = _load(folder / "no-t5.safetensors", tmp_path / "c", t5=str(t5_file))
     assert len(bundle.text_encoders) == 2
     t5 = bundle.text_encoders[1].state_dict()
     assert torch.equal(t5["encoder.block.0.layer.0.SelfAttention.q.weight"],
@@ -103,7 +104,8 @@ def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):
     assert out["prompt_embeds"].abs().sum() > 0
 
 
-def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images, tmp_path, cache_root, capsys):
+def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images, tmp_path, cache_root,
+                                                                         capsys):
     """A trained tiny Flux LoRA's kohya export (BFL names, fused qkv and linear1) reads back through
     load_lora as the same update of every transformer module as its diffusers/PEFT file, `vramfit
     inspect` says what each is (format, rank, Flux.1 at its width), and `vramfit generate --lora`
@@ -171,7 +173,8 @@ def _header_only_file(path, parts: dict) -> None:
     for prefix, (dtype, state) in parts.items():
         for key, t in state.items():
             n = math.prod(t.shape) * _BYTES[dtype]
-            header[prefix + key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            header[prefix + key] = {"dtype": dtype, "shape": list(t.shape),
+                                    "data_offsets": [offset, offset + n]}
             offset += n
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
@@ -210,7 +213,8 @@ def test_full_size_flux_dev_plan_weighs_its_parameters(tmp_path):
     path = tmp_path / "flux1-dev-fp8.safetensors"
     _header_only_file(path, {CORE: ("F8_E4M3", diffusers_to_bfl(transformer.state_dict())),
                              "first_stage_model.": ("BF16", diffusers_to_ldm_vae(vae.state_dict())),
-                             "text_encoders.clip_l.transformer.": ("F16", to_sgm_clip_keys(clip.state_dict())),
+                             "text_encoders.clip_l.transformer.": ("F16",
+                                                                   to_sgm_clip_keys(clip.state_dict())),
                              T5: ("F8_E4M3", t5.state_dict())})
     base = {"model": {"path": str(path)}, "data": {"resolution": 1024, "max_aspect": 1.0}}
     facts = read_facts(RunConfig.model_validate(base), tmp_path / "cache")
@@ -230,3 +234,34 @@ def test_full_size_flux_dev_plan_weighs_its_parameters(tmp_path):
     streamed = train(train=lora, memory={"stream_weights": True})
     assert streamed["weights"] < bf16["weights"] / 10
     assert 0 < bf16["saved"] < 24 * GIB  # the 1024 activations, checkpointed: a few GiB
+    # dev's 512 T5 tokens (model.max_sequence_length unset) beside the 4096 image tokens, not 77
+    short = train(train=lora, model={"path": str(path), "max_sequence_length": 77})
+    assert bf16["saved"] / short["saved"] == pytest.approx((4096 + 512) / (4096 + 77), rel=0.01)
+
+
+def test_t5_tokens_default_per_family_and_variant(tmp_path):
+    """model.max_sequence_length unset: captions get the model's own T5 length (Flux.1 dev 512,
+    schnell 256, SD3 77, as before), in the tokenizers training encodes with, the loaded bundle and
+    the planner's activations; set, it is used for every family."""
+    from vramfit.config.schema import RunConfig
+    from vramfit.fit.model_facts import read_facts
+    from vramfit.fit.planner import predict
+    from vramfit.models.adapter import t5_tokens
+
+    def cfg(path, **model):
+        return RunConfig.model_validate({"model": {"path": path, **model}, "data": {"resolution": 64}})
+
+    for path, family, want in (("tiny:flux", "flux", 512), ("tiny:flux-schnell", "flux", 256),
+                               ("tiny:sd3", "sd3", 77)):
+        source = resolve_source(ModelConfig(path=path), tmp_path)
+        tokenizers = FAMILIES[family].caption_tokenizers(source, cfg(path))
+        assert tokenizers[-1].model_max_length == want, path
+        assert FAMILIES[family].caption_tokenizers(source, cfg(path, max_sequence_length=40))[-1] \
+            .model_max_length == 40
+        facts = read_facts(cfg(path), tmp_path)
+        assert t5_tokens(FAMILIES[family], cfg(path), facts.config) == want
+        if family == "flux":
+            assert detect_family(source).load(source).extra["max_sequence_length"] == want
+            hidden = [next(p for p in predict(facts, c).phases if p.name == "cache_text")
+                      .parts["hidden states"] for c in (cfg(path), cfg(path, max_sequence_length=want // 2))]
+            assert hidden[0] == 2 * hidden[1]

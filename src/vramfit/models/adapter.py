@@ -128,6 +128,11 @@ class Family(LoraFamily, Protocol):
         model_max_length set to the tokens its encoder keeps (`vramfit data` counts with them)."""
         ...
 
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """T5 tokens per caption for the denoiser `config` where model.max_sequence_length is not
+        set (families with has_t5; see `t5_tokens`)."""
+        ...
+
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str: ...
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -205,6 +210,14 @@ class Family(LoraFamily, Protocol):
     def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg: Any) -> dict:
         """The fit probe's batch: a cached batch's shapes for `batch` images of `side` (w, h)."""
         ...
+
+
+def t5_tokens(family: Family, cfg: Any, config: Mapping) -> int:
+    """T5 tokens per caption: model.max_sequence_length where set, else the family's default for
+    the denoiser `config` (SD3 77, Flux.1 dev 512, schnell 256); 0 for a family without T5."""
+    if cfg.model.max_sequence_length is not None:
+        return int(cfg.model.max_sequence_length)
+    return family.default_t5_tokens(config) if family.has_t5 else 0
 
 
 def resolution_problems(family: Family, cfg: Any) -> list[str]:

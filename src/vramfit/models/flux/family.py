@@ -34,6 +34,7 @@ from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, sh
 from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
 from vramfit.models.flux.stored import is_stored_extra, load_widened
 from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux, tiny_transformer_config
+from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, variant, variant_of_keys
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
@@ -47,21 +48,9 @@ T5 = "text_encoders.t5xxl.transformer."
 VAE_SCALE = 0.3611
 VAE_SHIFT = 0.1159
 CLIP_MAX_LENGTH = 77
-DEFAULT_MAX_SEQUENCE_LENGTH = 77
 DEFAULT_GUIDANCE = 1.0  # train.guidance when the config has none
 TINY_SIDE = 8  # the tiny model's native latent side (64 pixels)
 _ARCHITECTURES = {"flux-dev": "flux-1-dev", "flux-schnell": "flux-1-schnell"}
-
-
-# What each variant's pipeline is made for (BFL's model cards and diffusers' FluxPipeline examples):
-# dev is guidance-distilled (its guidance embedding takes the scale), schnell timestep-distilled.
-VARIANT_DEFAULTS = {"dev": {"guidance": 3.5, "steps": 28, "t5_tokens": 512},
-                    "schnell": {"guidance": 0.0, "steps": 4, "t5_tokens": 256}}
-
-
-def variant(config: Mapping) -> str:
-    """dev (a guidance embedding: guidance_in keys) or schnell (none)."""
-    return "dev" if config.get("guidance_embeds") else "schnell"
 
 
 def layout_name(config: Mapping) -> str:
@@ -119,7 +108,7 @@ class FluxFamily:
         tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
         return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
                            encoders, tokenizers, self._scheduler(source),
-                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH})
+                           extra={"max_sequence_length": default_t5_tokens(transformer.config)})
 
     def _scheduler(self, source: Source):
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
@@ -145,16 +134,21 @@ class FluxFamily:
         return tokenizers
 
     def caption_tokenizers(self, source: Source, cfg) -> list[Any]:
-        """CLIP-L's (77 tokens), then T5's (model.max_sequence_length) unless model.t5_precision is none."""
+        """CLIP-L's (77 tokens), then T5's (model.max_sequence_length, else the variant's default)
+        unless model.t5_precision is none."""
         if source.kind == "single_file":
-            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in read_header(source.path)[0])
+            keys = read_header(source.path)[0]
+            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in keys)
+            kind = variant_of_keys(keys)
         else:
             t5 = (source.path / "text_encoder_2" / "config.json").is_file()
+            kind = self._variant_of(str(source.path)) or "dev"
         tokenizers = self.load_tokenizers(require_tokenizers(source),
                                           t5=t5 and cfg.model.t5_precision != "none")
         tokenizers[0].model_max_length = CLIP_MAX_LENGTH
         if len(tokenizers) > 1:
-            tokenizers[1].model_max_length = cfg.model.max_sequence_length
+            tokenizers[1].model_max_length = cfg.model.max_sequence_length or \
+                VARIANT_DEFAULTS[kind]["t5_tokens"]
         return tokenizers
 
     def _transformer(self, state: dict, path: Path, prefix: str):
@@ -261,7 +255,8 @@ class FluxFamily:
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
-        if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":  # TrainConfig's default
+        # not TrainConfig's default (1.0): a value given; a resolved config.toml lists every key
+        if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding; {cfg.model.path} "
                             "is schnell-shaped (no guidance_in keys), which takes no guidance: leave it out")
         path = cfg.model.path
@@ -283,8 +278,7 @@ class FluxFamily:
             return variant(tiny_transformer_config(path[5:])) if path[5:] in TINY_NAMES else None
         where = Path(path).expanduser()
         if where.is_file() and where.suffix == ".safetensors":
-            keys = read_header(where)[0]
-            return "dev" if any(k.endswith("guidance_in.in_layer.weight") for k in keys) else "schnell"
+            return variant_of_keys(read_header(where)[0])
         try:
             return variant(json.loads((where / "transformer" / "config.json").read_text()))
         except (OSError, ValueError, AttributeError):  # not there (yet), or not a config: load says so
@@ -302,7 +296,8 @@ class FluxFamily:
 
     @staticmethod
     def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
-        return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
+        return int(requested or bundle.extra.get("max_sequence_length")
+                   or default_t5_tokens(bundle.denoiser.config))
 
     @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -484,6 +479,10 @@ class FluxFamily:
                                    scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
                                    text_encoder=encoders[0], tokenizer=tokenizers[0],
                                    text_encoder_2=encoders[1], tokenizer_2=tokenizers[1])
+
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """The variant's: dev 512, schnell 256 (models/flux/variants.py)."""
+        return default_t5_tokens(config)
 
     def sampling_defaults(self, config: Mapping) -> dict:
         """{"guidance", "steps", "t5_tokens"} a transformer of `config` samples with unless told

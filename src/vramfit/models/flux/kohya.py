@@ -137,7 +137,8 @@ def _modules_of(name: str, plain: dict, inner: int, rows: int):
     return None
 
 
-_WIDE_INPUTS = ("_qkv", "_linear1", "_attn_proj", "_mod_lin", "_modulation_lin", "_mlp_0", "final_layer_linear")
+_WIDE_INPUTS = ("_qkv", "_linear1", "_attn_proj", "_mod_lin", "_modulation_lin", "_mlp_0",
+                "final_layer_linear")
 
 
 def kohya_width(kohya_state: Mapping[str, torch.Tensor]) -> int:

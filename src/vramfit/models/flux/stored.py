@@ -52,9 +52,9 @@ def load_widened(path: Path, prefix: str, exclude: tuple[str, ...] = ()) -> dict
                 fmt = _quant_format(fh.get_tensor(key))
                 if fmt not in FP8_FORMATS:
                     raise CheckpointError(
-                        f"{path}: tensor {key[:-len(QUANT_CONF)]}.weight is stored as {fmt or 'an unknown format'}, "
-                        "a quantized format this version does not read (fp8 scaled files are read); use "
-                        "a bf16, fp16 or fp8 file of the model")
+                        f"{path}: tensor {key[:-len(QUANT_CONF)]}.weight is stored as "
+                        f"{fmt or 'an unknown format'}, a quantized format this version does not read "
+                        "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
                 continue
             t = fh.get_tensor(key)
             module = name[:-len(".weight")] if name.endswith(".weight") else None

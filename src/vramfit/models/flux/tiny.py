@@ -3,8 +3,9 @@ real classes, for tests and the demo.
 
 The file has the layout of ComfyUI's all-in-one Flux checkpoints (flux1-dev-fp8.safetensors): the
 transformer under ``model.diffusion_model.`` in BFL's keys (models/flux/bfl.py), dev-like (with a
-guidance embedding) or schnell-like (without: no ``guidance_in`` keys), the 16-channel VAE under ``first_stage_model.`` (LDM keys), CLIP-L under
-``text_encoders.clip_l.transformer.`` and T5 under ``text_encoders.t5xxl.transformer.`` (HF keys).
+guidance embedding) or schnell-like (without: no ``guidance_in`` keys), the 16-channel VAE under
+``first_stage_model.`` (LDM keys), CLIP-L under ``text_encoders.clip_l.transformer.`` and T5 under
+``text_encoders.t5xxl.transformer.`` (HF keys).
 Tokenizer folders are written beside it as a diffusers Flux folder has them: tokenizer/ (CLIP) and
 tokenizer_2/ (T5, the small Unigram vocabulary of models/tiny.py), so nothing is downloaded.
 """

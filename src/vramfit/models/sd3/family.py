@@ -159,8 +159,12 @@ class SD3Family:
         for tok in tokenizers[:2]:
             tok.model_max_length = CLIP_MAX_LENGTH
         if len(tokenizers) > 2:
-            tokenizers[2].model_max_length = cfg.model.max_sequence_length
+            tokenizers[2].model_max_length = cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         return tokenizers
+
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """77, as SD3's DreamBooth script (model.max_sequence_length not set)."""
+        return DEFAULT_MAX_SEQUENCE_LENGTH
 
     def _load_single_file(self, path: Path, source: Optional[Source] = None):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks

@@ -120,6 +120,10 @@ class SDXLFamily:
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding, not to {self.name}")
         return problems + resolution_problems(self, cfg)
 
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """0: the SDXL family has no T5 encoder (has_t5 is False)."""
+        return 0
+
     def prepare_encoders(self, bundle: ModelBundle) -> None:
         """Nothing to do: SDXL's CLIP encoders are small enough to run as stored."""
 
