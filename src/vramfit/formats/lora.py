@@ -75,7 +75,7 @@ class LoraFamily(Protocol):
     def kohya_names(self, config: Optional[Mapping]) -> Optional[dict[str, str]]:
         """{kohya module name: diffusers module path} of the denoiser `config` (None: of every
         layout the family ships); None when the family's kohya files are not read by renaming:
-        a family whose kohya modules fuse several of its own (Flux.1's qkv) then has
+        a family whose kohya modules fuse several of its own (a fused qkv) then has
         ``read_kohya(tensors, config) -> (peft state, {module: alpha})`` instead, or none."""
         ...
 
