@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import train_args
@@ -27,7 +28,8 @@ def test_flux_lora_trains_and_generate_renders(images, tmp_path, cache_root):
     assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
                  "--width", "64", "--height", "64", "--out", str(pics),
                  "--cache-dir", str(cache_root / "f1")]) == 0
-    assert len(list(pics.glob("*.png"))) == 1
+    (png,) = pics.glob("*.png")
+    assert (Image.open(png).text["steps"], Image.open(png).text["guidance"]) == ("2", "3.5")
 
 
 def test_flux_full_finetune_saves_and_resumes_exactly(images, tmp_path, cache_root):
@@ -273,9 +275,11 @@ def test_schnell_lora_trains_and_generate_renders(images, tmp_path, cache_root, 
     assert list((out / "samples").glob("*.png"))
     assert any("single_transformer_blocks" in k for k in load_file(str(out / "m.safetensors")))
     pics = tmp_path / "pics"
-    assert main(["generate", "--model", "tiny:flux-schnell", "--prompt", "a red circle", "--steps", "2",
+    assert main(["generate", "--model", "tiny:flux-schnell", "--prompt", "a red circle",
                  "--lora", str(out / "m.safetensors"), "--out", str(pics), "--cache-dir", str(cache)]) == 0
-    assert len(list(pics.glob("*.png"))) == 1
+    (png,) = pics.glob("*.png")
+    # schnell's own defaults where none are given: 4 steps, no guidance (dev: 28 and 3.5)
+    assert (Image.open(png).text["steps"], Image.open(png).text["guidance"]) == ("4", "0.0")
 
 
 def test_plan_for_tiny_flux(capsys):

@@ -4,15 +4,28 @@ the planner at full size. Every file is built from the tiny model."""
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import struct
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from conftest import train_args
 from vramfit.cli import main
-from vramfit.config.schema import ModelConfig
+from vramfit.config.schema import ModelConfig, RunConfig
+from vramfit.fit.model_facts import T5_XXL, read_facts
+from vramfit.fit.planner import predict
+from vramfit.formats.clip import to_sgm_clip_keys
+from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
+from vramfit.formats.lora import load_lora
 from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.models.adapter import t5_tokens
+from vramfit.models.flux.bfl import diffusers_to_bfl
+from vramfit.models.parts import shipped_config
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source
 
@@ -34,8 +47,6 @@ def _load(path, cache, **model):
 
 
 def _copy_tokenizers(src, folder):
-    import shutil
-
     for tok in ("tokenizer", "tokenizer_2"):
         shutil.copytree(src.parent / tok, folder / tok)
 
@@ -110,11 +121,6 @@ def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images,
     load_lora as the same update of every transformer module as its diffusers/PEFT file, `vramfit
     inspect` says what each is (format, rank, Flux.1 at its width), and `vramfit generate --lora`
     renders the same image from either."""
-    import numpy as np
-    from PIL import Image
-
-    from vramfit.formats.lora import load_lora
-
     out = tmp_path / "run"
     cache = cache_root / "flux-kohya"
     assert main(train_args(images, out, cache, *LORA, "lora.targets=['all_linear']", model="tiny:flux")) == 0
@@ -166,9 +172,6 @@ _BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 def _header_only_file(path, parts: dict) -> None:
     """A safetensors file with every key and shape of `parts` ({prefix: (dtype, state)}) whose data
     is a hole (a sparse file): what the planner reads of a released checkpoint."""
-    import math
-    import struct
-
     header, offset = {}, 0
     for prefix, (dtype, state) in parts.items():
         for key, t in state.items():
@@ -190,14 +193,6 @@ def test_full_size_flux_dev_plan_weighs_its_parameters(tmp_path):
     each under a bf16 LoRA base, about 1 under int8, a few blocks when streamed)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from vramfit.config.schema import RunConfig
-    from vramfit.fit.model_facts import T5_XXL, read_facts
-    from vramfit.fit.planner import predict
-    from vramfit.formats.clip import to_sgm_clip_keys
-    from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
-    from vramfit.models.flux.bfl import diffusers_to_bfl
-    from vramfit.models.parts import shipped_config
 
     dev = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -243,11 +238,6 @@ def test_t5_tokens_default_per_family_and_variant(tmp_path):
     """model.max_sequence_length unset: captions get the model's own T5 length (Flux.1 dev 512,
     schnell 256, SD3 77, as before), in the tokenizers training encodes with, the loaded bundle and
     the planner's activations; set, it is used for every family."""
-    from vramfit.config.schema import RunConfig
-    from vramfit.fit.model_facts import read_facts
-    from vramfit.fit.planner import predict
-    from vramfit.models.adapter import t5_tokens
-
     def cfg(path, **model):
         return RunConfig.model_validate({"model": {"path": path, **model}, "data": {"resolution": 64}})
 

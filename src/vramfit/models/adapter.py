@@ -186,6 +186,11 @@ class Family(LoraFamily, Protocol):
         """A diffusers pipeline over the bundle's denoiser and these parts (shared, not copied)."""
         ...
 
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """What a denoiser of `config` samples with where generate is not told, by variant or
+        layout: any of "guidance", "steps", "t5_tokens" (generate's defaults for those left out)."""
+        ...
+
     def prompt_options(self, t5_tokens: int) -> dict:
         """The family's own arguments of its pipeline's encode_prompt (`t5_tokens`: T5's length)."""
         ...

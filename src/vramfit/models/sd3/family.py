@@ -483,6 +483,10 @@ class SD3Family:
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
             tokenizer_3=tokenizers[2] if has_t5 else None)
 
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """None of its own: generate's defaults (default_guidance, its steps and T5 tokens)."""
+        return {}
+
     def prompt_options(self, t5_tokens: int) -> dict:
         return {"prompt_3": None, "max_sequence_length": t5_tokens}
 

@@ -355,6 +355,10 @@ class SDXLFamily:
             tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
             force_zeros_for_empty_prompt=True, add_watermarker=False)
 
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """None of its own: generate's defaults (default_guidance, its steps and T5 tokens)."""
+        return {}
+
     def prompt_options(self, t5_tokens: int) -> dict:
         return {}
 
