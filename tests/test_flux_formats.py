@@ -91,6 +91,19 @@ def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
     save_file(nvfp4, str(folder / "nvfp4.safetensors"))
     with pytest.raises(CheckpointError, match=r"nvfp4\.safetensors: tensor .*weight is stored as nvfp4"):
         _load(folder / "nvfp4.safetensors", tmp_path / "c")
+    int8 = dict(scaled)
+    int8[CORE + key] = scaled[CORE + key].float().to(torch.int8)
+    save_file(int8, str(folder / "int8.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"int8\.safetensors: tensor {CORE}{key} is stored as int8 "
+                                              "with a scale"):
+        _load(folder / "int8.safetensors", tmp_path / "c")
+    odd = dict(scaled)
+    for name in ("scale_weight", "weight_scale"):
+        if CORE + key[:-len("weight")] + name in odd:
+            odd[CORE + key[:-len("weight")] + name] = torch.ones(3, 5)
+    save_file(odd, str(folder / "odd.safetensors"))
+    with pytest.raises(CheckpointError, match=r"odd\.safetensors: tensor .* has a scale of shape \[3, 5\]"):
+        _load(folder / "odd.safetensors", tmp_path / "c")
 
 
 def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):
