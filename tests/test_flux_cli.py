@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import train_args
@@ -27,7 +28,8 @@ def test_flux_lora_trains_and_generate_renders(images, tmp_path, cache_root):
     assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
                  "--width", "64", "--height", "64", "--out", str(pics),
                  "--cache-dir", str(cache_root / "f1")]) == 0
-    assert len(list(pics.glob("*.png"))) == 1
+    (png,) = pics.glob("*.png")
+    assert (Image.open(png).text["steps"], Image.open(png).text["guidance"]) == ("2", "3.5")
 
 
 def test_flux_full_finetune_saves_and_resumes_exactly(images, tmp_path, cache_root):
@@ -247,7 +249,37 @@ def test_inspect_tiny_flux(capsys):
     assert main(["inspect", "tiny:flux", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["family"] == "flux" and info["guidance_embeds"] is True and info["t5"] is True
+    assert info["variant"] == "dev"
     assert (info["num_layers"], info["num_single_layers"], info["width"]) == (2, 2, 64)
+
+
+def test_schnell_lora_trains_and_generate_renders(images, tmp_path, cache_root, capsys):
+    """tiny:flux-schnell has no guidance embedding (no guidance_in keys): inspect says schnell,
+    train.guidance is refused naming the key, a LoRA trains (samples rendered) and generate renders."""
+    from safetensors import safe_open
+
+    cache = cache_root / "f-schnell"
+    assert main(["inspect", "tiny:flux-schnell", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["variant"], info["guidance_embeds"], info["layout"]) == ("schnell", False, "flux-custom")
+    path = info["source"]["path"]
+    with safe_open(path, framework="pt") as fh:
+        assert not any("guidance_in" in k for k in fh.keys())
+        assert fh.metadata()["modelspec.architecture"] == "flux-1-schnell"
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache, *LORA, "train.guidance=3.5", model="tiny:flux-schnell")) == 2
+    assert "train.guidance: applies to Flux.1 dev's guidance embedding" in capsys.readouterr().err
+    samples = ("sample.every_steps=2", "sample.prompts=['a red circle']", "sample.seeds=[1]",
+               "sample.steps=1")
+    assert main(train_args(images, out, cache, *LORA, *samples, model="tiny:flux-schnell")) == 0
+    assert list((out / "samples").glob("*.png"))
+    assert any("single_transformer_blocks" in k for k in load_file(str(out / "m.safetensors")))
+    pics = tmp_path / "pics"
+    assert main(["generate", "--model", "tiny:flux-schnell", "--prompt", "a red circle",
+                 "--lora", str(out / "m.safetensors"), "--out", str(pics), "--cache-dir", str(cache)]) == 0
+    (png,) = pics.glob("*.png")
+    # schnell's own defaults where none are given: 4 steps, no guidance (dev: 28 and 3.5)
+    assert (Image.open(png).text["steps"], Image.open(png).text["guidance"]) == ("4", "0.0")
 
 
 def test_plan_for_tiny_flux(capsys):

@@ -460,8 +460,8 @@ def test_tokenizers_of_another_model_are_not_replaced(tmp_path):
 def test_size_and_steps_default_to_the_model():
     # the sizes themselves: tiny:ssd1b 128 (test_pickle_lora_...), a tiny:sd3 fine-tune 512
     # (test_a_trained_single_file_...: its transformer takes at most 32x32 patches of 2x2 latents)
-    args = parse(["--model", "tiny:ssd1b", "--prompt", "p"])
-    assert (args.steps, args.width, args.height) == (30, None, None)
+    args = parse(["--model", "tiny:ssd1b", "--prompt", "p"])  # steps: the model's, once loaded
+    assert (args.steps, args.width, args.height) == (None, None, None)
 
 
 def test_compare_a_full_fine_tune_with_its_base(trained, pipes, tmp_path, capsys):

@@ -77,6 +77,14 @@ def _denoiser(pipe) -> torch.nn.Module:
     return getattr(pipe, _family(pipe).denoiser_component)
 
 
+def sampling_defaults(pipe) -> dict:
+    """Guidance, steps and T5 tokens the model samples with where not told (its family's for its
+    variant or layout, Family.sampling_defaults; generate's own defaults for what it leaves out)."""
+    found = _family(pipe).sampling_defaults(_denoiser(pipe).config)
+    return {"guidance": _family(pipe).default_guidance, "steps": DEFAULT_STEPS,
+            "t5_tokens": PIPELINE_T5_TOKENS, **found}
+
+
 def size_multiple(pipe) -> int:
     """Width and height must be multiples of this (VAE factor, times the patch size of a patched
     denoiser such as SD3's)."""
@@ -294,7 +302,7 @@ def _encode(pipe, prompt: str, negative: Optional[str], guidance: float,
     """The prompt's embeddings, computed once for all of its images, in the denoiser's dtype."""
     kwargs = dict(prompt=prompt, prompt_2=None, device=pipe._execution_device, num_images_per_prompt=1,
                   do_classifier_free_guidance=guidance > 1.0, negative_prompt=negative)
-    kwargs.update(_family(pipe).prompt_options(max_sequence_length or PIPELINE_T5_TOKENS))
+    kwargs.update(_family(pipe).prompt_options(max_sequence_length or sampling_defaults(pipe)["t5_tokens"]))
     pe, npe, ppe, nppe = pipe.encode_prompt(**kwargs)
     dtype = _denoiser(pipe).dtype
     cast = (lambda t: None if t is None else t.to(dtype))
@@ -364,7 +372,7 @@ def _check(pipe, prompts: Sequence[str], steps: int, width: int, height: int, co
 
 
 def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, seed: int = 0,
-             steps: int = DEFAULT_STEPS, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
+             steps: Optional[int] = None, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
              height: int = DEFAULT_SIZE, count: int = 1, loras: Sequence[tuple[Path, float]] = (),
              device="cpu", dtype: Optional[torch.dtype] = torch.float32, offload: bool = True,
              max_sequence_length: Optional[int] = None, allow_pickle: bool = False,
@@ -374,9 +382,11 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
     Image i (over all prompts) uses seed + i. LoRAs are loaded as adapters lora0, lora1, ... each
     at its own scale, and removed again afterwards, so the pipeline is left as it was. `dtype`
     casts the pipeline's models (None: keep them as they are). `on_image` gets each image as
-    soon as it is rendered.
+    soon as it is rendered. Steps and guidance default to the model's (`sampling_defaults`).
     """
-    guidance = _family(pipe).default_guidance if guidance is None else float(guidance)
+    defaults = sampling_defaults(pipe)
+    guidance = defaults["guidance"] if guidance is None else float(guidance)
+    steps = defaults["steps"] if steps is None else steps
     _check(pipe, prompts, steps, width, height, count)
     check_numbers(guidance, loras)
     place(pipe, device, dtype, offload=offload)
@@ -405,7 +415,7 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
     to the device it was on (offload hooks removed), so a training model is where it was;
     `dtype` (default None: none) casts the models, the denoiser included, and is not undone.
     """
-    guidance = _family(pipe).default_guidance if guidance is None else float(guidance)
+    guidance = sampling_defaults(pipe)["guidance"] if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, max(1, len(seeds)))
     if not seeds:
         raise ValueError("sample_grid needs at least one seed")
@@ -535,11 +545,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--negative", help="negative prompt for every image")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the first image; image i uses SEED+i (default 0)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"denoising steps per image (default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"denoising steps per image (default: the model's: Flux.1 dev 28, schnell 4; "
+                   f"{DEFAULT_STEPS} for SDXL and SD3)")
     p.add_argument("--guidance", type=float, default=None,
                    help="classifier-free guidance scale, 0 or more (default 5.0 for SDXL, 7.0 for SD3; "
-                   "1 turns it off)")
+                   "1 turns it off; Flux.1 dev: the distilled guidance, default 3.5; schnell takes none)")
     p.add_argument("--width", type=int, default=None,
                    help="image width (default: the model's own size: the modelspec.resolution of its file, "
                    "else its denoiser's sample size; 1024 for SDXL and SD3, 128 for tiny:ssd1b)")
@@ -567,8 +578,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    "1/4 of the memory), fp8 (storage only), none (left out: zero embeddings, as SD3 "
                    "allows); default bf16")
     p.add_argument("--max-sequence-length", type=int, default=None,
-                   help=f"SD3: T5 tokens per prompt, 1 to {T5_MAX_TOKENS} "
-                   f"(default {PIPELINE_T5_TOKENS}, as diffusers' pipeline)")
+                   help=f"SD3 and Flux.1: T5 tokens per prompt, 1 to {T5_MAX_TOKENS} (default "
+                   f"{PIPELINE_T5_TOKENS} for SD3, as diffusers' pipeline; Flux.1 dev 512, schnell 256)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where tiny models and converted checkpoints are kept (default ~/.cache/vramfit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -646,8 +657,10 @@ def run_generate(args) -> int:
                   width=width, height=height, count=args.count, device=device, dtype=dtype,
                   offload=not args.no_offload, max_sequence_length=args.max_sequence_length,
                   allow_pickle=getattr(args, "allow_pickle", False))
-    guidance = FAMILIES[bundle.family].default_guidance if args.guidance is None else args.guidance
-    settings = {"model": args.model, "steps": str(args.steps), "guidance": str(guidance),
+    defaults = sampling_defaults(pipe)
+    guidance = defaults["guidance"] if args.guidance is None else args.guidance
+    steps = defaults["steps"] if args.steps is None else args.steps
+    settings = {"model": args.model, "steps": str(steps), "guidance": str(guidance),
                 "size": f"{width}x{height}", "loras": ", ".join(f"{Path(p).name}:{s:g}" for p, s in loras)}
     if args.negative:
         settings["negative"] = args.negative
@@ -708,7 +721,7 @@ def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> No
     if not args.prompt:
         raise GenerateError("no prompt given (--prompt, repeatable)")
     for flag, value in (("--steps", args.steps), ("--count", args.count)):
-        if value < 1:
+        if value is not None and value < 1:
             raise GenerateError(f"{flag} must be at least 1 (got {value})")
     for flag, value in (("--width", args.width), ("--height", args.height)):
         if value is not None and value < 1:

@@ -89,8 +89,10 @@ class ModelConfig(_Section):
     t5_precision: Literal["bf16", "int8", "fp8", "nf4", "none"] = Field(
         "bf16", description="SD3: how T5-XXL is stored while captions are encoded (int8 and fp8 "
         "halve it, nf4 quarters it; torchao, CPU or CUDA); none leaves T5 out (zeros), as SD3 allows.")
-    max_sequence_length: int = Field(77, ge=1, le=512, description="SD3: T5 tokens per caption "
-                                     "(77 as SD3's DreamBooth script, up to 512; 256 in the pipeline).")
+    max_sequence_length: Optional[int] = Field(
+        None, ge=1, le=512, description="SD3 and Flux.1: T5 tokens per caption, up to 512. Default: "
+        "the model's own: SD3 77 (as its DreamBooth script), Flux.1 dev 512 and schnell 256 (as "
+        "their pipelines).")
     allow_pickle: bool = Field(
         False, description="Load a pickle .ckpt (with torch.load(weights_only=True)); pickle files "
         "can run code when loaded by other tools, so they are refused unless this is set.")

@@ -72,6 +72,7 @@ from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
                                      read_facts, state_bytes)
 from vramfit.memory.offload import block_modules, split_units
+from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
 from vramfit.optim.build import optimizer_class
@@ -276,7 +277,7 @@ def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, i
         if enc.kind == "t5" and cfg.model.t5_precision == "none":
             continue
         weights, widened = encoder_device_bytes(enc, cfg.model, cfg.memory)
-        tokens = 77 if enc.kind == "clip" else cfg.model.max_sequence_length
+        tokens = 77 if enc.kind == "clip" else t5_tokens(FAMILIES[facts.family], cfg, facts.config)
         hidden = (enc.layers + 1 if enc.kind == "clip" else 4) * captions * tokens * enc.hidden * 2
         parts = {f"{enc.name}": weights, "widened linear": widened, "hidden states": hidden,
                  "workspace": TEXT_WORKSPACE}
@@ -288,8 +289,8 @@ def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, i
 def _activations(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int]) -> dict[str, int]:
     """Activation bytes at the training peak: {"saved": ..., "work": ...}."""
     k = _CONSTANTS[facts.family]
-    shape = FAMILIES[facts.family].activations(facts.config, side[1] // 8, side[0] // 8,
-                                               cfg.model.max_sequence_length)
+    family = FAMILIES[facts.family]
+    shape = family.activations(facts.config, side[1] // 8, side[0] // 8, t5_tokens(family, cfg, facts.config))
     scale = cfg.step_batch * (2.0 if cfg.train.precision == "fp32" else 1.0)  # class images double it
     work = k.work * shape.work * scale
     resnet, block = k.all_resnet, k.all_block
@@ -397,7 +398,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
-    shape = FAMILIES[facts.family].activations(facts.config, h // 8, w // 8, cfg.model.max_sequence_length)
+    family = FAMILIES[facts.family]
+    shape = family.activations(facts.config, h // 8, w // 8, t5_tokens(family, cfg, facts.config))
     halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
     stages = [{"text encoders": sum(encoders[-2:])},
               {"weights": terms["weights"],

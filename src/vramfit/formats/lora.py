@@ -74,7 +74,9 @@ class LoraFamily(Protocol):
 
     def kohya_names(self, config: Optional[Mapping]) -> Optional[dict[str, str]]:
         """{kohya module name: diffusers module path} of the denoiser `config` (None: of every
-        layout the family ships); None when the family's kohya files are not read."""
+        layout the family ships); None when the family's kohya files are not read by renaming:
+        a family whose kohya modules fuse several of its own (a fused qkv) then has
+        ``read_kohya(tensors, config) -> (peft state, {module: alpha})`` instead, or none."""
         ...
 
     def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
@@ -388,18 +390,25 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
         unet_part = {k: v for k, v in raw.items() if k.startswith(KOHYA_UNET)}
         family = _kohya_reader(families, unet_part)
         names = family.kohya_names(unet_config)
-        if names is None:
+        read = getattr(family, "read_kohya", None)  # where a kohya module is several of the family's
+        if names is None and read is None:
             title = family.display_name
             raise ValueError(f"{path}: a kohya {title} LoRA (e.g. {sorted(unet_part)[0]!r}) is not "
                              f"supported; save {title} LoRAs in the diffusers layout "
                              f"({family.denoiser_component}.* lora_A/lora_B)")
         modules = kohya_modules(unet_part, str(path))
-        unknown = sorted(n for n in modules if n not in names)
+        unknown = sorted(n for n in modules if n not in names) if names is not None else []
         if unknown:
             hint = "" if unet_config is not None else "; pass the UNet config of the model it was trained for"
             raise ValueError(f"{path}: {len(unknown)} kohya UNet module(s) not in the {family.display_name} "
                              f"layout, e.g. {unknown[0]!r}{hint}")
-        state, alphas = from_kohya(modules, names.__getitem__, str(path))
+        if names is not None:
+            state, alphas = from_kohya(modules, names.__getitem__, str(path))
+        else:
+            try:
+                state, alphas = read(unet_part, unet_config)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
         for pre, comp in KOHYA_TE.items():  # no prefix here is a prefix of another
             part = {k: v for k, v in raw.items() if k.startswith(pre)}
             if part:

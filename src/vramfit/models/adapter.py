@@ -129,6 +129,11 @@ class Family(LoraFamily, Protocol):
         model_max_length set to the tokens its encoder keeps (`vramfit data` counts with them)."""
         ...
 
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """T5 tokens per caption for the denoiser `config` where model.max_sequence_length is not
+        set (families with has_t5; see `t5_tokens`)."""
+        ...
+
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str: ...
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -182,6 +187,11 @@ class Family(LoraFamily, Protocol):
         """A diffusers pipeline over the bundle's denoiser and these parts (shared, not copied)."""
         ...
 
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """What a denoiser of `config` samples with where generate is not told, by variant or
+        layout: any of "guidance", "steps", "t5_tokens" (generate's defaults for those left out)."""
+        ...
+
     def prompt_options(self, t5_tokens: int) -> dict:
         """The family's own arguments of its pipeline's encode_prompt (`t5_tokens`: T5's length)."""
         ...
@@ -206,6 +216,14 @@ class Family(LoraFamily, Protocol):
     def synthetic_batch(self, config: dict, batch: int, side: tuple[int, int], cfg: Any) -> dict:
         """The fit probe's batch: a cached batch's shapes for `batch` images of `side` (w, h)."""
         ...
+
+
+def t5_tokens(family: Family, cfg: Any, config: Mapping) -> int:
+    """T5 tokens per caption: model.max_sequence_length where set, else the family's default for
+    the denoiser `config` (SD3 77, Flux.1 dev 512, schnell 256); 0 for a family without T5."""
+    if cfg.model.max_sequence_length is not None:
+        return int(cfg.model.max_sequence_length)
+    return family.default_t5_tokens(config) if family.has_t5 else 0
 
 
 def resolution_problems(family: Family, cfg: Any) -> list[str]:

@@ -121,7 +121,8 @@ def _generate(cfg: RunConfig, family, bundle, folder: Path, todo: list[tuple[int
         for i, (w, h) in _bar(todo, progress):
             image = generate(pipe, [p.class_prompt], negative=p.negative_prompt, seed=p.seed + i,
                              steps=p.steps, guidance=p.guidance, width=w, height=h, device=device,
-                             dtype=dtype, offload=True, max_sequence_length=cfg.model.max_sequence_length)[0]
+                             dtype=dtype, offload=True,
+                             max_sequence_length=bundle.extra.get("max_sequence_length"))[0]
             save_png(image, folder / SLOT_NAME.format(i),
                      {"prompt": p.class_prompt, "seed": str(p.seed + i), "model": bundle.source.label})
     finally:  # everything back on the CPU in the precision it had, as training expects it

@@ -72,7 +72,8 @@ class SampleGrids:
         try:
             grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
                                guidance=s.guidance, width=s.width or size, height=s.height or size,
-                               device=self.device, max_sequence_length=self.cfg.model.max_sequence_length)
+                               device=self.device,
+                               max_sequence_length=self.bundle.extra.get("max_sequence_length"))
         finally:
             del pipe, temp, vae, encoders
             free_device_memory(self.device)

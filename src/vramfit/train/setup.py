@@ -32,7 +32,7 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.checkpointing import checkpointing_function
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
-from vramfit.models.adapter import Family, ModelBundle
+from vramfit.models.adapter import Family, ModelBundle, t5_tokens
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
 from vramfit.models.sources import resolve_source, write_tokenizers
@@ -219,7 +219,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
         if problems:
             raise ConfigError(problems, f"config for this {family.name} model")
         bundle = family.load(source)
-        bundle.extra["max_sequence_length"] = cfg.model.max_sequence_length
+        bundle.extra["max_sequence_length"] = t5_tokens(family, cfg, bundle.denoiser.config)
         bundle.extra["t5_precision"] = cfg.model.t5_precision
         bundle.extra["stream_encoders"] = cfg.memory.stream_encoders  # not in cache keys: same embeddings
         # The VAE runs in the precision asked for whatever the file stores (SDXL's overflows in

@@ -18,7 +18,7 @@ import torch
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
-from vramfit.formats.lora import module_kind, to_diffusers
+from vramfit.formats.lora import lora_ranks, module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
     CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
     save_model_folder, write_text_atomic,
@@ -28,14 +28,17 @@ from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.flow import density_from, flow_inputs, loss_weighting
 from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
-from vramfit.models.flux.kohya import to_kohya_flux
+from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
-from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux
+from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
+from vramfit.models.flux.stored import is_stored_extra, load_widened
+from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux, tiny_transformer_config
+from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, variant, variant_of_keys
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, merge_counts, require_tokenizers, shipped_config, t5_encoder,
+    encoder_file_state, merge_counts, require_tokenizers, t5_encoder,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -45,7 +48,6 @@ T5 = "text_encoders.t5xxl.transformer."
 VAE_SCALE = 0.3611
 VAE_SHIFT = 0.1159
 CLIP_MAX_LENGTH = 77
-DEFAULT_MAX_SEQUENCE_LENGTH = 77
 DEFAULT_GUIDANCE = 1.0  # train.guidance when the config has none
 TINY_SIDE = 8  # the tiny model's native latent side (64 pixels)
 _ARCHITECTURES = {"flux-dev": "flux-1-dev", "flux-schnell": "flux-1-schnell"}
@@ -82,11 +84,14 @@ class FluxFamily:
     kohya_roots = ("double_blocks_", "single_blocks_")
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
-        return materialize_flux(root)
+        return materialize_flux(root, name)
 
     def tiny_denoiser_config(self, name: str) -> dict:
-        """The shipped config, with the native latent side generate asks for (Flux has no sample_size)."""
-        return {**shipped_config("tiny_flux_transformer"), "sample_size": TINY_SIDE}
+        """The tiny model's config, with the native latent side generate asks for (Flux has no
+        sample_size)."""
+        if name not in TINY_NAMES:
+            raise FileNotFoundError(f"no tiny Flux.1 model {name!r}")
+        return {**tiny_transformer_config(name), "sample_size": TINY_SIDE}
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -104,7 +109,7 @@ class FluxFamily:
         tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
         return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
                            encoders, tokenizers, self._scheduler(source),
-                           extra={"max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
+                           extra={"max_sequence_length": default_t5_tokens(transformer.config),
                                   "guidance_embeds": bool(transformer.config.get("guidance_embeds"))})
 
     def _scheduler(self, source: Source):
@@ -131,16 +136,21 @@ class FluxFamily:
         return tokenizers
 
     def caption_tokenizers(self, source: Source, cfg) -> list[Any]:
-        """CLIP-L's (77 tokens), then T5's (model.max_sequence_length) unless model.t5_precision is none."""
+        """CLIP-L's (77 tokens), then T5's (model.max_sequence_length, else the variant's default)
+        unless model.t5_precision is none."""
         if source.kind == "single_file":
-            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in read_header(source.path)[0])
+            keys = read_header(source.path)[0]
+            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in keys)
+            kind = variant_of_keys(keys)
         else:
             t5 = (source.path / "text_encoder_2" / "config.json").is_file()
+            kind = self._variant_of(str(source.path)) or "dev"
         tokenizers = self.load_tokenizers(require_tokenizers(source),
                                           t5=t5 and cfg.model.t5_precision != "none")
         tokenizers[0].model_max_length = CLIP_MAX_LENGTH
         if len(tokenizers) > 1:
-            tokenizers[1].model_max_length = cfg.model.max_sequence_length
+            tokenizers[1].model_max_length = cfg.model.max_sequence_length or \
+                VARIANT_DEFAULTS[kind]["t5_tokens"]
         return tokenizers
 
     def _transformer(self, state: dict, path: Path, prefix: str):
@@ -149,7 +159,8 @@ class FluxFamily:
 
         try:
             config = flux_config_from_keys(meta_tensors({k: v for k, v in read_header(path)[0].items()
-                                                          if k.startswith(prefix)}, prefix))
+                                                          if k.startswith(prefix)
+                                                          and not is_stored_extra(k[len(prefix):])}, prefix))
             state = bfl_to_diffusers(state, config)
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
@@ -163,7 +174,8 @@ class FluxFamily:
         if not self.detect_single_file(set(header)):
             raise CheckpointError(f"{path}: no Flux transformer found (no double_blocks.* keys)")
         prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
-        transformer = self._transformer(load_prefixed(path, prefix), path, prefix)
+        # float8 files (flux1-dev-fp8, ComfyUI's scaled fp8) widened as read (models/flux/stored.py)
+        transformer = self._transformer(load_widened(path, prefix, exclude=(VAE, CLIP_L, T5)), path, prefix)
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
@@ -245,6 +257,10 @@ class FluxFamily:
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
+        # not TrainConfig's default (1.0): a value given; a resolved config.toml lists every key
+        if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":
+            problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding; {cfg.model.path} "
+                            "is schnell-shaped (no guidance_in keys), which takes no guidance: leave it out")
         path = cfg.model.path
         if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
             problems += [f"model.{key}: files of their own apply to single files; a diffusers folder or "
@@ -255,6 +271,20 @@ class FluxFamily:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which Flux.1 needs (VAE factor 8 x 2x2 packing)")
         return problems + resolution_problems(self, cfg)
+
+    @staticmethod
+    def _variant_of(path: str) -> Optional[str]:
+        """The variant of model.path from its name (tiny), header or transformer config, without
+        loading weights; None where that needs a download (a repo id)."""
+        if path.startswith("tiny:"):
+            return variant(tiny_transformer_config(path[5:])) if path[5:] in TINY_NAMES else None
+        where = Path(path).expanduser()
+        if where.is_file() and where.suffix == ".safetensors":
+            return variant_of_keys(read_header(where)[0])
+        try:
+            return variant(json.loads((where / "transformer" / "config.json").read_text()))
+        except (OSError, ValueError, AttributeError):  # not there (yet), or not a config: load says so
+            return None
 
     # ---- encoding ----------------------------------------------------------------------------
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
@@ -268,7 +298,8 @@ class FluxFamily:
 
     @staticmethod
     def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
-        return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
+        return int(requested or bundle.extra.get("max_sequence_length")
+                   or default_t5_tokens(bundle.denoiser.config))
 
     @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -363,8 +394,9 @@ class FluxFamily:
         state = {prefix + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
         if bare:
             pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
-        elif src.kind == "single_file":
-            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+        elif src.kind == "single_file":  # not a scaled-fp8 marker: the transformer is saved widened
+            state.update({k: v for k, v in load_prefixed(src.path, "", exclude=TRANSFORMER).items()
+                          if k != SCALED_FP8_MARKER})
         else:
             vae, encoders = self.load_encoders(src)
             stored = [as_stored(enc, src.path / sub)
@@ -407,11 +439,23 @@ class FluxFamily:
 
     # ---- LoRA files, sampling ------------------------------------------------------------------
     def kohya_names(self, config: Optional[Mapping]) -> None:
-        """None: kohya Flux LoRAs are not read yet (save them in the diffusers layout)."""
+        """None: kohya Flux.1 modules are not renames of the transformer's (read_kohya reads them)."""
         return None
 
+    def read_kohya(self, tensors: Mapping[str, torch.Tensor], config: Optional[Mapping]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A kohya Flux.1 LoRA (lora_unet_double_blocks_..., BFL names) as the transformer's peft keys
+        with each module's alpha / rank folded into lora_B (so alpha = rank): fused modules split
+        into their parts (models/flux/kohya.py), at the width of `config`, else the file's own."""
+        if config is None:
+            config = {"num_attention_heads": 1, "attention_head_dim": kohya_width(tensors)}
+        out = from_kohya_flux(tensors, config)
+        state = {k[len(self.denoiser_component) + 1:]: v for k, v in out.items()}
+        return state, {m: float(r) for m, r in lora_ranks(state).items()}
+
     def lora_target(self, modules: dict[str, dict], kohya: bool) -> str:
-        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"), None)
+        q = next((e["width"] for m, e in modules.items() if module_kind(m, e["ndim"]) == "attn.to_q"
+                  or kohya and m.endswith(("_img_attn_qkv", "_linear1"))), None)
         return "Flux.1 transformer" + (f" ({q} wide)" if q else "")
 
     def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
@@ -437,6 +481,15 @@ class FluxFamily:
                                    scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
                                    text_encoder=encoders[0], tokenizer=tokenizers[0],
                                    text_encoder_2=encoders[1], tokenizer_2=tokenizers[1])
+
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """The variant's: dev 512, schnell 256 (models/flux/variants.py)."""
+        return default_t5_tokens(config)
+
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """{"guidance", "steps", "t5_tokens"} a transformer of `config` samples with unless told
+        otherwise: its variant's (VARIANT_DEFAULTS)."""
+        return dict(VARIANT_DEFAULTS[variant(config)])
 
     def prompt_options(self, t5_tokens: int) -> dict:
         return {"max_sequence_length": t5_tokens}
@@ -480,7 +533,8 @@ class FluxFamily:
                 if files:
                     comps[sub] = merge_counts([count_params(read_header(f)[0], "") for f in files])
             config = json.loads((source.path / "transformer" / "config.json").read_text())
-        return {"family": self.name, "layout": layout_name(config), "num_layers": config["num_layers"],
+        return {"family": self.name, "layout": layout_name(config), "variant": variant(config),
+                "num_layers": config["num_layers"],
                 "num_single_layers": config["num_single_layers"],
                 "width": config["num_attention_heads"] * config["attention_head_dim"],
                 "guidance_embeds": bool(config.get("guidance_embeds")),

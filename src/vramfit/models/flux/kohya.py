@@ -135,3 +135,17 @@ def _modules_of(name: str, plain: dict, inner: int, rows: int):
                 heights[-1] = rows - inner * (len(parts) - 1)
                 return [(f"{src}{i}.{p}", h) for p, h in zip(parts, heights)]
     return None
+
+
+_WIDE_INPUTS = ("_qkv", "_linear1", "_attn_proj", "_mod_lin", "_modulation_lin", "_mlp_0",
+                "final_layer_linear")
+
+
+def kohya_width(kohya_state: Mapping[str, torch.Tensor]) -> int:
+    """The transformer's width (heads x head size) a kohya Flux.1 LoRA was trained for: the inputs
+    of a module that takes the width (attention, modulation, linear1, the MLPs' first layer)."""
+    for key, t in sorted(kohya_state.items()):
+        if key.endswith(".lora_down.weight") and key[:-len(".lora_down.weight")].endswith(_WIDE_INPUTS):
+            return int(t.shape[1])
+    raise ValueError("the kohya Flux.1 LoRA adapts no module whose inputs give the transformer's width "
+                     "(attention, modulation, linear1, MLP); load it with the model's config")

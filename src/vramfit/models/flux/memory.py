@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vramfit.models.adapter import ActivationShape
+from vramfit.models.flux.variants import default_t5_tokens
 
 
 def flux_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int) -> ActivationShape:
@@ -25,11 +26,12 @@ def flux_activations(config: dict, latent_h: int, latent_w: int, t5_tokens: int)
 
 def flux_batch(config: dict, batch: int, side: tuple[int, int], cfg) -> dict[str, torch.Tensor]:
     """The fit probe's batch of `batch` items of `side` (width, height): a cached batch's shapes
-    (16-channel latent distribution, T5 states of model.max_sequence_length tokens, CLIP-L's
-    pooled vector) for the transformer `config`."""
+    (16-channel latent distribution, T5 states of model.max_sequence_length tokens, else the
+    variant's default, CLIP-L's pooled vector) for the transformer `config`."""
     w, h = side
     channels = int(config["in_channels"]) // 4  # packed 2x2
     return {"mean": torch.zeros(batch, channels, h // 8, w // 8),
             "logvar": torch.full((batch, channels, h // 8, w // 8), -10.0),
-            "prompt_embeds": torch.zeros(batch, cfg.model.max_sequence_length, config["joint_attention_dim"]),
+            "prompt_embeds": torch.zeros(batch, cfg.model.max_sequence_length or default_t5_tokens(config),
+                                         config["joint_attention_dim"]),
             "pooled": torch.zeros(batch, config["pooled_projection_dim"])}

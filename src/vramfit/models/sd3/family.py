@@ -160,8 +160,12 @@ class SD3Family:
         for tok in tokenizers[:2]:
             tok.model_max_length = CLIP_MAX_LENGTH
         if len(tokenizers) > 2:
-            tokenizers[2].model_max_length = cfg.model.max_sequence_length
+            tokenizers[2].model_max_length = cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         return tokenizers
+
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """77, as SD3's DreamBooth script (model.max_sequence_length not set)."""
+        return DEFAULT_MAX_SEQUENCE_LENGTH
 
     def _load_single_file(self, path: Path, source: Optional[Source] = None):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
@@ -479,6 +483,10 @@ class SD3Family:
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
             tokenizer_3=tokenizers[2] if has_t5 else None)
+
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """None of its own: generate's defaults (default_guidance, its steps and T5 tokens)."""
+        return {}
 
     def prompt_options(self, t5_tokens: int) -> dict:
         return {"prompt_3": None, "max_sequence_length": t5_tokens}

@@ -29,6 +29,6 @@ def mmdit_batch(config: dict, batch: int, side: tuple[int, int], cfg) -> dict[st
     w, h = side
     return {"mean": torch.zeros(batch, config["in_channels"], h // 8, w // 8),
             "logvar": torch.full((batch, config["in_channels"], h // 8, w // 8), -10.0),
-            "prompt_embeds": torch.zeros(batch, 77 + cfg.model.max_sequence_length,
+            "prompt_embeds": torch.zeros(batch, 77 + (cfg.model.max_sequence_length or 77),  # SD3's default
                                          config["joint_attention_dim"]),
             "pooled": torch.zeros(batch, config["pooled_projection_dim"])}

@@ -121,6 +121,10 @@ class SDXLFamily:
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding, not to {self.name}")
         return problems + resolution_problems(self, cfg)
 
+    def default_t5_tokens(self, config: Mapping) -> int:
+        """0: the SDXL family has no T5 encoder (has_t5 is False)."""
+        return 0
+
     def prepare_encoders(self, bundle: ModelBundle) -> None:
         """Nothing to do: SDXL's CLIP encoders are small enough to run as stored."""
 
@@ -351,6 +355,10 @@ class SDXLFamily:
             vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=tokenizers[0],
             tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
             force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+    def sampling_defaults(self, config: Mapping) -> dict:
+        """None of its own: generate's defaults (default_guidance, its steps and T5 tokens)."""
+        return {}
 
     def prompt_options(self, t5_tokens: int) -> dict:
         return {}

@@ -1,0 +1,89 @@
+"""Flux.1 transformer tensors read from a file, float8-stored ones widened as they are read.
+
+flux1-dev-fp8 files store the transformer in float8_e4m3fn: the stored number is the value.
+ComfyUI's "scaled fp8" files store each linear weight as weight / scale in float8 with its scale
+beside it: ``<module>.scale_weight`` (older files, marked by a ``scaled_fp8`` key, with
+``scale_input`` beside it) or ``<module>.weight_scale`` (newer ones, with ``input_scale`` and a
+``comfy_quant`` tensor holding the layer's format as JSON). Both are widened to bfloat16 one tensor
+at a time (the value times its scale for scaled weights; e4m3 values are exact in bfloat16), so
+the fp8 file is never in memory beside its widened copy. Input scales serve fp8 matmuls, which
+training does not use: they are dropped. Other quantized formats (nvfp4, int8 with scales) are
+refused naming the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+
+from vramfit.formats.safetensors_io import CheckpointError
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+WIDENED = torch.bfloat16
+WEIGHT_SCALES = (".scale_weight", ".weight_scale")
+INPUT_SCALES = (".scale_input", ".input_scale")
+MARKER = "scaled_fp8"  # an empty tensor older ComfyUI files carry to say their weights are scaled
+QUANT_CONF = ".comfy_quant"
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _quant_format(tensor: torch.Tensor) -> Optional[str]:
+    try:
+        return json.loads(bytes(tensor.to(torch.uint8).tolist()).decode("utf-8")).get("format")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+
+
+def load_widened(path: Path, prefix: str, exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` (and not under `exclude`), prefix stripped, float8 ones widened
+    to bfloat16 (times their scale where the file stores one); scale and marker tensors dropped."""
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        keys = [k for k in fh.keys() if k.startswith(prefix) and not (exclude and k.startswith(exclude))]
+        names = {k[len(prefix):] for k in keys}
+        for key in keys:
+            name = key[len(prefix):]
+            if name == MARKER or name.endswith(INPUT_SCALES) or name.endswith(WEIGHT_SCALES):
+                continue
+            if name.endswith(QUANT_CONF):
+                fmt = _quant_format(fh.get_tensor(key))
+                if fmt not in FP8_FORMATS:
+                    raise CheckpointError(
+                        f"{path}: tensor {key[:-len(QUANT_CONF)]}.weight is stored as "
+                        f"{fmt or 'an unknown format'}, a quantized format this version does not read "
+                        "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
+                continue
+            t = fh.get_tensor(key)
+            module = name[:-len(".weight")] if name.endswith(".weight") else None
+            scale_name = next((module + s for s in WEIGHT_SCALES if module and module + s in names), None)
+            if scale_name is not None:
+                if t.dtype not in FP8:
+                    raise CheckpointError(
+                        f"{path}: tensor {key} is stored as {str(t.dtype).removeprefix('torch.')} with a "
+                        f"scale ({prefix}{scale_name}), a quantized format this version does not read "
+                        "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
+                t = _scaled(t, fh.get_tensor(prefix + scale_name), path, key)
+            elif t.dtype in FP8:
+                t = t.to(WIDENED)
+            out[name] = t
+    return out
+
+
+def _scaled(weight: torch.Tensor, scale: torch.Tensor, path: Path, key: str) -> torch.Tensor:
+    """weight * scale in float32, as bfloat16: one scale for the tensor, or one per output row."""
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:
+        return (weight.to(torch.float32) * scale.reshape(())).to(WIDENED)
+    if scale.numel() == weight.shape[0]:
+        return (weight.to(torch.float32) * scale.reshape(-1, *[1] * (weight.ndim - 1))).to(WIDENED)
+    raise CheckpointError(f"{path}: tensor {key} has a scale of shape {list(scale.shape)}, neither one "
+                          f"value nor one per row of its {list(weight.shape)}; the file is damaged or "
+                          "in a quantized layout this version does not read")
+
+
+def is_stored_extra(name: str) -> bool:
+    """Whether a key (prefix stripped) is one of the scale or marker tensors `load_widened` drops."""
+    return name == MARKER or name.endswith((*WEIGHT_SCALES, *INPUT_SCALES, QUANT_CONF))

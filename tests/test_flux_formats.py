@@ -1,0 +1,270 @@
+"""Flux.1 files as they are released and shared: float8-stored transformers (flux1-dev-fp8, ComfyUI's
+scaled fp8), a t5xxl fp8 file as model.t5, kohya LoRAs read and inspected, the schnell variant, and
+the planner at full size. Every file is built from the tiny model."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config.schema import ModelConfig, RunConfig
+from vramfit.fit.model_facts import T5_XXL, read_facts
+from vramfit.fit.planner import predict
+from vramfit.formats.clip import to_sgm_clip_keys
+from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
+from vramfit.formats.lora import load_lora
+from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.models.adapter import t5_tokens
+from vramfit.models.flux.bfl import diffusers_to_bfl
+from vramfit.models.parts import shipped_config
+from vramfit.models.registry import FAMILIES, detect_family
+from vramfit.models.sources import resolve_source
+
+CORE = "model.diffusion_model."
+T5 = "text_encoders.t5xxl.transformer."
+LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m")
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux-formats")
+    source = resolve_source(ModelConfig(path="tiny:flux"), root)
+    return source.path
+
+
+def _load(path, cache, **model):
+    source = resolve_source(ModelConfig(path=str(path), tokenizers=str(path.parent), **model), cache)
+    return detect_family(source).load(source)
+
+
+def _copy_tokenizers(src, folder):
+    for tok in ("tokenizer", "tokenizer_2"):
+        shutil.copytree(src.parent / tok, folder / tok)
+
+
+def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
+    """A transformer stored float8_e4m3fn loads as its values widened to bf16; a scaled-fp8 file
+    (ComfyUI's scale_weight and weight_scale keys) as weight * scale; a layer in a quantized format
+    this version does not read is refused naming the file and the tensor."""
+    state = load_file(str(tiny_file))
+    plain = {k: v.to(torch.float8_e4m3fn) if k.startswith(CORE) else v for k, v in state.items()}
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _copy_tokenizers(tiny_file, folder)
+    save_file(plain, str(folder / "fp8.safetensors"))
+    base = _load(tiny_file, tmp_path / "c").denoiser.state_dict()
+    loaded = _load(folder / "fp8.safetensors", tmp_path / "c").denoiser.state_dict()
+    assert all(t.dtype == torch.bfloat16 for t in loaded.values())
+    assert all(torch.equal(loaded[k], base[k].to(torch.float8_e4m3fn).to(torch.bfloat16)) for k in base)
+
+    scaled, want = dict(state), {}
+    for i, (key, w) in enumerate(sorted((k, v) for k, v in state.items()
+                                        if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2)):
+        scale = w.abs().amax() / 448 * (1.5 if i % 2 else 1.0)
+        q = (w / scale).to(torch.float8_e4m3fn)
+        scaled[key] = q
+        name = "scale_weight" if i % 2 else "weight_scale"
+        scaled[key[:-len("weight")] + name] = scale.reshape(())
+        scaled[key[:-len("weight")] + ("scale_input" if i % 2 else "input_scale")] = torch.ones(())
+        want[key[len(CORE):]] = (q.float() * scale).to(torch.bfloat16)
+    scaled[CORE + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(scaled, str(folder / "scaled.safetensors"))
+    bundle = _load(folder / "scaled.safetensors", tmp_path / "c")
+    bfl = FAMILIES["flux"].transformer_bfl_state(bundle, torch.bfloat16)
+    assert want and all(torch.equal(bfl[k], v) for k, v in want.items())
+    # the scales matter: without them the weights are hundreds of times smaller
+    assert any(not torch.equal(bfl[k], scaled[CORE + k].to(torch.bfloat16)) for k in want)
+
+    key = sorted(want)[0]
+    nvfp4 = dict(scaled)
+    nvfp4[CORE + key[:-len("weight")] + "comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'),
+                                                                       dtype=torch.uint8)
+    save_file(nvfp4, str(folder / "nvfp4.safetensors"))
+    with pytest.raises(CheckpointError, match=r"nvfp4\.safetensors: tensor .*weight is stored as nvfp4"):
+        _load(folder / "nvfp4.safetensors", tmp_path / "c")
+    int8 = dict(scaled)
+    int8[CORE + key] = scaled[CORE + key].float().to(torch.int8)
+    save_file(int8, str(folder / "int8.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"int8\.safetensors: tensor {CORE}{key} is stored as int8 "
+                                              "with a scale"):
+        _load(folder / "int8.safetensors", tmp_path / "c")
+    odd = dict(scaled)
+    for name in ("scale_weight", "weight_scale"):
+        if CORE + key[:-len("weight")] + name in odd:
+            odd[CORE + key[:-len("weight")] + name] = torch.ones(3, 5)
+    save_file(odd, str(folder / "odd.safetensors"))
+    with pytest.raises(CheckpointError, match=r"odd\.safetensors: tensor .* has a scale of shape \[3, 5\]"):
+        _load(folder / "odd.safetensors", tmp_path / "c")
+
+
+def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):
+    """ComfyUI's t5xxl_fp8_e4m3fn.safetensors given as model.t5 beside a file without T5: T5's
+    weights are its float8 values widened, and captions encode with it."""
+    state = load_file(str(tiny_file))
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _copy_tokenizers(tiny_file, folder)
+    save_file({k: v for k, v in state.items() if not k.startswith(T5)}, str(folder / "no-t5.safetensors"))
+    save_file({k[len(T5):]: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+               for k, v in state.items() if k.startswith(T5)}, str(folder / "t5xxl_fp8_e4m3fn.safetensors"))
+    t5_file = folder / "t5xxl_fp8_e4m3fn.safetensors"
+    bundle = _load(folder / "no-t5.safetensors", tmp_path / "c", t5=str(t5_file))
+    assert len(bundle.text_encoders) == 2
+    t5 = bundle.text_encoders[1].state_dict()
+    assert torch.equal(t5["encoder.block.0.layer.0.SelfAttention.q.weight"],
+                       state[T5 + "encoder.block.0.layer.0.SelfAttention.q.weight"].to(torch.float8_e4m3fn)
+                       .to(torch.bfloat16))
+    bundle.text_encoders[1].float()
+    out = FAMILIES["flux"].encode_text(bundle, ["a red circle"], torch.device("cpu"), torch.float32)
+    assert out["prompt_embeds"].abs().sum() > 0
+
+
+def test_kohya_flux_lora_is_read_inspected_and_rendered_as_the_peft_file(images, tmp_path, cache_root,
+                                                                         capsys):
+    """A trained tiny Flux LoRA's kohya export (BFL names, fused qkv and linear1) reads back through
+    load_lora as the same update of every transformer module as its diffusers/PEFT file, `vramfit
+    inspect` says what each is (format, rank, Flux.1 at its width), and `vramfit generate --lora`
+    renders the same image from either."""
+    out = tmp_path / "run"
+    cache = cache_root / "flux-kohya"
+    assert main(train_args(images, out, cache, *LORA, "lora.targets=['all_linear']", model="tiny:flux")) == 0
+    peft, kohya = out / "m.safetensors", out / "m-kohya.safetensors"
+    assert any(k.startswith("lora_unet_single_blocks_") for k in load_file(str(kohya)))
+    capsys.readouterr()
+
+    said = {}
+    for path in (peft, kohya):
+        assert main(["inspect", str(path), "--json"]) == 0
+        said[path] = json.loads(capsys.readouterr().out)
+    assert said[kohya]["format"] == "kohya" and said[peft]["format"] == "diffusers"
+    assert all(s["for"] == "Flux.1 transformer (64 wide)" for s in said.values())
+    # a fused module's rank is its parts' together: qkv 3 x 4, linear1 (q, k, v, MLP) 4 x 4
+    assert said[peft]["rank"] == 4 and said[kohya]["rank"] == [4, 12, 16]
+
+    def deltas(path):
+        loaded = load_lora(path, FAMILIES.values())
+        assert loaded.family == "flux"
+        state = loaded.state
+        return {k[:-len(".lora_A.weight")]: state[k.replace("lora_A", "lora_B")] @ state[k]
+                * loaded.alphas[k[:-len(".lora_A.weight")]] / state[k].shape[0]
+                for k in state if k.endswith(".lora_A.weight")}
+
+    want, got = deltas(peft), deltas(kohya)
+    assert set(got) == set(want) and any("single_transformer_blocks" in m for m in want)
+    assert any(want[m].abs().max() > 0 for m in want)
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, rtol=1e-4, atol=1e-7, msg=module)
+
+    pics = {}
+    for path in (peft, kohya):
+        folder = tmp_path / f"pics-{path.stem}"
+        assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
+                     "--lora", str(path), "--out", str(folder), "--cache-dir", str(cache)]) == 0
+        (png,) = folder.glob("*.png")
+        pics[path] = np.asarray(Image.open(png), dtype=np.int16)
+    plain = tmp_path / "pics-plain"
+    assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--steps", "2",
+                 "--out", str(plain), "--cache-dir", str(cache)]) == 0
+    base = np.asarray(Image.open(next(plain.glob("*.png"))), dtype=np.int16)
+    assert np.abs(pics[peft] - base).max() > 0  # the LoRA changes the image
+    assert np.abs(pics[kohya] - pics[peft]).max() <= 1
+
+
+_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def _header_only_file(path, parts: dict) -> None:
+    """A safetensors file with every key and shape of `parts` ({prefix: (dtype, state)}) whose data
+    is a hole (a sparse file): what the planner reads of a released checkpoint."""
+    header, offset = {}, 0
+    for prefix, (dtype, state) in parts.items():
+        for key, t in state.items():
+            n = math.prod(t.shape) * _BYTES[dtype]
+            header[prefix + key] = {"dtype": dtype, "shape": list(t.shape),
+                                    "data_offsets": [offset, offset + n]}
+            offset += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        fh.truncate(8 + len(blob) + offset)
+
+
+def test_full_size_flux_dev_plan_weighs_its_parameters(tmp_path):
+    """A Flux.1 dev all-in-one file at its released size (built on meta, written header-only as
+    ComfyUI's flux1-dev-fp8 holds it: the transformer in float8, the T5 in float8) is planned
+    from its headers: the transformer's 11.9 B parameters are the train phase's weights (2 bytes
+    each under a bf16 LoRA base, about 1 under int8, a few blocks when streamed)."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    dev = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+               num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+               guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**dev)
+        vae = AutoencoderKL(**{**shipped_config("tiny_flux_vae"), "block_out_channels": [128, 256, 512, 512],
+                               "layers_per_block": 2, "norm_num_groups": 32})
+        clip = CLIPTextModel(CLIPTextConfig(**shipped_config("clip_l")))
+        t5 = T5EncoderModel(T5Config(**T5_XXL))
+    params = sum(p.numel() for p in transformer.parameters())
+    assert params == pytest.approx(11.9e9, rel=0.01)
+    path = tmp_path / "flux1-dev-fp8.safetensors"
+    _header_only_file(path, {CORE: ("F8_E4M3", diffusers_to_bfl(transformer.state_dict())),
+                             "first_stage_model.": ("BF16", diffusers_to_ldm_vae(vae.state_dict())),
+                             "text_encoders.clip_l.transformer.": ("F16",
+                                                                   to_sgm_clip_keys(clip.state_dict())),
+                             T5: ("F8_E4M3", t5.state_dict())})
+    base = {"model": {"path": str(path)}, "data": {"resolution": 1024, "max_aspect": 1.0}}
+    facts = read_facts(RunConfig.model_validate(base), tmp_path / "cache")
+    assert facts.family == "flux" and facts.config["guidance_embeds"] is True
+    assert sum(p.numel() for p in facts.denoiser.parameters()) == params
+
+    def train(**sections):
+        cfg = RunConfig.model_validate({**base, **sections})
+        return next(p for p in predict(facts, cfg).phases if p.name == "train").parts
+
+    GIB = 2**30
+    lora = {"mode": "lora", "optimizer": "adamw"}
+    bf16 = train(train=lora)
+    assert bf16["weights"] / GIB == pytest.approx(params * 2 / GIB, rel=0.02)  # ~22.2 GiB
+    int8 = train(train=lora, lora={"base_quantization": "int8"})
+    assert int8["weights"] / GIB == pytest.approx(params / GIB, rel=0.05)  # ~11.1 GiB
+    streamed = train(train=lora, memory={"stream_weights": True})
+    assert streamed["weights"] < bf16["weights"] / 10
+    assert 0 < bf16["saved"] < 24 * GIB  # the 1024 activations, checkpointed: a few GiB
+    # dev's 512 T5 tokens (model.max_sequence_length unset) beside the 4096 image tokens, not 77
+    short = train(train=lora, model={"path": str(path), "max_sequence_length": 77})
+    assert bf16["saved"] / short["saved"] == pytest.approx((4096 + 512) / (4096 + 77), rel=0.01)
+
+
+def test_t5_tokens_default_per_family_and_variant(tmp_path):
+    """model.max_sequence_length unset: captions get the model's own T5 length (Flux.1 dev 512,
+    schnell 256, SD3 77, as before), in the tokenizers training encodes with, the loaded bundle and
+    the planner's activations; set, it is used for every family."""
+    def cfg(path, **model):
+        return RunConfig.model_validate({"model": {"path": path, **model}, "data": {"resolution": 64}})
+
+    for path, family, want in (("tiny:flux", "flux", 512), ("tiny:flux-schnell", "flux", 256),
+                               ("tiny:sd3", "sd3", 77)):
+        source = resolve_source(ModelConfig(path=path), tmp_path)
+        tokenizers = FAMILIES[family].caption_tokenizers(source, cfg(path))
+        assert tokenizers[-1].model_max_length == want, path
+        assert FAMILIES[family].caption_tokenizers(source, cfg(path, max_sequence_length=40))[-1] \
+            .model_max_length == 40
+        facts = read_facts(cfg(path), tmp_path)
+        assert t5_tokens(FAMILIES[family], cfg(path), facts.config) == want
+        if family == "flux":
+            assert detect_family(source).load(source).extra["max_sequence_length"] == want
+            hidden = [next(p for p in predict(facts, c).phases if p.name == "cache_text")
+                      .parts["hidden states"] for c in (cfg(path), cfg(path, max_sequence_length=want // 2))]
+            assert hidden[0] == 2 * hidden[1]
