@@ -203,3 +203,31 @@ def test_stability_encoder_files_are_needed_and_named(tmp_path, cache_root, caps
     err = capsys.readouterr().err
     assert f"put Stability's clip_l.safetensors at {lone.parent / 'text_encoders' / 'clip_l.safetensors'}" in err
     assert "model.clip_l" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_size_sd35_layouts_are_read_from_keys_on_meta(layout):
+    """The released SD3.5 Medium and Large transformers, built on the meta device and written
+    with SAI keys, have the keys diffusers tells the releases apart by, and are read back as
+    their config and named as their layout."""
+    from diffusers import SD3Transformer2DModel
+
+    from vramfit.models.sd3.family import release_transformer_config
+    from vramfit.models.sd3.mmdit import diffusers_to_sai_mmdit, sai_to_diffusers_mmdit
+
+    config = release_transformer_config(layout)
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**config)
+    sai = diffusers_to_sai_mmdit(model.state_dict())
+    if layout == "sd3.5-medium":  # diffusers: SD3's adaLN width, a 384 x 384 position grid
+        assert sai["joint_blocks.0.context_block.adaLN_modulation.1.bias"].shape == (9216,)
+        assert sai["pos_embed"].shape == (1, 147456, 1536)
+        assert {k.split(".")[1] for k in sai if ".attn2." in k} == {str(i) for i in range(13)}
+    else:  # diffusers: a 38th block
+        assert "joint_blocks.37.x_block.mlp.fc1.weight" in sai and sai["context_embedder.weight"].shape[0] == 2432
+        assert not any(".attn2." in k for k in sai)
+    assert all(f"joint_blocks.{i}.x_block.attn.ln_q.weight" in sai for i in range(config["num_layers"]))
+    read = sd3_config_from_keys({"model.diffusion_model." + k: v for k, v in sai.items()})
+    assert read == {**config, "dual_attention_layers": tuple(config["dual_attention_layers"])}
+    assert layout_name(read) == layout
+    assert set(sai_to_diffusers_mmdit(sai)) == set(model.state_dict())

@@ -36,7 +36,7 @@ from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Sou
 from vramfit.models.objectives import sample_latent, weighted_mse
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, t5_encoder,
+    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -86,6 +86,13 @@ _LAYOUTS = {
 # The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
 # configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
 SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
+# The released SD3.5 transformers: SD3 Medium's shipped config with these changes (as diffusers'
+# configs of stabilityai/stable-diffusion-3.5-medium and -large have them)
+SD35_RELEASES = {
+    "sd3.5-medium": {"pos_embed_max_size": 384, "qk_norm": "rms_norm", "dual_attention_layers": list(range(13))},
+    "sd3.5-large": {"num_layers": 38, "num_attention_heads": 38, "caption_projection_dim": 2432,
+                    "qk_norm": "rms_norm", "dual_attention_layers": []},
+}
 _WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}  # of LoRA files
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
@@ -105,6 +112,12 @@ def layout_name(config: dict) -> str:
     if not dual:
         return "sd3.5-large"
     return "sd3.5-medium" if dual == tuple(range(len(dual))) else "sd3-custom"
+
+
+def release_transformer_config(layout: str) -> dict:
+    """The SD3Transformer2DModel config of a released SD3.5 layout (bench and tests build it)."""
+    return {**shipped_config("sd3_medium_transformer"), "qk_norm": None, "dual_attention_layers": [],
+            **SD35_RELEASES[layout]}
 
 
 def skip_layer_defaults(layout: str, num_layers: int) -> dict:
