@@ -89,7 +89,8 @@ SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l"
 # The released SD3.5 transformers: SD3 Medium's shipped config with these changes (as diffusers'
 # configs of stabilityai/stable-diffusion-3.5-medium and -large have them)
 SD35_RELEASES = {
-    "sd3.5-medium": {"pos_embed_max_size": 384, "qk_norm": "rms_norm", "dual_attention_layers": list(range(13))},
+    "sd3.5-medium": {"pos_embed_max_size": 384, "qk_norm": "rms_norm",
+                     "dual_attention_layers": list(range(13))},
     "sd3.5-large": {"num_layers": 38, "num_attention_heads": 38, "caption_projection_dim": 2432,
                     "qk_norm": "rms_norm", "dual_attention_layers": []},
 }
