@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from conftest import SIZE, train_args
 from vramfit.cli import main
 from vramfit.data.synth import make_synthetic_dataset
+from vramfit.formats.safetensors_io import CheckpointError, read_header, save_atomic
 from vramfit.models.adapter import Source
 from vramfit.models.registry import FAMILIES
 from vramfit.models.sd3.family import ENCODER_FILES_META, layout_name
@@ -237,3 +238,22 @@ def test_full_size_sd35_layouts_are_read_from_keys_on_meta(layout):
     assert read == {**config, "dual_attention_layers": tuple(config["dual_attention_layers"])}
     assert layout_name(read) == layout
     assert set(sai_to_diffusers_mmdit(sai)) == set(model.state_dict())
+
+
+def test_a_saved_file_whose_encoder_files_are_gone_names_them(runs, tmp_path, cache_root):
+    """A file saved from an SD3.5 source names the encoder files it was trained with; where one
+    has gone since, loading it says which, and what to give instead."""
+    out = runs["sd3.5-large", "full"]
+    saved = tmp_path / "m.safetensors"
+    meta = read_header(out / "m.safetensors")[1]
+    named = json.loads(meta[ENCODER_FILES_META])
+    gone = tmp_path / "clip_l.safetensors"
+    shutil.copy(named["clip_l"], gone)
+    state = load_file(str(out / "m.safetensors"))
+    save_atomic(state, saved, {**meta, ENCODER_FILES_META: json.dumps({**named, "clip_l": str(gone)})})
+    assert SD3.load(Source("single_file", saved, tokenizers=out)).layout == "sd3.5-large"  # found there
+    gone.unlink()
+    with pytest.raises(CheckpointError) as exc:
+        SD3.load(Source("single_file", saved, tokenizers=out))
+    assert f"it was saved with {gone}, which is not there any more" in str(exc.value)
+    assert "model.clip_l" in str(exc.value)

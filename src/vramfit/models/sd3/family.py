@@ -273,10 +273,12 @@ class SD3Family:
                                    (CLIP_G, "CLIP-G text encoder", "clip_g")):
             if not files.get(part) and not any(k.startswith(prefix) for k in header):
                 where = path.parent / ENCODER_FOLDER / RELEASE_ENCODER_FILES[part][0] if part else None
-                hint = (f"put Stability's {where.name} at {where}, or give it as a file of its own with "
-                        f"model.{part}, or use ") if part else "use "
+                named = json.loads(read_header(path)[1].get(ENCODER_FILES_META) or "{}").get(part)
+                gone = f" (it was saved with {named}, which is not there any more)" if named else ""
+                hint = (f"{gone}; put Stability's {where.name} at {where}, or give it as a file of its own "
+                        f"with model.{part}, or use ") if part else "; use "
                 raise CheckpointError(
-                    f"{path}: the file has no {what} ({prefix}* keys); {hint}an SD3 file with the "
+                    f"{path}: the file has no {what} ({prefix}* keys){hint}an SD3 file with the "
                     "text encoders (e.g. sd3_medium_incl_clips.safetensors) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
