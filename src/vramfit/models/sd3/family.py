@@ -1,6 +1,10 @@
-"""The Stable Diffusion 3 family: SD3 Medium and SD3.5-shaped MMDiTs (qk-norm, dual attention).
+"""The Stable Diffusion 3 family: SD3 Medium, SD3.5 Medium and SD3.5 Large.
 
-The transformer layout is read from the checkpoint's keys (models/sd3/mmdit.py). Text
+The transformer layout is read from the checkpoint's keys (models/sd3/mmdit.py): SD3.5's RMS
+q/k norms, and SD3.5 Medium's second image attention in its first blocks, name the layout at any
+size (`layout_name`). Stability ships SD3.5 as the MMDiT and VAE in one file, with the text
+encoders in files of their own in text_encoders/ beside it; they are found there (`encoder_files`)
+unless model.clip_l / clip_g / t5 name them. Text
 conditioning is SD3's: the penultimate hidden states of CLIP-L and CLIP-G concatenated (2048 wide
 at full size), zero-padded to the joint attention width and followed on the sequence axis by T5's
 output; the pooled vector is both CLIPs' projected pooled outputs side by side. CLIP-L has no
@@ -11,6 +15,7 @@ Training is rectified flow (models/sd3/flow.py) on SD3's shift-3 sigma table.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -41,7 +46,10 @@ from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
 from vramfit.models.sd3.mmdit import (
     diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
 )
-from vramfit.models.sd3.tiny import TINY_NAMES, materialize_sd3
+from vramfit.models.sd3.tiny import (
+    CLIP_G_FILE, CLIP_L_FILE, ENCODER_FOLDER, T5_FILE, TINY_NAMES, materialize_sd3, materialize_sd35,
+    tiny_transformer_config,
+)
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -53,6 +61,21 @@ VAE_SCALE = 1.5305
 VAE_SHIFT = 0.0609
 CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 77  # diffusers' SD3 training script; its pipeline uses 256
+# Stability's text encoder files of a release, in text_encoders/ beside the model file, by part
+# (T5: the fp16 file where both are there, else the fp8 one)
+RELEASE_ENCODER_FILES = {"clip_l": (CLIP_L_FILE,), "clip_g": (CLIP_G_FILE,),
+                         "t5": (T5_FILE, "t5xxl_fp8_e4m3fn.safetensors")}
+ENCODER_PREFIXES = {"clip_l": CLIP_L, "clip_g": CLIP_G, "t5": T5}
+# the single-file metadata naming the encoder files a saved file was trained with, where it holds none
+ENCODER_FILES_META = "vramfit.text_encoders"
+# Sampling defaults of a layout, passed to StableDiffusion3Pipeline where a call leaves them out:
+# SD3.5 Medium's skip-layer guidance as Stability's reference sampler runs it (layers 7-9 left
+# out of a third prediction, at scale 2.5, over the first 1-20% of the steps; it applies only
+# with classifier-free guidance, guidance > 1)
+LAYOUT_SAMPLING = {"sd3.5-medium": {"skip_guidance_layers": [7, 8, 9], "skip_layer_guidance_scale": 2.5,
+                                    "skip_layer_guidance_start": 0.01, "skip_layer_guidance_stop": 0.2}}
+
+log = logging.getLogger(__name__)
 
 # (layers, width, qk_norm, dual attention layers) of the released models -> layout name
 _LAYOUTS = {
@@ -63,15 +86,47 @@ _LAYOUTS = {
 # The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
 # configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
 SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
+# The released SD3.5 transformers: SD3 Medium's shipped config with these changes (as diffusers'
+# configs of stabilityai/stable-diffusion-3.5-medium and -large have them)
+SD35_RELEASES = {
+    "sd3.5-medium": {"pos_embed_max_size": 384, "qk_norm": "rms_norm",
+                     "dual_attention_layers": list(range(13))},
+    "sd3.5-large": {"num_layers": 38, "num_attention_heads": 38, "caption_projection_dim": 2432,
+                    "qk_norm": "rms_norm", "dual_attention_layers": []},
+}
 _WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}  # of LoRA files
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
 
 
 def layout_name(config: dict) -> str:
-    key = (config["num_layers"], config["caption_projection_dim"], config.get("qk_norm"),
-           tuple(config.get("dual_attention_layers") or ()))
-    return _LAYOUTS.get(key, "sd3-custom")
+    """The released layout a transformer config has: SD3 Medium by its exact shape; SD3.5 by its
+    structure at any size (RMS q/k norms, with the second image attention in the first blocks:
+    SD3.5 Medium; without it: SD3.5 Large), so a smaller model of the same class is named as its
+    release; anything else "sd3-custom"."""
+    dual = tuple(config.get("dual_attention_layers") or ())
+    key = (config["num_layers"], config["caption_projection_dim"], config.get("qk_norm"), dual)
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    if config.get("qk_norm") != "rms_norm":
+        return "sd3-custom"
+    if not dual:
+        return "sd3.5-large"
+    return "sd3.5-medium" if dual == tuple(range(len(dual))) else "sd3-custom"
+
+
+def release_transformer_config(layout: str) -> dict:
+    """The SD3Transformer2DModel config of a released SD3.5 layout (bench and tests build it)."""
+    return {**shipped_config("sd3_medium_transformer"), "qk_norm": None, "dual_attention_layers": [],
+            **SD35_RELEASES[layout]}
+
+
+def skip_layer_defaults(layout: str, num_layers: int) -> dict:
+    """The skip-layer guidance a layout samples with by default ({} for none), for the layers the
+    model has (a smaller model of the class may have fewer)."""
+    options = dict(LAYOUT_SAMPLING.get(layout, {}))
+    layers = [i for i in options.get("skip_guidance_layers", []) if i < num_layers]
+    return {**options, "skip_guidance_layers": layers} if layers else {}
 
 
 class SD3Family:
@@ -99,11 +154,14 @@ class SD3Family:
     kohya_roots = ("joint_blocks_",)  # SAI names; kohya SD3 files are not read (kohya_names)
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
-        """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
-        return materialize_sd3(root)
+        """The single file of tiny:`name` under `root`, written with its tokenizers (and, for the
+        SD3.5 layouts, its text_encoders/ files) if needed."""
+        return materialize_sd3(root) if name == "sd3" else materialize_sd35(name, root)
 
     def tiny_denoiser_config(self, name: str) -> dict:
-        return shipped_config("tiny_sd3_transformer")
+        if name not in TINY_NAMES:
+            raise FileNotFoundError(f"no tiny SD3 model {name!r} (tiny models: {', '.join(TINY_NAMES)})")
+        return tiny_transformer_config(name)
 
     # ---- detection ---------------------------------------------------------------------------
     def detect_single_file(self, keys: set[str]) -> bool:
@@ -152,7 +210,8 @@ class SD3Family:
         """The CLIP tokenizers (77 tokens each), then T5's (model.max_sequence_length tokens) where the
         source has a T5 encoder and model.t5_precision is not "none"; no weight is read."""
         if source.kind == "single_file":
-            t5 = bool(source.encoder_file("t5")) or any(k.startswith(T5) for k in read_header(source.path)[0])
+            header, meta = read_header(source.path)
+            t5 = "t5" in self.encoder_files(source, header, meta) or any(k.startswith(T5) for k in header)
         else:
             t5 = (source.path / "text_encoder_3" / "config.json").is_file()
         t5 = t5 and cfg.model.t5_precision != "none"
@@ -182,19 +241,49 @@ class SD3Family:
         vae, encoders = self._single_file_encoders(path, header, source)
         return transformer, vae, encoders
 
+    def encoder_files(self, source: Source, header: dict, meta: Optional[dict] = None) -> dict[str, Path]:
+        """{part: file} of the text encoders a single file is used with, for "clip_l", "clip_g" and
+        "t5": the file model.<part> names; else, for a part the single file does not hold, the file
+        of Stability's release layout in text_encoders/ beside it (clip_l.safetensors,
+        clip_g.safetensors, t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn.safetensors); else the one
+        its metadata names (a file vramfit saved from such a source), where that file is there."""
+        named = json.loads((meta or {}).get(ENCODER_FILES_META) or "{}")
+        files = {}
+        for part, prefix in ENCODER_PREFIXES.items():
+            own = source.encoder_file(part)
+            if own or any(k.startswith(prefix) for k in header):
+                if own:
+                    files[part] = own
+                continue
+            found = [source.path.parent / ENCODER_FOLDER / name for name in RELEASE_ENCODER_FILES[part]]
+            found = [f for f in found if f.is_file()]
+            if not found and named.get(part) and Path(named[part]).is_file():
+                found = [Path(named[part])]
+            if found:
+                files[part] = found[0]
+        return files
+
     def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None):
-        """VAE from the file; each text encoder from its own file when one is given
-        (model.clip_l / clip_g / t5), else from the single file."""
+        """VAE from the file; each text encoder from its own file (`encoder_files`), else from the
+        single file."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
-        files = {part: source.encoder_file(part) for part in ("clip_l", "clip_g", "t5")} if source else {}
+        files = self.encoder_files(source, header, read_header(path)[1]) if source else {}
+        found = {part: f for part, f in files.items() if f != (source.encoder_file(part) if source else None)}
+        if found:
+            log.info("text encoders of %s from files of their own: %s", path.name,
+                     ", ".join(f"{part} {f}" for part, f in found.items()))
         for prefix, what, part in ((VAE, "VAE", None), (CLIP_L, "CLIP-L text encoder", "clip_l"),
                                    (CLIP_G, "CLIP-G text encoder", "clip_g")):
             if not files.get(part) and not any(k.startswith(prefix) for k in header):
-                hint = f"give it as a file of its own with model.{part}, or use " if part else "use "
+                where = path.parent / ENCODER_FOLDER / RELEASE_ENCODER_FILES[part][0] if part else None
+                named = json.loads(read_header(path)[1].get(ENCODER_FILES_META) or "{}").get(part)
+                gone = f" (it was saved with {named}, which is not there any more)" if named else ""
+                hint = (f"{gone}; put Stability's {where.name} at {where}, or give it as a file of its own "
+                        f"with model.{part}, or use ") if part else "; use "
                 raise CheckpointError(
-                    f"{path}: the file has no {what} ({prefix}* keys); {hint}an SD3 file with the "
+                    f"{path}: the file has no {what} ({prefix}* keys){hint}an SD3 file with the "
                     "text encoders (e.g. sd3_medium_incl_clips.safetensors) or a diffusers folder")
         vae_cfg = ldm_vae.vae_config_from_ldm(meta_tensors(header, VAE), scaling_factor=VAE_SCALE,
                                               shift_factor=VAE_SHIFT)
@@ -402,9 +491,15 @@ class SD3Family:
         """Transformer converted back to SAI keys; VAE and text encoders carried over from the source."""
         state = self.transformer_sai_state(bundle, dtype)
         src = bundle.source
+        meta = dict(metadata)
         if src.kind == "single_file":
-            # Everything that is not the transformer is copied byte for byte (T5 stays in fp8).
+            # Everything that is not the transformer is copied byte for byte (T5 stays in fp8); text
+            # encoders in files of their own stay there, named in the metadata for loading it again
             state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+            header, src_meta = read_header(src.path)
+            files = self.encoder_files(src, header, src_meta)
+            if files:
+                meta[ENCODER_FILES_META] = json.dumps({p: str(f.resolve()) for p, f in files.items()})
         else:
             vae, encoders = self.load_encoders(src)  # written in the dtypes the folder stores
             subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -423,7 +518,6 @@ class SD3Family:
             # Stability's files carry the tied embedding under both names; diffusers' single-file
             # loader does not tie it and would leave it unset (and A1111 looks for this name).
             state[T5 + T5_EMBED] = state[T5 + "shared.weight"].clone()
-        meta = dict(metadata)
         meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "stable-diffusion-3")
         save_atomic(state, path, meta)
 
@@ -473,16 +567,21 @@ class SD3Family:
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
         """A StableDiffusion3Pipeline with SD3's shift-3 flow-matching scheduler; T5 where both
-        its encoder and its tokenizer are there."""
+        its encoder and its tokenizer are there. It samples with the layout's defaults
+        (SD3.5 Medium's skip-layer guidance) where a call does not set them."""
         # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
-        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from vramfit.models.sd3.pipeline import LayoutPipeline
 
         has_t5 = len(encoders) > 2 and len(tokenizers) > 2
-        return StableDiffusion3Pipeline(
+        pipe = LayoutPipeline(
             transformer=bundle.denoiser, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
             tokenizer_3=tokenizers[2] if has_t5 else None)
+        pipe.layout_defaults = skip_layer_defaults(bundle.layout, bundle.denoiser.config.num_layers)
+        return pipe
 
     def sampling_defaults(self, config: Mapping) -> dict:
         """None of its own: generate's defaults (default_guidance, its steps and T5 tokens)."""
@@ -520,6 +619,10 @@ class SD3Family:
                      "text_encoder_2 (CLIP-G)": CLIP_G, "text_encoder_3 (T5)": T5}
             comps = {name: count_params(header, prefix) for name, prefix in parts.items()
                      if any(k.startswith(prefix) for k in header)}
+            names = {"clip_l": "text_encoder (CLIP-L)", "clip_g": "text_encoder_2 (CLIP-G)",
+                     "t5": "text_encoder_3 (T5)"}
+            for part, file in self.encoder_files(source, header, read_header(source.path)[1]).items():
+                comps[names[part]] = {**count_params(read_header(file)[0], ""), "file": str(file)}
             config = sd3_config_from_keys(meta_tensors(header, TRANSFORMER))
         else:
             comps = {}
