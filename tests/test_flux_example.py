@@ -79,3 +79,26 @@ def test_flux_loss_needs_no_config_on_the_denoiser(cache_root):
     plain = family.loss_from(bundle, inputs, cfg, cpu, torch.float32)
     wrapped = dataclasses.replace(bundle, denoiser=_Wrapped(bundle.denoiser))
     assert torch.equal(family.loss_from(wrapped, inputs, cfg, cpu, torch.float32), plain)
+
+
+def test_plan_reads_the_parts_kept_in_files_of_their_own(tmp_path, cache_root):
+    """A transformer-only file with model.vae, model.clip_l and model.t5 plans, phase by phase, as the
+    all-in-one file of the same parts (the T5 stored in float8 in both)."""
+    from vramfit.fit.model_facts import read_facts
+    from vramfit.fit.planner import predict
+
+    files = split_tiny_flux(cache_root, tmp_path / "files")
+    state = load_file(str(materialize_tiny("tiny:flux", cache_root / "flux-example-tiny")))
+    t5 = PARTS["t5xxl_fp8_e4m3fn"]
+    whole = tmp_path / "whole.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) if k.startswith(t5) else v for k, v in state.items()}, str(whole))
+    shutil.copytree(files["flux1-dev"].parent / "tokenizer", tmp_path / "tokenizer")
+    shutil.copytree(files["flux1-dev"].parent / "tokenizer_2", tmp_path / "tokenizer_2")
+    split = [f"model.vae={files['ae']}", f"model.clip_l={files['clip_l']}", f"model.t5={files['t5xxl_fp8_e4m3fn']}"]
+    plans = []
+    for sets in ([f"model.path={files['flux1-dev']}", *split], [f"model.path={whole}"]):
+        cfg = load_config(None, [*sets, "train.mode=lora", "data.resolution=512"], need_data=False)
+        facts = read_facts(cfg)
+        assert [e.kind for e in facts.encoders] == ["clip", "t5"] and facts.vae_params > 0
+        plans.append({p.name: p.peak for p in predict(facts, cfg).phases})
+    assert plans[0] == plans[1] and plans[0]["cache_text"] > 0

@@ -257,3 +257,16 @@ def test_a_saved_file_whose_encoder_files_are_gone_names_them(runs, tmp_path, ca
         SD3.load(Source("single_file", saved, tokenizers=out))
     assert f"it was saved with {gone}, which is not there any more" in str(exc.value)
     assert "model.clip_l" in str(exc.value)
+
+
+def test_plan_reads_the_text_encoders_in_text_encoders_folder(cache_root):
+    """Stability's SD3.5 file holds MMDiT and VAE; `vramfit plan` finds the encoders beside it, so the
+    caption phase is planned with CLIP-L, CLIP-G and T5."""
+    from vramfit.config import load_config
+    from vramfit.fit.model_facts import read_facts
+    from vramfit.fit.planner import predict
+
+    cfg = load_config(None, ["model.path=tiny:sd3.5-large", "train.mode=lora"], need_data=False)
+    facts = read_facts(cfg, cache_root)
+    assert [e.kind for e in facts.encoders] == ["clip", "clip", "t5"]
+    assert {p.name: p.peak for p in predict(facts, cfg).phases}["cache_text"] > 0

@@ -26,7 +26,7 @@ from vramfit.formats.safetensors_io import meta_tensors, read_header
 from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
 from vramfit.memory.vae_tiling import vae_tile
-from vramfit.models.parts import shipped_config
+from vramfit.models.parts import ENCODER_ROOTS, shipped_config
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
@@ -104,6 +104,16 @@ def _headers(folder: Path) -> dict:
     return merged
 
 
+def _own_file_facts(name: str, kind: str, path: Path, prefix: str) -> Optional[EncoderFacts]:
+    """An encoder's sizes from a file of its own (HF keys, bare or under the single file's prefix or
+    `transformer.`, as models/parts.py encoder_file_state reads it)."""
+    header = read_header(path)[0]
+    for candidate in (prefix, "transformer.", ""):
+        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
+            return encoder_facts(name, kind, header, candidate)
+    return None
+
+
 def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     """Everything the planner needs from cfg.model, from headers and configs only."""
     source = resolve_source(cfg.model, cache_root)
@@ -111,12 +121,20 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     files = family.files  # where its parts are in single files and diffusers folders
     encoders: list[EncoderFacts] = []
     if source.kind == "single_file":
-        header = read_header(source.path)[0]
-        config = family.denoiser_config(meta_tensors(header, files.denoiser_prefix))
-        vae_params = sum(math.prod(v["shape"]) for k, v in header.items() if k.startswith(files.vae_prefix))
-        found = [encoder_facts(n, kind, header, prefix) for n, prefix, _, kind in files.encoders]
+        header, meta = read_header(source.path)
+        # a denoiser-only file (BFL's flux1-dev) keeps its keys bare
+        prefix = files.denoiser_prefix if any(k.startswith(files.denoiser_prefix) for k in header) else ""
+        config = family.denoiser_config(meta_tensors(header, prefix))
+        own = family.encoder_files(source, header, meta)  # parts kept in files of their own
+        found = [_own_file_facts(n, kind, own[part], prefix) if part in own
+                 else encoder_facts(n, kind, header, prefix) for n, prefix, _, kind, part in files.encoders]
+        vae_header, vae_prefix = header, files.vae_prefix
+        if "vae" in own:  # BFL's ae.safetensors: bare LDM keys, or the single file's prefix
+            vae_header = read_header(own["vae"])[0]
+            vae_prefix = files.vae_prefix if any(k.startswith(files.vae_prefix) for k in vae_header) else ""
+        vae_params = sum(math.prod(v["shape"]) for k, v in vae_header.items() if k.startswith(vae_prefix))
         # the VAE is built from its keys as the family loads it (formats/ldm_vae.py)
-        vae_keys = meta_tensors(header, files.vae_prefix)
+        vae_keys = meta_tensors(vae_header, vae_prefix)
         tile = vae_tile(vae_config_from_ldm(vae_keys)["sample_size"] if vae_keys else 1024)
     else:
         config = json.loads((source.path / files.denoiser_folder / "config.json").read_text())
@@ -126,7 +144,7 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         sample_size = json.loads(vae_cfg.read_text()).get("sample_size", 1024) if vae_cfg.is_file() else 1024
         tile = vae_tile(sample_size)
         found = [encoder_facts(n, kind, _headers(source.path / sub)) if (source.path / sub).is_dir() else None
-                 for n, _, sub, kind in files.encoders]
+                 for n, _, sub, kind, _ in files.encoders]
     encoders = [e for e in found if e is not None]
     cls = family.denoiser_class()
     with torch.device("meta"):
@@ -211,7 +229,7 @@ def _layout_facts(layout: str, t5: bool) -> ModelFacts:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     family, (denoiser_cfg, vae_cfg, encoder_cfgs) = shipped_layouts()[layout]
-    names = [name for name, _, _, _ in FAMILIES[family].files.encoders]  # as read_facts names them
+    names = [row[0] for row in FAMILIES[family].files.encoders]  # as read_facts names them
     with torch.device("meta"):
         denoiser = FAMILIES[family].denoiser_class()(**shipped_config(denoiser_cfg))
         vae = AutoencoderKL(**shipped_config(vae_cfg))

@@ -75,8 +75,9 @@ class FileLayout:
     denoiser_prefix: str
     denoiser_folder: str
     vae_prefix: str
-    # (name, single-file prefix, diffusers folder, kind: "clip" | "t5"), in the order the family loads them
-    encoders: tuple[tuple[str, str, str, str], ...]
+    # (name, single-file prefix, diffusers folder, kind: "clip" | "t5", model.<part> key of a file of its
+    # own), in the order the family loads them
+    encoders: tuple[tuple[str, str, str, str, str], ...]
 
 
 class Family(LoraFamily, Protocol):
@@ -203,6 +204,11 @@ class Family(LoraFamily, Protocol):
     # ---- memory profile (fit/) -----------------------------------------------------------------
     def denoiser_class(self) -> type:
         """The denoiser's diffusers class (imported when asked: it is heavy)."""
+        ...
+
+    def encoder_files(self, source: Source, header: dict, meta: Optional[dict] = None) -> dict[str, Path]:
+        """{part: file} of the parts ("vae", "clip_l", ...) a single file is used with from files of
+        their own (model.<part>, or where the family's releases keep them)."""
         ...
 
     def denoiser_config(self, keys: Mapping[str, torch.Tensor]) -> dict:

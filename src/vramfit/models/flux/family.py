@@ -69,11 +69,12 @@ class FluxFamily:
     lora_formats = ("lora", "lora_kohya")
     base_model_version = "flux1"  # ss_base_model_version, as kohya writes it
     resolution_multiple = 16  # VAE factor 8 x the 2x2 packing
-    shipped_layouts: dict = {}  # no released Flux configs ship yet (vramfit plan reads a file's headers)
+    # the released transformer (dev; schnell differs by the guidance embedding only), for `vramfit plan --model`
+    shipped_layouts = {"flux1-dev": ("flux1_dev_transformer", "flux_vae", ("clip_l", "t5xxl"))}
     shipped_aliases: dict = {}
     tiny_models = TINY_NAMES
-    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
-                                                         ("T5", T5, "text_encoder_2", "t5")))
+    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip", "clip_l"),
+                                                         ("T5", T5, "text_encoder_2", "t5", "t5")))
     block_containers = ("transformer_blocks", "single_transformer_blocks")
     repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     default_guidance = 3.5  # FluxPipeline's, fed to dev's guidance embedding
@@ -94,6 +95,11 @@ class FluxFamily:
         return {**tiny_transformer_config(name), "sample_size": TINY_SIDE}
 
     # ---- detection ---------------------------------------------------------------------------
+    def encoder_files(self, source: Source, header: dict, meta: Optional[dict] = None) -> dict[str, Path]:
+        """{part: file} of the parts given as files of their own (model.vae, model.clip_l, model.t5:
+        BFL's ae.safetensors, ComfyUI's clip_l and t5xxl files)."""
+        return {part: file for part in ("vae", "clip_l", "t5") if (file := source.encoder_file(part))}
+
     def detect_single_file(self, keys: set[str]) -> bool:
         return any(k.startswith((TRANSFORMER + "double_blocks.", "double_blocks.")) for k in keys)
 

@@ -85,15 +85,9 @@ _LAYOUTS = {
 }
 # The released layouts whose configs ship in models/configs: name -> (denoiser, VAE, text encoders'
 # configs; "t5xxl" is T5 v1.1 XXL), for `vramfit plan --model NAME` without the checkpoint
-SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
-# The released SD3.5 transformers: SD3 Medium's shipped config with these changes (as diffusers'
-# configs of stabilityai/stable-diffusion-3.5-medium and -large have them)
-SD35_RELEASES = {
-    "sd3.5-medium": {"pos_embed_max_size": 384, "qk_norm": "rms_norm",
-                     "dual_attention_layers": list(range(13))},
-    "sd3.5-large": {"num_layers": 38, "num_attention_heads": 38, "caption_projection_dim": 2432,
-                    "qk_norm": "rms_norm", "dual_attention_layers": []},
-}
+SHIPPED_LAYOUTS = {"sd3-medium": ("sd3_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl")),
+                   "sd3.5-medium": ("sd35_medium_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl")),
+                   "sd3.5-large": ("sd35_large_transformer", "sd3_vae", ("clip_l", "clip_g", "t5xxl"))}
 _WIDTHS = {1536: "SD3 Medium / SD3.5 Medium width", 2432: "SD3.5 Large width"}  # of LoRA files
 _ARCHITECTURES = {"sd3-medium": "stable-diffusion-3-medium", "sd3.5-medium": "stable-diffusion-3.5-medium",
                   "sd3.5-large": "stable-diffusion-3.5-large"}
@@ -116,9 +110,9 @@ def layout_name(config: dict) -> str:
 
 
 def release_transformer_config(layout: str) -> dict:
-    """The SD3Transformer2DModel config of a released SD3.5 layout (bench and tests build it)."""
-    return {**shipped_config("sd3_medium_transformer"), "qk_norm": None, "dual_attention_layers": [],
-            **SD35_RELEASES[layout]}
+    """The SD3Transformer2DModel config of a released layout (bench and tests build it): the shipped
+    config (models/configs/sd35_*_transformer.json, as diffusers' configs of the releases have them)."""
+    return shipped_config(SHIPPED_LAYOUTS[layout][0])
 
 
 def skip_layer_defaults(layout: str, num_layers: int) -> dict:
@@ -140,9 +134,9 @@ class SD3Family:
     shipped_layouts = SHIPPED_LAYOUTS
     shipped_aliases = {"sd3m": "sd3-medium"}  # the name bench/plan_check.py and older tests use
     tiny_models = TINY_NAMES  # the tiny:<name> models of models/sd3/tiny.py
-    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
-                                                         ("CLIP-G", CLIP_G, "text_encoder_2", "clip"),
-                                                         ("T5", T5, "text_encoder_3", "t5")))
+    files = FileLayout(TRANSFORMER, "transformer", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip", "clip_l"),
+                                                         ("CLIP-G", CLIP_G, "text_encoder_2", "clip", "clip_g"),
+                                                         ("T5", T5, "text_encoder_3", "t5", "t5")))
     block_containers = ("transformer_blocks",)
     repeated_blocks = ("JointTransformerBlock",)
     default_guidance = 7.0

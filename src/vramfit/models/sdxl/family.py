@@ -73,8 +73,8 @@ class SDXLFamily:
     shipped_layouts = SHIPPED_LAYOUTS
     shipped_aliases: dict[str, str] = {}
     tiny_models = TINY_NAMES  # the tiny:<name> models of models/sdxl/tiny.py
-    files = FileLayout(UNET, "unet", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip"),
-                                           ("bigG", CLIP_G, "text_encoder_2", "clip")))
+    files = FileLayout(UNET, "unet", VAE, (("CLIP-L", CLIP_L, "text_encoder", "clip", "clip_l"),
+                                           ("bigG", CLIP_G, "text_encoder_2", "clip", "clip_g")))
     block_containers = ("down_blocks", "mid_block", "up_blocks")
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
     default_guidance = 5.0
@@ -94,6 +94,10 @@ class SDXLFamily:
         return shipped_config(f"tiny_{name}_unet")
 
     # ---- detection ---------------------------------------------------------------------------
+    def encoder_files(self, source: Source, header: dict, meta: Optional[dict] = None) -> dict[str, Path]:
+        """None: SDXL-family single files hold their VAE and text encoders."""
+        return {}
+
     def detect_single_file(self, keys: set[str]) -> bool:
         return any(k.startswith(UNET + "label_emb.") for k in keys) and any(
             k.startswith(UNET + "input_blocks.") for k in keys)
