@@ -11,8 +11,11 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
+from safetensors import safe_open
+
+from vramfit.cli import main
 from vramfit.config.rules import OBJECTIVE_RULES, config_problems
-from vramfit.config.schema import RunConfig, TrainConfig
+from vramfit.config.schema import ModelConfig, RunConfig, TrainConfig
 from vramfit.models.flow import flow_snr, mu_for, shifted, time_shift
 from vramfit.models.flux.objective import SCHEDULER, flux_sigmas
 from vramfit.models.objectives import (
@@ -20,8 +23,12 @@ from vramfit.models.objectives import (
     weighted_mse,
 )
 from vramfit.models.parts import shipped_config
+from vramfit.models.registry import FAMILIES
 from vramfit.models.sd3.flow import lookup_sigmas, sd3_sigmas, shifted_sigmas
 from vramfit.models.sdxl import objective as sdxl
+from vramfit.models.sources import resolve_source
+
+from conftest import train_args
 
 
 def _sched(prediction="epsilon", zero_snr=False):
@@ -111,6 +118,10 @@ def test_min_snr_weights_per_prediction_type():
     assert w[0] < 0.01 and w[2] == 1.0
     torch.testing.assert_close(sdxl.min_snr_weights(_sched("v_prediction"), t, 5.0),
                                torch.clamp(snr, max=5.0) / (snr + 1))
+    # add_noise moves the scheduler's alphas_cumprod to the latents' device; the weights never read it
+    moved = _sched()
+    moved.alphas_cumprod = moved.alphas_cumprod.to("meta")
+    assert torch.equal(sdxl.min_snr_weights(moved, t, 5.0), w)
 
 
 def test_debiased_weights_per_prediction_type():
@@ -220,6 +231,67 @@ def test_each_objective_rule_refuses_its_key():
         RunConfig(train=values)
 
 
+def _family_inputs(name: str, cfg, scheduler):
+    bundle = SimpleNamespace(noise_scheduler=scheduler)
+    channels = 4 if name == "sdxl" else 16
+    batch = {"mean": torch.zeros(2, channels, 8, 8), "logvar": torch.full((2, channels, 8, 8), -20.0),
+             "prompt_embeds": torch.zeros(2, 3, 8), "pooled": torch.zeros(2, 8), "time_ids": torch.zeros(2, 6)}
+    return FAMILIES[name].loss_inputs(bundle, batch, cfg, torch.Generator().manual_seed(3)), bundle
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "flux"])
+def test_every_family_weights_its_loss_by_snr_and_passes_huber_thresholds(name):
+    flow = {"sd3": SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000, shift=3.0)),
+            "flux": SimpleNamespace(config=SimpleNamespace(**SCHEDULER))}
+    sched = flow.get(name) or _sched("v_prediction")
+    plain, _ = _family_inputs(name, TrainConfig(), sched)
+    cfg = TrainConfig(min_snr_gamma=5.0, loss="huber", huber_schedule="constant", huber_c=0.2)
+    weighted, _ = _family_inputs(name, cfg, sched)
+    if name == "sdxl":  # the same draws; v's min-SNR weights of the drawn timesteps
+        assert torch.equal(plain["timesteps"], weighted["timesteps"])
+        ab = sched.alphas_cumprod[plain["timesteps"]]
+        snr = ab / (1 - ab)
+        torch.testing.assert_close(weighted["weights"], torch.clamp(snr, max=5.0) / (snr + 1))
+        assert torch.equal(plain["weights"], torch.ones(2))
+    else:  # the family's own weights (logit_normal: ones) times min(snr, 5) * sigma^2
+        sigmas = plain["sigmas"]
+        assert torch.equal(sigmas, weighted["sigmas"])
+        snr = ((1 - sigmas) / sigmas) ** 2
+        torch.testing.assert_close(weighted["weights"], plain["weights"] * torch.clamp(snr, max=5.0) * sigmas ** 2)
+    assert "huber_c" not in plain and torch.equal(weighted["huber_c"], torch.full((2,), 0.2))
+
+
+def test_sdxl_trains_the_prediction_type_asked_and_the_bundle_follows():
+    inputs, bundle = _family_inputs("sdxl", TrainConfig(prediction_type="v_prediction", zero_terminal_snr=True),
+                                    _sched())
+    assert sdxl.scheduler_settings(bundle.noise_scheduler) == ("v_prediction", True)
+    same, kept = _family_inputs("sdxl", TrainConfig(), bundle.noise_scheduler)  # auto keeps what it has
+    assert kept.noise_scheduler is bundle.noise_scheduler
+    assert torch.equal(same["timesteps"], inputs["timesteps"])
+
+
 def test_weighted_mse_weights_each_sample():
     pred, target = torch.ones(2, 1, 2, 2), torch.zeros(2, 1, 2, 2)
     assert weighted_mse(pred, target, torch.tensor([1.0, 0.0])).item() == 0.5
+
+
+def test_a_v_prediction_zero_snr_run_renders_and_saves_what_loaders_read(images, tmp_path, cache_root):
+    out = tmp_path / "v"
+    args = train_args(images, out, cache_root / "obj", "train.prediction_type=v_prediction",
+                      "train.zero_terminal_snr=true", "train.min_snr_gamma=5", "sample.every_steps=2",
+                      "sample.prompts=['a circle']", "sample.steps=2", "save.formats=['single_file', 'diffusers']",
+                      "save.name=m", model="tiny:sdxl")
+    assert main(args) == 0
+    assert [p.name for p in (out / "samples").glob("*.png")] == ["step-000002.png"]
+    with safe_open(str(out / "m.safetensors"), "pt") as f:  # ComfyUI's markers of a v-pred zero-SNR SDXL
+        assert {"v_pred", "ztsnr"} <= set(f.keys())
+    config = json.loads((out / "m-diffusers" / "scheduler" / "scheduler_config.json").read_text())
+    assert (config["prediction_type"], config["rescale_betas_zero_snr"], config["timestep_spacing"]) == \
+        ("v_prediction", True, "trailing")
+    # each saved model loads back as what it was trained as; its sampler (vramfit generate's) follows
+    for path in (out / "m.safetensors", out / "m-diffusers"):
+        bundle = FAMILIES["sdxl"].load(resolve_source(ModelConfig(path=str(path)), cache_root / "obj"))
+        assert sdxl.scheduler_settings(bundle.noise_scheduler) == ("v_prediction", True), path
+        pipe = FAMILIES["sdxl"].pipeline(bundle, bundle.vae, bundle.text_encoders, bundle.tokenizers)
+        assert (pipe.scheduler.config.prediction_type, pipe.scheduler.config.timestep_spacing) == \
+            ("v_prediction", "trailing")

@@ -271,7 +271,8 @@ class SDXLFamily:
                   dtype: torch.dtype) -> torch.Tensor:
         """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
         latents = inputs["latents"].to(device)
-        noisy, target, timesteps = ddpm_inputs(latents, bundle.noise_scheduler, inputs, cfg.noise_offset,
+        # the run's scheduler (a bundle copied before `loss_inputs` replaced it gets its own once)
+        noisy, target, timesteps = ddpm_inputs(latents, train_scheduler(bundle, cfg), inputs, cfg.noise_offset,
                                                getattr(cfg, "input_perturbation", 0.0))
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), timesteps, text, inputs["time_ids"].to(device, dtype))

@@ -149,8 +149,10 @@ def ddpm_inputs(latents: torch.Tensor, scheduler, draws: dict[str, torch.Tensor]
 
 
 def snr(scheduler, timesteps: torch.Tensor) -> torch.Tensor:
-    """alpha_bar / (1 - alpha_bar) per sample, on the CPU (0 at a zero-SNR schedule's last step)."""
-    alphas = scheduler.alphas_cumprod[timesteps.cpu()].float()
+    """alpha_bar / (1 - alpha_bar) per sample, on the CPU (0 at a zero-SNR schedule's last step).
+    alpha_bar is the cumulative product of the betas (on the CPU), as the scheduler computes it: its
+    own alphas_cumprod moves to the GPU with the first add_noise, and reading it back would wait."""
+    alphas = torch.cumprod(1.0 - scheduler.betas, dim=0)[timesteps.cpu()].float()
     return alphas / (1.0 - alphas)
 
 
