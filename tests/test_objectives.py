@@ -190,6 +190,8 @@ def test_flow_shift_fixed_and_by_resolution():
 def test_checkpoints_say_their_prediction_type(tmp_path):
     assert sdxl.single_file_settings({"model.diffusion_model.x"}) == ("epsilon", False)
     assert sdxl.single_file_settings({"v_pred", "ztsnr"}) == ("v_prediction", True)
+    assert sdxl.single_file_settings({"v_pred"}) == ("v_prediction", False)
+    assert sdxl.single_file_settings({"ztsnr"}) == ("epsilon", False)
     assert sdxl.folder_settings(tmp_path) == ("epsilon", False)
     (tmp_path / "scheduler").mkdir()
     config = tmp_path / "scheduler" / "scheduler_config.json"
@@ -295,3 +297,15 @@ def test_a_v_prediction_zero_snr_run_renders_and_saves_what_loaders_read(images,
         pipe = FAMILIES["sdxl"].pipeline(bundle, bundle.vae, bundle.text_encoders, bundle.tokenizers)
         assert (pipe.scheduler.config.prediction_type, pipe.scheduler.config.timestep_spacing) == \
             ("v_prediction", "trailing")
+
+
+def test_resume_is_exact_with_every_objective_setting(images, tmp_path, cache_root):
+    sets = ("train.steps=4", "save.state_every_steps=2", "train.precision=fp32", "save.name=m",
+            "train.prediction_type=v_prediction", "train.zero_terminal_snr=true", "train.noise_offset=0.05",
+            "train.input_perturbation=0.1", "train.debiased_estimation=true", "train.loss=huber")
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(train_args(images, full, cache_root / "obj2", *sets, model="tiny:sdxl")) == 0
+    args = train_args(images, part, cache_root / "obj2", *sets, model="tiny:sdxl")
+    assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
+    ref = json.loads((full / "run.json").read_text())["losses"]
+    assert len(ref) == 4 and json.loads((part / "run.json").read_text())["losses"] == ref

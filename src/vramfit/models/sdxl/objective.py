@@ -59,8 +59,10 @@ def sampling_config(scheduler) -> dict:
 
 
 def single_file_settings(keys) -> tuple[str, bool]:
-    """(prediction type, zero terminal SNR) a single file's keys declare."""
-    return ("v_prediction" if V_PRED_KEY in keys else "epsilon"), ZTSNR_KEY in keys
+    """(prediction type, zero terminal SNR) a single file's keys declare (`ztsnr` counts beside
+    `v_pred` only, as ComfyUI reads it)."""
+    v = V_PRED_KEY in keys
+    return ("v_prediction" if v else "epsilon"), v and ZTSNR_KEY in keys
 
 
 def single_file_markers(scheduler) -> dict[str, torch.Tensor]:
