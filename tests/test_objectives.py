@@ -272,6 +272,16 @@ def test_sdxl_trains_the_prediction_type_asked_and_the_bundle_follows():
     assert torch.equal(same["timesteps"], inputs["timesteps"])
 
 
+@pytest.mark.parametrize("name, key, value", [
+    ("sdxl", "flow_shift", 2.0), ("sdxl", "flow_shift_mode", "resolution"),
+    ("sd3", "input_perturbation", 0.1), ("sd3", "prediction_type", "epsilon"),
+    ("flux", "zero_terminal_snr", False), ("flux", "noise_offset", 0.1)])
+def test_a_key_of_another_familys_objective_is_refused_by_name(name, key, value):
+    problems = FAMILIES[name].config_problems(RunConfig(train={key: value}))
+    assert [p for p in problems if p.startswith(f"train.{key}: applies to ")], problems
+    assert not FAMILIES[name].config_problems(RunConfig(train={"min_snr_gamma": 5.0, "loss": "huber"}))
+
+
 def test_weighted_mse_weights_each_sample():
     pred, target = torch.ones(2, 1, 2, 2), torch.zeros(2, 1, 2, 2)
     assert weighted_mse(pred, target, torch.tensor([1.0, 0.0])).item() == 0.5

@@ -107,7 +107,7 @@ class SDXLFamily:
         """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
         # Values that differ from the defaults, not keys given: a resolved config.toml lists them all.
         train, model = TrainConfig(), ModelConfig()
-        problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
+        problems = [f"train.{name}: applies to the flow-matching objective (SD3, Flux.1), not to {self.name}"
                     for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift",
                                  "flow_shift_mode")
                     if getattr(cfg.train, name) != getattr(train, name)]
