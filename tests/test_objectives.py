@@ -287,7 +287,8 @@ def test_weighted_mse_weights_each_sample():
     assert weighted_mse(pred, target, torch.tensor([1.0, 0.0])).item() == 0.5
 
 
-def test_a_v_prediction_zero_snr_run_renders_and_saves_what_loaders_read(images, tmp_path, cache_root):
+def test_a_v_prediction_zero_snr_run_renders_and_saves_what_loaders_read(images, tmp_path, cache_root,
+                                                                         capsys):
     out = tmp_path / "v"
     args = train_args(images, out, cache_root / "obj", "train.prediction_type=v_prediction",
                       "train.zero_terminal_snr=true", "train.min_snr_gamma=5", "sample.every_steps=2",
@@ -307,6 +308,13 @@ def test_a_v_prediction_zero_snr_run_renders_and_saves_what_loaders_read(images,
         pipe = FAMILIES["sdxl"].pipeline(bundle, bundle.vae, bundle.text_encoders, bundle.tokenizers)
         assert (pipe.scheduler.config.prediction_type, pipe.scheduler.config.timestep_spacing) == \
             ("v_prediction", "trailing")
+    # a folder whose scheduler pairs zero terminal SNR with epsilon: "auto" takes both, which is refused
+    config.update(prediction_type="epsilon")
+    (out / "m-diffusers" / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    again = train_args(images, tmp_path / "eps", cache_root / "obj", "train.steps=1",
+                       model=str(out / "m-diffusers"))
+    assert main(again) == 2
+    assert "train.zero_terminal_snr: zero terminal SNR with epsilon prediction" in capsys.readouterr().err
 
 
 def test_resume_is_exact_with_every_objective_setting(images, tmp_path, cache_root):

@@ -29,6 +29,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.flow import DDPM_KEYS, flow_snr
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
@@ -38,7 +39,6 @@ from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
     NUM_TRAIN_TIMESTEPS, flow_inputs, loss_weighting, sample_density, sd3_sigmas,
 )
-from vramfit.models.flow import DDPM_KEYS, flow_snr
 from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
 from vramfit.models.sd3.mmdit import (
     diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
