@@ -300,7 +300,7 @@ def test_what_flux_cannot_take_is_refused_with_the_key(images, tmp_path, cache_r
     a_file = next(images.glob("*.png"))
     negative = ("sample.every_steps=1", "sample.prompts=['a circle']", "sample.negative_prompt=blurry")
     for sets, said in ((negative, "sample.negative_prompt: Flux.1 takes no negative prompt"),
-                       (("train.min_snr_gamma=5",), "train.min_snr_gamma: applies to the SDXL"),
+                       (("train.noise_offset=0.1",), "train.noise_offset: applies to the SDXL"),
                        ((f"model.clip_g={a_file}",), "model.clip_g: Flux.1 has no CLIP-G")):
         assert main(train_args(images, tmp_path / "run", cache_root / "f5", *sets, model="tiny:flux")) == 2
         assert said in capsys.readouterr().err

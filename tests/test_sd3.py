@@ -254,8 +254,8 @@ def test_training_loss_finite_reproducible_and_reaches_the_transformer(loaded):
             mode_scale = 1.29
         assert torch.isfinite(family.training_loss(bundle, batch, Cfg(), torch.Generator().manual_seed(0),
                                                    CPU, torch.float32))
-    with pytest.raises(ValueError, match="min_snr_gamma"):
-        family.training_loss(bundle, batch, TrainConfig(min_snr_gamma=5.0), torch.Generator(), CPU, torch.float32)
+    with pytest.raises(ValueError, match="noise_offset"):
+        family.training_loss(bundle, batch, TrainConfig(noise_offset=0.1), torch.Generator(), CPU, torch.float32)
 
 
 def test_training_loss_follows_the_flow_matching_formulas(loaded):

@@ -88,14 +88,68 @@ def _every(section: str) -> Callable[[Any], Optional[str]]:
     return check
 
 
+def _zero_snr(cfg: Any) -> Optional[str]:
+    t = cfg.train
+    if t.zero_terminal_snr is True and t.prediction_type == "epsilon":
+        return ("needs train.prediction_type = \"v_prediction\": at the last timestep of a zero-SNR "
+                "schedule the input is pure noise, which an epsilon model reproduces without learning the "
+                "image; set train.prediction_type = \"v_prediction\" or train.zero_terminal_snr = false")
+    return None
+
+
+def _debiased(cfg: Any) -> Optional[str]:
+    t = cfg.train
+    if t.debiased_estimation and t.min_snr_gamma > 0:
+        return ("given beside train.min_snr_gamma: both weight the loss by the timestep's SNR, and "
+                "together the weights multiply; use one of them")
+    return None
+
+
+def _snr_beside_cosmap(cfg: Any) -> Optional[str]:
+    t = cfg.train
+    on = [k for k, v in (("train.min_snr_gamma", t.min_snr_gamma > 0),
+                         ("train.debiased_estimation", t.debiased_estimation)) if v]
+    if on and t.weighting_scheme == "cosmap":
+        return (f"'cosmap' weights the loss by timestep itself, and {' and '.join(on)} would multiply "
+                "it; use another weighting_scheme or leave the SNR weighting out")
+    return None
+
+
+def _default(cfg: Any, key: str) -> Any:
+    return type(cfg.train).model_fields[key].default
+
+
+def _huber(key: str) -> Callable[[Any], Optional[str]]:
+    def check(cfg: Any) -> Optional[str]:
+        t = cfg.train
+        if t.loss == "mse" and getattr(t, key) != _default(cfg, key):
+            return "applies to train.loss = \"huber\" or \"smooth_l1\"; set train.loss, or leave it out"
+        return None
+    return check
+
+
+def _shift(cfg: Any) -> Optional[str]:
+    t = cfg.train
+    if t.flow_shift is not None and t.flow_shift_mode == "resolution":
+        return ("is a fixed shift, while train.flow_shift_mode = \"resolution\" shifts by the image's "
+                "size; set train.flow_shift_mode = \"fixed\" (or \"auto\"), or leave train.flow_shift out")
+    return None
+
+
 RULES = (Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
          Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
          Rule("sample.every_epochs", _every("sample")))
+# the training objective's settings (prediction type, loss weightings, loss, shift)
+OBJECTIVE_RULES = (Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
+                   Rule("train.weighting_scheme", _snr_beside_cosmap),
+                   Rule("train.huber_c", _huber("huber_c")),
+                   Rule("train.huber_schedule", _huber("huber_schedule")),
+                   Rule("train.flow_shift", _shift))
 
 
 def config_problems(cfg: Any) -> list[tuple[str, str]]:
     """(key, why) of every rule the config breaks on one process."""
-    return [(rule.key, why) for rule in RULES if (why := rule.check(cfg))]
+    return [(rule.key, why) for rule in RULES + OBJECTIVE_RULES if (why := rule.check(cfg))]
 
 
 # ---- several processes (`vramfit train --gpus N`, accelerate launch) --------------------------------

@@ -401,9 +401,40 @@ class TrainConfig(_Section):
         "With optimizer_in_backward the recorded backward steps the weights as well (no gradient "
         "stays allocated); otherwise the gradients stay allocated between steps. The graphs keep "
         "their activations in a memory pool of their own: the memory report shows the peak.")
-    noise_offset: float = Field(0.0, ge=0, le=1.0, description="SDXL family only.")
-    min_snr_gamma: float = Field(0.0, ge=0, le=1000.0, description="min-SNR loss weighting (SDXL family); "
-                                 "0 disables.")
+    noise_offset: float = Field(0.0, ge=0, le=1.0, description="SDXL family: offset noise, one normal "
+                                "draw per sample and latent channel, times this, added to the noise (darker "
+                                "darks, brighter brights); 0 turns it off.")
+    input_perturbation: float = Field(0.0, ge=0, le=1.0, description="SDXL family: the noisy input is made "
+                                      "with the noise plus this times a second normal draw, while the target "
+                                      "stays the noise (diffusers' train_text_to_image; 0.1 there); 0 turns "
+                                      "it off.")
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="SDXL family: what the UNet predicts, the noise (epsilon) or v. auto: what the "
+        "checkpoint says (a single file's v_pred key, a diffusers folder's scheduler config), else "
+        "epsilon. Sample grids, `vramfit generate` and the saved files follow it (single files carry "
+        "the v_pred key ComfyUI reads).")
+    zero_terminal_snr: bool | Literal["auto"] = Field(
+        "auto", description="SDXL family: rescale the noise schedule so its last timestep is pure noise "
+        "(needs v_prediction; sampling then starts there, \"trailing\" spacing). auto: what the "
+        "checkpoint says (a single file's ztsnr key, a diffusers folder's rescale_betas_zero_snr), "
+        "else false.")
+    min_snr_gamma: float = Field(0.0, ge=0, le=1000.0, description="min-SNR-gamma loss weighting, every "
+                                 "family: each sample's loss counts as its clean-latent loss times "
+                                 "min(SNR, gamma) (epsilon: min(SNR, gamma)/SNR; v: min(SNR, gamma)/(SNR+1); "
+                                 "flow: min(SNR, gamma) * sigma^2 with SNR = ((1-sigma)/sigma)^2); 5 is the "
+                                 "paper's; 0 disables.")
+    debiased_estimation: bool = Field(False, description="Debiased-estimation loss weighting, every family "
+                                      "(kohya's): epsilon 1/sqrt(SNR), v 1/(SNR+1), flow sigma*(1-sigma); "
+                                      "SNR capped at 1000.")
+    loss: Literal["mse", "huber", "smooth_l1"] = Field(
+        "mse", description="The loss of each element: mse (squared error), huber (kohya's pseudo-Huber, "
+        "2c(sqrt(d^2+c^2)-c): squared for small errors, linear for large ones) or smooth_l1 (the same "
+        "divided by c). c is train.huber_c.")
+    huber_c: float = Field(0.1, gt=0, le=1.0, description="With train.loss huber or smooth_l1: the "
+                           "threshold c between the squared and the linear part.")
+    huber_schedule: Literal["constant", "snr"] = Field(
+        "snr", description="With train.loss huber or smooth_l1: constant (c everywhere) or snr (kohya's "
+        "default: c at pure noise, rising to 1 at no noise, c + (1-c)/(1+1/sqrt(SNR))^2).")
     weighting_scheme: Literal["logit_normal", "mode", "cosmap", "uniform"] = Field(
         "logit_normal", description="SD3 flow matching: timestep density (and cosmap's loss weight).")
     logit_mean: float = Field(0.0, ge=-10.0, le=10.0, description="SD3, weighting_scheme logit_normal: mean "
@@ -414,6 +445,15 @@ class TrainConfig(_Section):
                              "logit_mean picks, larger spreads them toward both ends.")
     mode_scale: float = Field(1.29, ge=-1.0, le=MODE_SCALE_MAX, description="SD3's mode density; "
                               f"between -1 and 2/(pi-2) = {MODE_SCALE_MAX:.4f}, where it stays a density.")
+    flow_shift: Optional[float] = Field(None, gt=0, le=100.0, description="Flow families (SD3, Flux.1): "
+                                        "a fixed timestep shift, sigma = s*u/(1+(s-1)*u) of each density "
+                                        "draw u; above 1 trains noisier timesteps. Unset: the model's "
+                                        "scheduler's (3.0). Setting it makes the shift fixed.")
+    flow_shift_mode: Literal["auto", "fixed", "resolution"] = Field(
+        "auto", description="Flow families: fixed (train.flow_shift) or resolution (Flux.1's: the shift "
+        "e^mu grows with the image's token count, from the scheduler's base_shift at 256 tokens to "
+        "max_shift at 4096). auto: fixed where train.flow_shift is set, else the family's (SD3 fixed, "
+        "Flux.1 resolution).")
     guidance: float = Field(1.0, ge=0, le=100.0, description="Flux.1 dev (a guidance-distilled transformer): "
                             "the guidance its guidance embedding is given while training (1.0 as most Flux "
                             "trainers; the pipeline samples at 3.5).")

@@ -7,8 +7,15 @@ scripts do it.
 * loss weighting per sample (diffusers ``compute_loss_weighting_for_sd3``): ``cosmap`` weights
   ``2 / (pi * (1 - 2 sigma + 2 sigma^2))``, the others weight every sample 1.
 
-How ``u`` becomes a sigma is each family's (a shifted table, a resolution-dependent shift).
-All random draws come from the CPU generator passed in, so runs reproduce on any device.
+* timestep shift (train.flow_shift, train.flow_shift_mode): a fixed shift ``s`` maps ``u`` to
+  ``s u / (1 + (s - 1) u)``; the resolution-dependent one to ``e^mu / (e^mu + 1/u - 1)``, where ``mu``
+  grows linearly with the image's token count from the scheduler's base_shift (at
+  base_image_seq_len tokens) to max_shift (at max_image_seq_len), as Flux's sampler shifts its
+  schedule (the pipeline's calculate_shift): larger images train at noisier timesteps;
+* signal-to-noise ratio of a sample: ``((1 - sigma) / sigma)^2`` (models/objectives.py weights by it).
+
+How ``u`` becomes a sigma is each family's (a shifted table, a continuous shift), with its default
+shift mode. All random draws come from the CPU generator passed in, so runs reproduce on any device.
 """
 from __future__ import annotations
 
@@ -22,6 +29,13 @@ DEFAULT_SCHEME = "logit_normal"
 DEFAULT_LOGIT_MEAN = 0.0
 DEFAULT_LOGIT_STD = 1.0
 DEFAULT_MODE_SCALE = 1.29
+SHIFT_MODES = ("fixed", "resolution")
+# train keys of the UNet (DDPM) objective, which the flow families refuse when set
+DDPM_KEYS = ("noise_offset", "input_perturbation", "prediction_type", "zero_terminal_snr")
+# FlowMatchEulerDiscreteScheduler's dynamic-shift defaults (FLUX.1-dev's scheduler_config.json)
+BASE_SHIFT, MAX_SHIFT = 0.5, 1.15
+BASE_SEQ_LEN, MAX_SEQ_LEN = 256, 4096
+_EPS = 1e-5  # keeps u off 0 and 1, where the shifts divide by zero
 
 
 def _check(scheme: str) -> None:
@@ -65,3 +79,47 @@ def flow_inputs(latents: torch.Tensor, noise: torch.Tensor,
     """(noisy input, velocity target) of the rectified-flow forward process; sigmas per sample."""
     s = sigmas.to(latents.device, latents.dtype).reshape(-1, *([1] * (latents.ndim - 1)))
     return (1.0 - s) * latents + s * noise, noise - latents
+
+
+def shift_mode(cfg, default: str) -> str:
+    """train.flow_shift_mode, "auto" resolved: fixed where train.flow_shift is set, else `default`."""
+    mode = getattr(cfg, "flow_shift_mode", "auto")
+    if mode == "auto":
+        mode = "fixed" if getattr(cfg, "flow_shift", None) is not None else default
+    if mode not in SHIFT_MODES:
+        raise ValueError(f"train.flow_shift_mode {mode!r} is not one of auto, {', '.join(SHIFT_MODES)}")
+    return mode
+
+
+def fixed_shift(cfg, sched) -> float:
+    """train.flow_shift, or the scheduler config's shift where it is not set."""
+    shift = getattr(cfg, "flow_shift", None)
+    return float(shift if shift is not None else getattr(sched, "shift", 1.0))
+
+
+def time_shift(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Sigmas of density draws `u` under a fixed shift (FlowMatchEulerDiscreteScheduler's ``shift``)."""
+    u = u.clamp(_EPS, 1 - _EPS)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def mu_for(tokens: int, sched) -> float:
+    """The shift exponent of an image of `tokens` tokens (the Flux pipeline's calculate_shift)."""
+    base_len = getattr(sched, "base_image_seq_len", None) or BASE_SEQ_LEN
+    max_len = getattr(sched, "max_image_seq_len", None) or MAX_SEQ_LEN
+    base = getattr(sched, "base_shift", None) or BASE_SHIFT
+    top = getattr(sched, "max_shift", None) or MAX_SHIFT
+    m = (top - base) / (max_len - base_len)
+    return tokens * m + base - m * base_len
+
+
+def shifted(u: torch.Tensor, mu: float) -> torch.Tensor:
+    """Sigmas of density draws `u` under the exponent `mu` (FlowMatchEulerDiscreteScheduler's
+    exponential time shift with sigma 1)."""
+    u = u.clamp(_EPS, 1 - _EPS)
+    return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+
+
+def flow_snr(sigmas: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ((1 - sigma) / sigma)^2 of rectified-flow samples."""
+    return ((1 - sigmas) / sigmas) ** 2

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import diffusers
 import torch
 
+from vramfit.config.schema import TrainConfig
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
@@ -26,16 +27,16 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.flow import density_from, flow_inputs, loss_weighting
+from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting
 from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
 from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
-from vramfit.models.flux.objective import SCHEDULER, image_ids, mu_for, pack, shifted, unpack
+from vramfit.models.flux.objective import SCHEDULER, flux_sigmas, image_ids, pack, unpack
 from vramfit.models.flux.stored import MARKER as SCALED_FP8_MARKER
 from vramfit.models.flux.stored import is_stored_extra, load_widened
 from vramfit.models.flux.tiny import TINY_NAMES, materialize_flux, tiny_transformer_config
 from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, variant, variant_of_keys
-from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, merge_counts, require_tokenizers, t5_encoder,
@@ -255,8 +256,8 @@ class FluxFamily:
 
     def config_problems(self, cfg) -> list[str]:
         """Settings of another family's objective, refused before any weight loads."""
-        problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for Flux.1"
-                    for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        problems = [f"train.{name}: applies to the SDXL family's objective; leave it out for Flux.1"
+                    for name in DDPM_KEYS if getattr(cfg.train, name) != getattr(TrainConfig(), name)]
         problems += [f"{where}.negative_prompt: Flux.1 takes no negative prompt (its guidance is distilled "
                      "into the model); leave it out" for where in ("sample", "prior")
                      if getattr(getattr(cfg, where), "negative_prompt", None)]
@@ -349,7 +350,7 @@ class FluxFamily:
                     at: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """On the CPU: the batch's conditioning, every random draw (latent sample, noise, the
         density's `u`, or `at`) and the sigmas, loss weights and guidance that follow from them."""
-        for name in ("noise_offset", "min_snr_gamma"):
+        for name in ("noise_offset", "input_perturbation"):
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 "
                                  "for Flux.1")
@@ -357,10 +358,11 @@ class FluxFamily:
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
         u = at if at is not None else density_from(cfg, latents.shape[0], generator)
         h, w = latents.shape[-2:]
-        sigmas = shifted(u.float(), mu_for((h // 2) * (w // 2), bundle.noise_scheduler.config))
+        sigmas = flux_sigmas(u, (h // 2) * (w // 2), bundle.noise_scheduler.config, cfg)
         guidance = float(getattr(cfg, "guidance", DEFAULT_GUIDANCE))
+        weights = loss_weighting(getattr(cfg, "weighting_scheme", "logit_normal"), sigmas)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas,
-                  "weights": loss_weighting(getattr(cfg, "weighting_scheme", "logit_normal"), sigmas),
+                  **objective_terms(flow_snr(sigmas), "flow", cfg, weights),
                   "guidance": torch.full((latents.shape[0],), guidance)}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype)
                        for k in ("prompt_embeds", "pooled")})
@@ -380,8 +382,7 @@ class FluxFamily:
                        pooled_projections=inputs["pooled"].to(device, dtype), encoder_hidden_states=text,
                        txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
                        img_ids=image_ids(h, w).to(device, dtype), return_dict=False)[0]
-        return weighted_mse(unpack(packed, h, w), target, inputs["weights"].to(device),
-                            inputs.get("sample_weight"), inputs.get("loss_mask"))
+        return loss_of(unpack(packed, h, w), target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
     def transformer_bfl_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

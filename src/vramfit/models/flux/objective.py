@@ -1,43 +1,37 @@
 """Flux.1's rectified-flow objective: the flow families' shared math (models/flow.py) with Flux's
-resolution-dependent timestep shift, its 2x2 latent packing and its position ids.
+resolution-dependent timestep shift (by default; train.flow_shift_mode), its 2x2 latent packing and
+its position ids.
 
 * shift: a draw ``u`` of the density becomes ``sigma = e^mu / (e^mu + 1/u - 1)``, where ``mu``
-  grows linearly with the image's token count from the scheduler's base_shift (at
-  base_image_seq_len tokens) to max_shift (at max_image_seq_len), as Flux's sampler shifts its
-  schedule (the pipeline's calculate_shift): larger images train at noisier timesteps;
+  grows linearly with the image's token count (models/flow.py mu_for, shifted), as Flux's sampler
+  shifts its schedule; with a fixed shift, ``s u / (1 + (s - 1) u)``;
 * the transformer takes ``sigma`` itself as its timestep (the pipeline passes t / 1000);
 * latents (16 channels) are packed into 2x2 patches of 64 channels, one token each; image ids are
   (0, row, column) per token, text ids zeros.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from vramfit.models.flow import (  # Flux's shift, re-exported (__all__)
+    BASE_SEQ_LEN, BASE_SHIFT, MAX_SEQ_LEN, MAX_SHIFT, fixed_shift, mu_for, shift_mode, shifted, time_shift,
+)
+
+__all__ = ["BASE_SEQ_LEN", "BASE_SHIFT", "MAX_SEQ_LEN", "MAX_SHIFT", "SCHEDULER", "mu_for", "shifted",
+           "flux_sigmas", "pack", "unpack", "image_ids"]
+
 # FluxPipeline's scheduler config (black-forest-labs/FLUX.1-dev scheduler_config.json)
-BASE_SHIFT, MAX_SHIFT = 0.5, 1.15
-BASE_SEQ_LEN, MAX_SEQ_LEN = 256, 4096
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
              "base_shift": BASE_SHIFT, "max_shift": MAX_SHIFT, "base_image_seq_len": BASE_SEQ_LEN,
              "max_image_seq_len": MAX_SEQ_LEN}
-_EPS = 1e-5  # keeps u off 0 and 1, where the shift divides by zero
 
 
-def mu_for(tokens: int, sched) -> float:
-    """The shift exponent of an image of `tokens` packed tokens (the pipeline's calculate_shift)."""
-    base_len = getattr(sched, "base_image_seq_len", BASE_SEQ_LEN)
-    max_len = getattr(sched, "max_image_seq_len", MAX_SEQ_LEN)
-    base, top = getattr(sched, "base_shift", BASE_SHIFT), getattr(sched, "max_shift", MAX_SHIFT)
-    m = (top - base) / (max_len - base_len)
-    return tokens * m + base - m * base_len
-
-
-def shifted(u: torch.Tensor, mu: float) -> torch.Tensor:
-    """Sigmas of density draws `u` under the exponent `mu` (FlowMatchEulerDiscreteScheduler's
-    exponential time shift with sigma 1)."""
-    u = u.clamp(_EPS, 1 - _EPS)
-    return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+def flux_sigmas(u: torch.Tensor, tokens: int, sched, cfg) -> torch.Tensor:
+    """Sigmas of density draws `u` for an image of `tokens` packed tokens: the resolution-dependent
+    shift (the default), or a fixed one (train.flow_shift_mode, train.flow_shift)."""
+    if shift_mode(cfg, "resolution") == "resolution":
+        return shifted(u.float(), mu_for(tokens, sched))
+    return time_shift(u.float(), fixed_shift(cfg, sched))
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

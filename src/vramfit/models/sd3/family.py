@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional
 import diffusers
 import torch
 
+from vramfit.config.schema import TrainConfig
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
@@ -33,14 +34,15 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.flow import DDPM_KEYS, flow_snr
+from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
-    NUM_TRAIN_TIMESTEPS, flow_inputs, lookup_sigmas, loss_weighting, sample_density, shifted_sigmas,
+    NUM_TRAIN_TIMESTEPS, flow_inputs, loss_weighting, sample_density, sd3_sigmas,
 )
 from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
 from vramfit.models.sd3.mmdit import (
@@ -411,8 +413,8 @@ class SD3Family:
 
     def config_problems(self, cfg) -> list[str]:
         """Settings of another family's objective, refused before any weight loads."""
-        problems = [f"train.{name}: applies to the SDXL family's objective; set it to 0 for SD3"
-                    for name in ("noise_offset", "min_snr_gamma") if getattr(cfg.train, name) > 0]
+        problems = [f"train.{name}: applies to the SDXL family's objective; leave it out for SD3"
+                    for name in DDPM_KEYS if getattr(cfg.train, name) != getattr(TrainConfig(), name)]
         path = cfg.model.path
         if not (path.startswith("tiny:") or Path(path).expanduser().is_file()):
             problems += [f"model.{key}: separate text encoder files apply to single files; a diffusers "
@@ -446,7 +448,7 @@ class SD3Family:
         [0, 1] per sample, fixes the density's draw) and what follows from them there (the sigmas,
         the model's timesteps, the loss weights). With `dtype` the conditioning is in that dtype
         already, as `loss_from` casts it (the same values)."""
-        for name in ("noise_offset", "min_snr_gamma"):  # SDXL objective settings with no SD3 meaning
+        for name in ("noise_offset", "input_perturbation"):  # SDXL objective settings with no SD3 meaning
             if getattr(cfg, name, 0) > 0:
                 raise ValueError(f"train.{name} applies to the SDXL family's objective; set it to 0 for SD3")
         scheme = getattr(cfg, "weighting_scheme", DEFAULT_SCHEME)
@@ -456,11 +458,10 @@ class SD3Family:
             scheme, latents.shape[0], generator, logit_mean=getattr(cfg, "logit_mean", DEFAULT_LOGIT_MEAN),
             logit_std=getattr(cfg, "logit_std", DEFAULT_LOGIT_STD),
             mode_scale=getattr(cfg, "mode_scale", DEFAULT_MODE_SCALE))
-        sched = bundle.noise_scheduler.config
-        table = shifted_sigmas(sched.num_train_timesteps, sched.shift)
-        sigmas, timesteps = lookup_sigmas(u, table)
+        h, w = latents.shape[-2:]
+        sigmas, timesteps = sd3_sigmas(u, (h // 2) * (w // 2), bundle.noise_scheduler.config, cfg)
         inputs = {"latents": latents, "noise": noise, "sigmas": sigmas, "timesteps": timesteps,
-                  "weights": loss_weighting(scheme, sigmas)}
+                  **objective_terms(flow_snr(sigmas), "flow", cfg, loss_weighting(scheme, sigmas))}
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled")})
         inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
@@ -472,8 +473,7 @@ class SD3Family:
                                     inputs["sigmas"])
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), inputs["timesteps"].to(device), text)
-        return weighted_mse(pred, target, inputs["weights"].to(device), inputs.get("sample_weight"),
-                            inputs.get("loss_mask"))
+        return loss_of(pred, target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
     def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:

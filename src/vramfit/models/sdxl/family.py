@@ -25,7 +25,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.formats.lora import to_diffusers
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.objectives import sample_latent, weighted_mse
+from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
@@ -35,7 +35,10 @@ from vramfit.models.sdxl.sgm_unet import (
 )
 from vramfit.models.sdxl.kohya import describe_target, kohya_unet_names, shipped_kohya_names, to_kohya_sdxl
 from vramfit.models.sdxl.memory import unet_activations, unet_batch
-from vramfit.models.sdxl.objective import epsilon_draws, epsilon_inputs, min_snr_weights
+from vramfit.models.sdxl.objective import (
+    V_PRED_KEY, ZTSNR_KEY, ddpm_draws, ddpm_inputs, ddpm_terms, folder_settings, noise_scheduler,
+    sampling_config, single_file_markers, single_file_settings, train_scheduler,
+)
 from vramfit.models.sdxl.tiny import TINY_NAMES, materialize
 
 UNET = "model.diffusion_model."
@@ -109,8 +112,9 @@ class SDXLFamily:
         """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
         # Values that differ from the defaults, not keys given: a resolved config.toml lists them all.
         train, model = TrainConfig(), ModelConfig()
-        problems = [f"train.{name}: applies to SD3's flow-matching objective, not to {self.name}"
-                    for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale")
+        problems = [f"train.{name}: applies to the flow-matching objective (SD3, Flux.1), not to {self.name}"
+                    for name in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift",
+                                 "flow_shift_mode")
                     if getattr(cfg.train, name) != getattr(train, name)]
         for key in ("max_sequence_length", "t5_precision"):
             if getattr(cfg.model, key) != getattr(model, key):
@@ -134,14 +138,15 @@ class SDXLFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
-        # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
-        from diffusers import DDPMScheduler
-
-        scheduler = DDPMScheduler.from_config(shipped_config("sdxl_scheduler"))
         if source.kind == "single_file":
             unet, vae, encoders = self._load_single_file(source.path)
+            scheduler = noise_scheduler(*single_file_settings(read_header(source.path)[0]))
         else:
             unet, vae, encoders = self._load_diffusers(source.path)
+            try:
+                scheduler = noise_scheduler(*folder_settings(source.path))
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
         tok_dir = require_tokenizers(source)
         tokenizers = load_clip_tokenizers(tok_dir)
         return ModelBundle(self.name, layout_name(dict(unet.config)), source, unet, vae, encoders,
@@ -253,7 +258,7 @@ class SDXLFamily:
 
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Epsilon-prediction loss on SDXL's DDPM schedule, with noise offset and min-SNR weights."""
+        """Epsilon- or v-prediction loss on SDXL's DDPM schedule (models/sdxl/objective.py)."""
         return self.loss_from(bundle, self.loss_inputs(bundle, batch, cfg, generator), cfg, device, dtype)
 
     def loss_inputs(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
@@ -262,9 +267,11 @@ class SDXLFamily:
         random draw of the loss (the latent sample, the noise and the timesteps; `at`, positions in
         [0, 1] per sample, fixes the timesteps). With `dtype` the conditioning is in that dtype
         already, as `loss_from` casts it (the same values)."""
+        scheduler = train_scheduler(bundle, cfg)
         latents = self.latents(bundle, {"mean": batch["mean"], "logvar": batch["logvar"]}, generator)
-        inputs = {"latents": latents,
-                  **epsilon_draws(latents.shape, bundle.noise_scheduler, generator, cfg.noise_offset, at)}
+        inputs = {"latents": latents, **ddpm_draws(latents.shape, scheduler, generator, cfg.noise_offset, at,
+                                                   getattr(cfg, "input_perturbation", 0.0))}
+        inputs.update(ddpm_terms(scheduler, inputs["timesteps"], cfg))
         inputs.update({k: batch[k] if dtype is None else batch[k].to(dtype) for k in ("prompt_embeds", "pooled", "time_ids")})
         inputs.update({k: batch[k] for k in ("sample_weight", "loss_mask") if k in batch})
         return inputs
@@ -273,11 +280,12 @@ class SDXLFamily:
                   dtype: torch.dtype) -> torch.Tensor:
         """The loss of `loss_inputs` (on the CPU, or copied to `device` ahead)."""
         latents = inputs["latents"].to(device)
-        noisy, noise, timesteps = epsilon_inputs(latents, bundle.noise_scheduler, inputs, cfg.noise_offset)
+        # the run's scheduler (a bundle copied before `loss_inputs` replaced it gets its own once)
+        noisy, target, timesteps = ddpm_inputs(latents, train_scheduler(bundle, cfg), inputs, cfg.noise_offset,
+                                               getattr(cfg, "input_perturbation", 0.0))
         text = {k: inputs[k].to(device, dtype) for k in ("prompt_embeds", "pooled")}
         pred = self.predict(bundle, noisy.to(dtype), timesteps, text, inputs["time_ids"].to(device, dtype))
-        weights = min_snr_weights(bundle.noise_scheduler, timesteps, cfg.min_snr_gamma)
-        return weighted_mse(pred, noise, weights, inputs.get("sample_weight"), inputs.get("loss_mask"))
+        return loss_of(pred, target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
     def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -287,13 +295,16 @@ class SDXLFamily:
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
-        """UNet converted back to SGM keys; VAE and text encoders carried over from the source."""
+        """UNet converted back to SGM keys; VAE and text encoders carried over from the source; the
+        `v_pred`/`ztsnr` markers of the trained prediction type (ComfyUI reads them)."""
         metadata = {**metadata, "modelspec.architecture": "stable-diffusion-xl-v1-base"}
         state = self.unet_sgm_state(bundle, dtype)
         src = bundle.source
         if src.kind == "single_file":
             # Everything that is not the UNet is copied byte for byte from the input file.
             state.update(load_prefixed(src.path, "", exclude=UNET))
+            for key in (V_PRED_KEY, ZTSNR_KEY):  # the source's markers; the trained ones follow
+                state.pop(key, None)
         else:
             vae, (enc1, enc2) = self.load_encoders(src)  # written in the dtypes the folder stores
             vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
@@ -305,6 +316,7 @@ class SDXLFamily:
             bigg = clipfmt.hf_to_openclip(as_stored(enc2, src.path / "text_encoder_2"),
                                           logit_scale=torch.tensor(4.6052))
             state.update({CLIP_G + k: v for k, v in bigg.items()})
+        state.update(single_file_markers(bundle.noise_scheduler))
         save_atomic(state, path, metadata)
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
@@ -321,7 +333,8 @@ class SDXLFamily:
         encoders[1].save_pretrained(tmp / "text_encoder_2")
         for sub, tok in zip(("tokenizer", "tokenizer_2"), bundle.tokenizers):
             tok.save_pretrained(tmp / sub)
-        EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler")).save_pretrained(tmp / "scheduler")
+        scheduler = EulerDiscreteScheduler.from_config(sampling_config(bundle.noise_scheduler))
+        scheduler.save_pretrained(tmp / "scheduler")
         index = {"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": diffusers.__version__,
                  "force_zeros_for_empty_prompt": True, "vae": ["diffusers", "AutoencoderKL"],
                  "unet": ["diffusers", "UNet2DConditionModel"],
@@ -350,11 +363,11 @@ class SDXLFamily:
         return to_kohya_sdxl(state, config, alpha)
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
-        """A StableDiffusionXLPipeline with SDXL's Euler scheduler."""
+        """A StableDiffusionXLPipeline with SDXL's Euler scheduler, set for the model's prediction type."""
         # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-        scheduler = EulerDiscreteScheduler.from_config(shipped_config("sdxl_scheduler"))
+        scheduler = EulerDiscreteScheduler.from_config(sampling_config(bundle.noise_scheduler))
         return StableDiffusionXLPipeline(
             vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=tokenizers[0],
             tokenizer_2=tokenizers[1], unet=bundle.denoiser, scheduler=scheduler,
