@@ -14,7 +14,7 @@ from diffusers import DDPMScheduler
 from safetensors import safe_open
 
 from vramfit.cli import main
-from vramfit.config.rules import OBJECTIVE_RULES, config_problems
+from vramfit.config.rules import config_problems
 from vramfit.config.schema import ModelConfig, RunConfig, TrainConfig
 from vramfit.models.flow import flow_snr, mu_for, shifted, time_shift
 from vramfit.models.flux.objective import SCHEDULER, flux_sigmas
@@ -222,7 +222,7 @@ def test_each_objective_rule_refuses_its_key():
         "train.huber_schedule": {"huber_schedule": "constant"},
         "train.flow_shift": {"flow_shift": 2.0, "flow_shift_mode": "resolution"},
     }
-    assert set(cases) == {r.key for r in OBJECTIVE_RULES}
+    # (tests/test_rules.py checks that every rule of the table is tried)
     for key, values in cases.items():
         cfg = RunConfig.model_construct(train=TrainConfig.model_construct(**{**TrainConfig().model_dump(),
                                                                              **values}))

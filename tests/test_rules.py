@@ -19,6 +19,12 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "train.steps": {"train": {"steps": 5, "epochs": 2}},
         "save.every_epochs": {"save": {"every_epochs": 1, "every_steps": 5}},
         "sample.every_epochs": {"sample": {"every_epochs": 1, "every_steps": 5, "prompts": ["a"]}},
+        "train.zero_terminal_snr": {"train": {"zero_terminal_snr": True, "prediction_type": "epsilon"}},
+        "train.debiased_estimation": {"train": {"debiased_estimation": True, "min_snr_gamma": 5.0}},
+        "train.weighting_scheme": {"train": {"weighting_scheme": "cosmap", "debiased_estimation": True}},
+        "train.huber_c": {"train": {"huber_c": 0.3}},
+        "train.huber_schedule": {"train": {"huber_schedule": "constant"}},
+        "train.flow_shift": {"train": {"flow_shift": 2.0, "flow_shift_mode": "resolution"}},
     }
     assert set(cases) == {r.key for r in RULES}  # every rule is tried
     for key, values in cases.items():

@@ -138,18 +138,16 @@ def _shift(cfg: Any) -> Optional[str]:
 
 RULES = (Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
          Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
-         Rule("sample.every_epochs", _every("sample")))
-# the training objective's settings (prediction type, loss weightings, loss, shift)
-OBJECTIVE_RULES = (Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
-                   Rule("train.weighting_scheme", _snr_beside_cosmap),
-                   Rule("train.huber_c", _huber("huber_c")),
-                   Rule("train.huber_schedule", _huber("huber_schedule")),
-                   Rule("train.flow_shift", _shift))
+         Rule("sample.every_epochs", _every("sample")),
+         # the training objective's settings (prediction type, loss weightings, loss, shift)
+         Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
+         Rule("train.weighting_scheme", _snr_beside_cosmap), Rule("train.huber_c", _huber("huber_c")),
+         Rule("train.huber_schedule", _huber("huber_schedule")), Rule("train.flow_shift", _shift))
 
 
 def config_problems(cfg: Any) -> list[tuple[str, str]]:
     """(key, why) of every rule the config breaks on one process."""
-    return [(rule.key, why) for rule in RULES + OBJECTIVE_RULES if (why := rule.check(cfg))]
+    return [(rule.key, why) for rule in RULES if (why := rule.check(cfg))]
 
 
 # ---- several processes (`vramfit train --gpus N`, accelerate launch) --------------------------------
