@@ -50,7 +50,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The argument parser; given the `command` about to run, without what only other commands' help
     needs (generate's options and plan's layout names import torch and every model family)."""
     parser = argparse.ArgumentParser(prog="vramfit", description=(
-        "Fine-tune SDXL-family and Stable Diffusion 3 models inside the GPU memory you have."))
+        "Fine-tune SDXL-family, Stable Diffusion 3 and Flux.1 models inside the GPU memory you have."))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="cache the dataset, train, save a checkpoint and a memory report")
