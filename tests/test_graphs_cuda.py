@@ -88,6 +88,12 @@ CASES = {
         *STREAMED_INBWD[:-1], "train.gradient_checkpointing=true", "memory.offload_activations=true"]),
     "sd3-lora-streamed-offloaded": ("tiny:sd3", [
         "train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true", "memory.offload_activations=true"]),
+    # Flux.1: the recorded transformer is a wrapper without diffusers' config (the family reads what it
+    # needs from the bundle), over a streamed or nf4 base, and a streamed full fine-tune stepped in backward
+    "flux-lora-streamed": ("tiny:flux", ["train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true"]),
+    "flux-lora-nf4-samples": ("tiny:flux", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4",
+                                            *SAMPLES]),
+    "flux-full-streamed-inbwd": ("tiny:flux", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),
 }
 
 
