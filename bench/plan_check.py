@@ -42,6 +42,8 @@ CHANGES = [
      "ca544c6: streamed units are copied into slots kept while training"),
     ("2026-12-04 14:25", "memory.stream_weights=true", ("save",),
      "0b80d70: the slots are let go before the final save"),
+    ("2026-12-05 05:30", "", ("samples",),
+     "sample prompts encoded in the caption phase: with captions cached a grid holds no text encoder"),
 ]
 
 

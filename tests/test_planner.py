@@ -255,8 +255,10 @@ def test_the_sd3m_example_is_predicted_within_ten_percent(sd3m):
     from vramfit.config.load import load_config
 
     cfg = load_config(ROOT / "examples" / "sd3m_dreambooth_lora.toml", ["model.path=tiny:sd3"], need_data=False)
-    # measured on the H200 by bench/sd3m_example.py (SD3-M layout, random fp8 T5-XXL, one caption)
-    measured = {"cache_latents": 1.10, "cache_text": 4.69, "train": 4.65, "samples": 5.94}
+    # measured on the H200 by bench/sd3m_example.py (SD3-M layout, random fp8 T5-XXL, one caption);
+    # its samples phase (5.94 GiB, T5 on the GPU) was measured before grids took their prompts from
+    # the caption phase, and is not compared (bench/plan_check.py CHANGES)
+    measured = {"cache_latents": 1.10, "cache_text": 4.69, "train": 4.65}
     predicted = {p.name: p.peak / GIB for p in predict(sd3m, cfg, captions=1).phases}
     for phase, gib in measured.items():
         assert abs(predicted[phase] - gib) <= 0.10 * gib, (phase, predicted[phase], gib)

@@ -18,8 +18,9 @@ import logging
 import math
 import re
 import sys
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -30,6 +31,7 @@ from vramfit.config.load import cuda_problem, default_cache_root, folder_problem
 from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
+from vramfit.memory.encoder_stream import encoder_on
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.parts import require_tokenizers
 from vramfit.models.sources import PICKLE_SUFFIXES, SourceError, resolve_source
@@ -51,6 +53,16 @@ class GenerateError(ValueError):
 
 
 # ---- pipeline -------------------------------------------------------------------------------
+
+def decoder_pipeline(bundle, vae) -> Any:
+    """A pipeline over the bundle's denoiser and `vae` alone, without text encoders: for prompts
+    encoded before (`encode_prompts`)."""
+    family = FAMILIES[bundle.family]
+    tokenizers = list(bundle.tokenizers)
+    pipe = family.pipeline(bundle, vae, [None] * len(tokenizers), tokenizers)
+    pipe.vramfit_family = family
+    return pipe
+
 
 def build_pipeline(bundle) -> Any:
     """A diffusers pipeline over the bundle's own modules (shared, not copied).
@@ -298,9 +310,11 @@ def unload_loras(pipe, names: Sequence[str]) -> None:
 
 @torch.no_grad()
 def _encode(pipe, prompt: str, negative: Optional[str], guidance: float,
-            max_sequence_length: Optional[int]) -> dict[str, Optional[torch.Tensor]]:
-    """The prompt's embeddings, computed once for all of its images, in the denoiser's dtype."""
-    kwargs = dict(prompt=prompt, prompt_2=None, device=pipe._execution_device, num_images_per_prompt=1,
+            max_sequence_length: Optional[int], device=None) -> dict[str, Optional[torch.Tensor]]:
+    """The prompt's embeddings, computed once for all of its images, in the denoiser's dtype (on
+    `device`, default the pipeline's execution device)."""
+    kwargs = dict(prompt=prompt, prompt_2=None, device=device or pipe._execution_device,
+                  num_images_per_prompt=1,
                   do_classifier_free_guidance=guidance > 1.0, negative_prompt=negative)
     kwargs.update(_family(pipe).prompt_options(max_sequence_length or sampling_defaults(pipe)["t5_tokens"]))
     pe, npe, ppe, nppe = pipe.encode_prompt(**kwargs)
@@ -342,10 +356,15 @@ def initial_noise(pipe, generator: torch.Generator, width: int, height: int) -> 
 
 def _render(pipe, prompt: str, seeds: Sequence[int], *, negative: Optional[str], steps: int,
             guidance: float, width: int, height: int, max_sequence_length: Optional[int],
-            on_image: Optional[Callable[[Any], None]] = None) -> list:
+            on_image: Optional[Callable[[Any], None]] = None, encoded: Optional[dict] = None) -> list:
     """One image per seed, each from its own CPU generator, one at a time (`on_image` is called
-    with each as soon as it is decoded)."""
-    embeds = _encode(pipe, prompt, negative, guidance, max_sequence_length)
+    with each as soon as it is decoded). `encoded`: the prompt's embeddings made before
+    (`encode_prompts`), for a pipeline without text encoders."""
+    if encoded is None:
+        embeds = _encode(pipe, prompt, negative, guidance, max_sequence_length)
+    else:
+        device, dtype = pipe._execution_device, _denoiser(pipe).dtype
+        embeds = {k: None if t is None else t.to(device, dtype) for k, t in encoded.items()}
     images = []
     for seed in seeds:
         generator = torch.Generator("cpu").manual_seed(int(seed))
@@ -403,22 +422,11 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
         unload_loras(pipe, names)
 
 
-def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative: Optional[str] = None,
-                steps: int = 20, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
-                height: int = DEFAULT_SIZE, device=None, dtype: Optional[torch.dtype] = None,
-                offload: bool = True, max_sequence_length: Optional[int] = None, labels: bool = True):
-    """A grid of fixed prompts (rows) x fixed seeds (columns), for samples during training.
-
-    Uses the adapters active on the pipeline's denoiser (e.g. the LoRA being trained) and loads
-    none. Models are put in eval mode for the samples and back in their previous mode after.
-    With `device`, the pipeline is placed as `place` does and afterwards every model goes back
-    to the device it was on (offload hooks removed), so a training model is where it was;
-    `dtype` (default None: none) casts the models, the denoiser included, and is not undone.
-    """
-    guidance = sampling_defaults(pipe)["guidance"] if guidance is None else float(guidance)
-    _check(pipe, prompts, steps, width, height, max(1, len(seeds)))
-    if not seeds:
-        raise ValueError("sample_grid needs at least one seed")
+@contextmanager
+def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool) -> Iterator[None]:
+    """The pipeline's models in eval mode and placed as `place` does (with `device`; else cast to
+    `dtype` where given), each back in its mode and on its device afterwards (offload hooks
+    removed), so a training model is where it was. A cast is not undone."""
     modules = {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     modes = {name: m.training for name, m in modules.items()}
     devices = {name: next(m.parameters()).device for name, m in modules.items()
@@ -431,9 +439,7 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
             place(pipe, device, dtype, offload=offload)
         elif dtype is not None:
             _cast(pipe, dtype)
-        rows = [_render(pipe, prompt, seeds, negative=negative, steps=steps, guidance=guidance,
-                        width=width, height=height, max_sequence_length=max_sequence_length)
-                for prompt in prompts]
+        yield
     finally:
         for name, m in modules.items():
             m.train(modes[name])
@@ -444,6 +450,53 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
                     if name in devices:
                         m.to(devices[name])
                 pipe._vramfit_placed = placed_before
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: Sequence[str], *, negative: Optional[str] = None,
+                   guidance: Optional[float] = None, device=None, max_sequence_length: Optional[int] = None,
+                   stream: bool = False) -> dict[str, dict[str, Optional[torch.Tensor]]]:
+    """Each prompt's embeddings (and the negative prompt's where `guidance` uses it), as a grid with
+    the same settings would make them, in CPU memory: a later `sample_grid(encoded=...)` needs no
+    text encoder. On CUDA each encoder visits the GPU only while it runs; with `stream`, layer by
+    layer (memory/encoder_stream.py, as memory.stream_encoders encodes captions)."""
+    guidance = sampling_defaults(pipe)["guidance"] if guidance is None else float(guidance)
+    unique = list(dict.fromkeys(prompts))
+    if stream and device is not None and torch.device(device).type == "cuda":
+        with ExitStack() as stack:
+            for name, m in pipe.components.items():
+                if name.startswith("text_encoder") and isinstance(m, torch.nn.Module):
+                    stack.enter_context(encoder_on(m.eval(), torch.device(device), True))
+            encoded = [_encode(pipe, p, negative, guidance, max_sequence_length, device) for p in unique]
+    else:
+        with _visiting(pipe, device, None, True):
+            encoded = [_encode(pipe, p, negative, guidance, max_sequence_length) for p in unique]
+    return {p: {k: None if t is None else t.cpu() for k, t in e.items()} for p, e in zip(unique, encoded)}
+
+
+def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative: Optional[str] = None,
+                steps: int = 20, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
+                height: int = DEFAULT_SIZE, device=None, dtype: Optional[torch.dtype] = None,
+                offload: bool = True, max_sequence_length: Optional[int] = None, labels: bool = True,
+                encoded: Optional[dict] = None):
+    """A grid of fixed prompts (rows) x fixed seeds (columns), for samples during training.
+
+    Uses the adapters active on the pipeline's denoiser (e.g. the LoRA being trained) and loads
+    none. Models are put in eval mode for the samples and back in their previous mode after.
+    With `device`, the pipeline is placed as `place` does and afterwards every model goes back
+    to the device it was on (offload hooks removed), so a training model is where it was;
+    `dtype` (default None: none) casts the models, the denoiser included, and is not undone.
+    `encoded`: {prompt: embeddings} from `encode_prompts`, for a pipeline without text encoders.
+    """
+    guidance = sampling_defaults(pipe)["guidance"] if guidance is None else float(guidance)
+    _check(pipe, prompts, steps, width, height, max(1, len(seeds)))
+    if not seeds:
+        raise ValueError("sample_grid needs at least one seed")
+    with _visiting(pipe, device, dtype, offload):
+        rows = [_render(pipe, prompt, seeds, negative=negative, steps=steps, guidance=guidance,
+                        width=width, height=height, max_sequence_length=max_sequence_length,
+                        encoded=None if encoded is None else encoded[prompt])
+                for prompt in prompts]
     if not labels:
         return image_grid(rows)
     return image_grid(rows, [[f"seed {s}" for s in seeds] for _ in prompts],

@@ -123,7 +123,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     if cfg.train.epochs is not None:  # the steps of the epochs, checked against the state before caching
         cfg = _steps_of_epochs(cfg, clock)
         check_resumable(cfg, resume, ranks.world)
-    fill_cache(cfg, loaded, tracker, device, progress, ranks)
+    sample_inputs = fill_cache(cfg, loaded, tracker, device, progress, ranks)
     if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
         write_text_atomic(out / "config.toml", dump_config(cfg))
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
@@ -162,7 +162,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     engine = StepEngine(family, bundle, optimizer, cfg.train, device, streamer=streamer, ranks=ranks)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples",
                         clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None,
-                        release=engine.release_for_sampling)
+                        release=engine.release_for_sampling, inputs=sample_inputs)
     validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, engine.dtype)
     if validation.enabled:
         log.info("validation: %d held-out images at %d timesteps, %s", validation.images, cfg.validation.timesteps,

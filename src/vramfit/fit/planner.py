@@ -389,8 +389,9 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
 
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
     """Sample grids (train/samples.py): diffusers' model CPU offload brings one model at a time to
-    the GPU, except that the last text encoder is still there when the first ones run again for
-    the negative prompt (the two largest encoders at once); the optimizer state stays. The grid
+    the GPU; with captions cached the prompts were encoded before (the denoiser, then the VAE),
+    else the last text encoder is still there when the first ones run again for the negative
+    prompt (the two largest encoders at once); the optimizer state stays. The grid
     runs every model in the dtype of the denoiser's frozen weights (all its weights when none is
     frozen: train/samples.py `grid_dtype`), which is bf16 under full_bf16 and fp32 otherwise (a
     LoRA's base too): fp32 doubles every term but the weights."""
@@ -401,7 +402,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     family = FAMILIES[facts.family]
     shape = family.activations(facts.config, h // 8, w // 8, t5_tokens(family, cfg, facts.config))
     halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
-    stages = [{"text encoders": sum(encoders[-2:])},
+    # with captions cached the prompts were encoded in the caption phase (train/samples.py): no encoder here
+    stages = [{"text encoders": 0 if cfg.cache.text else sum(encoders[-2:])},
               {"weights": terms["weights"],
                "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
               {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]

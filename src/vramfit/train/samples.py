@@ -1,23 +1,25 @@
 """Sample grids during training: the same prompts and seeds every N steps, one PNG per render.
 
 The grid is rendered by a diffusers pipeline over the model being trained (with its LoRA
-active), so what it shows is what an exported checkpoint will give. The VAE and text encoders
-were freed for training; they are read from the source again for each grid (T5 stored as
-model.t5_precision asks) and freed after, and on CUDA each model visits the GPU only while it
-runs (generate.sample_grid), so a grid adds the largest single encoder to the training peak,
-not all of them. Cost: one encoder load plus the renders, every sample.every_steps steps.
+active), so what it shows is what an exported checkpoint will give. Where captions are cached,
+the sample prompts are encoded with them, in the caption phase (`encode_sample_prompts`), and
+the VAE is kept in CPU memory: a grid then needs only the denoiser and the decoder on the GPU, and
+reads nothing from disk. Otherwise (live text encoders) the VAE and text encoders are read from
+the source again for each grid (T5 stored as model.t5_precision asks) and freed after; on CUDA
+each model visits the GPU only while it runs (generate.sample_grid).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from vramfit.config.schema import RunConfig
-from vramfit.generate import build_pipeline, sample_grid, save_png
+from vramfit.generate import build_pipeline, decoder_pipeline, encode_prompts, sample_grid, save_png
 from vramfit.train.data import free_device_memory
 from vramfit.train.state import Progress
 
@@ -31,13 +33,42 @@ def grid_dtype(denoiser: torch.nn.Module) -> torch.dtype:
     return next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
 
 
+@dataclass
+class SampleInputs:
+    """What a grid needs besides the denoiser, made in the caption phase: each prompt's embeddings
+    and the VAE, both in CPU memory."""
+
+    encoded: dict
+    vae: torch.nn.Module
+
+
+def grids_enabled(cfg: RunConfig) -> bool:
+    return bool((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.sample.prompts)
+
+
+def encode_sample_prompts(cfg: RunConfig, bundle, device: torch.device) -> Optional[SampleInputs]:
+    """The sample prompts encoded by the bundle's text encoders (still loaded: the caption phase), and
+    its VAE kept, when grids are on and captions cached; else None (grids load their encoders)."""
+    if not (grids_enabled(cfg) and cfg.cache.text and bundle.vae is not None and bundle.text_encoders):
+        return None
+    s = cfg.sample
+    pipe = build_pipeline(bundle)
+    encoded = encode_prompts(pipe, s.prompts, negative=s.negative_prompt, guidance=s.guidance, device=device,
+                             max_sequence_length=bundle.extra.get("max_sequence_length"),
+                             stream=cfg.memory.stream_encoders)
+    log.info("sample grids: %d prompt(s) encoded with the captions; the grids need no text encoder",
+             len(encoded))
+    return SampleInputs(encoded, bundle.vae)
+
+
 class SampleGrids:
     """Callable with a step number; renders when the step is due. `final` renders regardless."""
 
     def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path,
                  epoch_ended: Optional[Callable[[Progress], bool]] = None,
-                 release: Optional[Callable[[], bool]] = None):
+                 release: Optional[Callable[[], bool]] = None, inputs: Optional[SampleInputs] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
+        self.inputs = inputs  # prompts encoded in the caption phase, and the VAE
         self.folder = folder
         self.release = release  # the step engine's: its CUDA graph recordings make room for the grid
         self.epoch_ended = epoch_ended  # sample.every_epochs: whether a step ended an N-th epoch
@@ -60,22 +91,28 @@ class SampleGrids:
             free_device_memory(self.device)
         s = self.cfg.sample
         dtype = grid_dtype(self.bundle.denoiser)
-        vae, encoders = self.family.load_encoders(self.bundle.source)
-        for m in (vae, *encoders):
-            m.to(dtype)
-        temp = dataclasses.replace(self.bundle, vae=vae, text_encoders=list(encoders),
-                                   tokenizers=list(self.bundle.tokenizers), extra=dict(self.bundle.extra))
-        self.family.prepare_encoders(temp)
-        pipe = build_pipeline(temp)
+        if self.inputs is not None:
+            vae, encoders = self.inputs.vae.to(dtype), []
+            pipe = decoder_pipeline(self.bundle, vae)
+        else:
+            vae, encoders = self.family.load_encoders(self.bundle.source)
+            for m in (vae, *encoders):
+                m.to(dtype)
+            temp = dataclasses.replace(self.bundle, vae=vae, text_encoders=list(encoders),
+                                       tokenizers=list(self.bundle.tokenizers), extra=dict(self.bundle.extra))
+            self.family.prepare_encoders(temp)
+            pipe = build_pipeline(temp)
+            del temp
         pipe.set_progress_bar_config(disable=True)
         size = self.cfg.data.resolution
         try:
             grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
                                guidance=s.guidance, width=s.width or size, height=s.height or size,
                                device=self.device,
-                               max_sequence_length=self.bundle.extra.get("max_sequence_length"))
+                               max_sequence_length=self.bundle.extra.get("max_sequence_length"),
+                               encoded=None if self.inputs is None else self.inputs.encoded)
         finally:
-            del pipe, temp, vae, encoders
+            del pipe, vae, encoders
             free_device_memory(self.device)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:06d}.png"

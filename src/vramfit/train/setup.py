@@ -42,6 +42,7 @@ from vramfit.train.data import PLAIN, DTYPES, Record, TrainingData, free_device_
 from vramfit.train.engine import NonFiniteLoss
 from vramfit.train.loop import LoopResult, StopFlag
 from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
+from vramfit.train.samples import SampleInputs, encode_sample_prompts
 from vramfit.train.state import (Progress, ResumeError, check_compatible, find_state, kept_note, load_state,
                                  read_meta)
 
@@ -249,8 +250,9 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
 
 @stopped_as("while preparing the cache: what is cached is kept; run the same command again to continue")
 def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device: torch.device, progress: bool,
-               ranks: Optional[distributed.DataParallel] = None) -> None:
-    """Encode what is not cached yet (over several ranks each its share), then free the encoders the
+               ranks: Optional[distributed.DataParallel] = None) -> Optional[SampleInputs]:
+    """Encode what is not cached yet (over several ranks each its share), and the sample prompts
+    where grids are on (returned, with the VAE: train/samples.py), then free the encoders the
     training does not need."""
     ranks = ranks or distributed.DataParallel()
     progress = progress and cfg.logging.progress
@@ -261,6 +263,7 @@ def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device:
     with tracker.phase("cache_text"), stopped_as(lambda: _cache_note(data, "text")):
         if cfg.cache.text:
             data.cache_text(progress)
+        sample_inputs = encode_sample_prompts(cfg, bundle, device) if ranks.main else None
     ranks.barrier()  # every rank's share is written before any rank reads the cache
     if cfg.cache.latents or cfg.cache.text:
         size = data.cache_size()
@@ -273,6 +276,7 @@ def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device:
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
         bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
+    return sample_inputs
 
 
 def _with_class_records(cfg: RunConfig, family, bundle, records: list[Record], device: torch.device,
