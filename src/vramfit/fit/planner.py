@@ -587,8 +587,8 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     # Encoders that stay live during training put their settings into the training group.
     if knob.group == "cache_latents" and not cfg.cache.latents:
         return "train"
-    if knob.group == "cache_text" and (not cfg.cache.text or (cfg.sample.every_steps and cfg.sample.prompts)):
-        return "train"  # sample grids encode their prompts while the denoiser trains
+    if knob.group == "cache_text" and not cfg.cache.text:
+        return "train"  # (with captions cached, sample grids take their prompts from the caption phase)
     return knob.group
 
 
@@ -718,9 +718,11 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         if blocking:
             lines.append(blocking)
         if phase == "samples":
-            lines.append("the samples phase renders the sample grids (sample.every_steps) with the text encoders "
-                         "on the GPU for their prompts: sample.every_steps = 0 leaves the grids out (render them "
-                         "after training with vramfit generate)")
+            lines.append("the samples phase renders the sample grids (sample.every_steps)"
+                         + ("" if cfg.cache.text else " with the text encoders on the GPU for their prompts (cached "
+                            "captions would encode them before training)")
+                         + ": sample.every_steps = 0 leaves the grids out (render them after training with "
+                         "vramfit generate)")
         if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
         raise PlanError("; ".join(lines))
