@@ -19,6 +19,8 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "train.steps": {"train": {"steps": 5, "epochs": 2}},
         "save.every_epochs": {"save": {"every_epochs": 1, "every_steps": 5}},
         "sample.every_epochs": {"sample": {"every_epochs": 1, "every_steps": 5, "prompts": ["a"]}},
+        "train.optimizer_in_backward": {"train": {"optimizer": "prodigy", "optimizer_in_backward": True}},
+        "memory.stream_weights": {"train": {"optimizer": "came"}, "memory": {"stream_weights": True}},
     }
     assert set(cases) == {r.key for r in RULES}  # every rule is tried
     for key, values in cases.items():

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -76,7 +75,8 @@ from vramfit.memory.offload import block_modules, split_units
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
-from vramfit.optim.build import optimizer_class
+from vramfit.optim.build import optimizer_class, other_state_bytes
+from vramfit.optim.wrapped import WrappedOptimizer
 from vramfit.train.distributed import composition_problems, launched_world
 from vramfit.train.lora import target_modules
 
@@ -323,29 +323,10 @@ def _checkpointed_share(cfg: RunConfig) -> float:
     return 1.0 if setting is True else 0.0 if setting is False else float(setting)
 
 
-# fp32 state values per trained value of the optimizers optim/wrapped.py steps (their classes allocate
-# them from fp32 shadows): Prodigy s, p0 and two moments; schedule-free z and the second moment; a
-# custom class counted as AdamW's two fp32 moments. CAME: `optimizer_state_bytes`.
-WRAPPED_STATE_VALUES = {"prodigy": 4, "schedulefree_adamw": 2, "custom": 2}
-# fp32 temporaries per value of a pack of optimizers calibration.json has no row for (counted from
-# optim/lion.py: the weight, gradient, moment, interpolation and new value), and per trained value
-# of a wrapped step (optim/wrapped.py: the fp32 copies of a bf16 weight and its gradient, plus the
-# wrapped class's own temporaries of one tensor at a time, counted in the largest tensor's pack)
-OTHER_STEP_TEMP_BYTES = {"lion": 20, "prodigy": 16, "schedulefree_adamw": 12, "came": 16, "custom": 16}
-WRAPPED_COPY_BYTES = 8
-
-
 def optimizer_state_bytes(optimizer: str, x: "_Tensor") -> int:
-    """Optimizer state of one trained tensor, as optim/ (or the wrapped class) allocates it."""
-    if optimizer == "lion":  # one moment in the parameter's dtype
-        return x.numel * x.dtype_bytes
-    if optimizer == "came":  # fp32: the first moment, and row and column factors (over the last two
-        if len(x.shape) >= 2:  # dimensions, the others kept) of the second moment and of the residual
-            return 4 * (x.numel + 2 * (math.prod(x.shape[:-1]) + math.prod(x.shape[:-2]) * x.shape[-1]))
-        return 4 * 2 * x.numel
-    if optimizer in WRAPPED_STATE_VALUES:
-        return 4 * WRAPPED_STATE_VALUES[optimizer] * x.numel
-    return state_bytes(optimizer, x.numel, x.shape, x.dtype_bytes)
+    """Optimizer state of one trained tensor, as optim/ (or the class it wraps) allocates it."""
+    counted = other_state_bytes(optimizer, x.numel, x.shape, x.dtype_bytes)
+    return state_bytes(optimizer, x.numel, x.shape, x.dtype_bytes) if counted is None else counted
 
 
 def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
@@ -380,9 +361,9 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     """The training phase's parts; `terms`: `device_terms(facts, cfg)`."""
     t = cfg.train
     grads = terms["gradients"]
-    temps = {**OTHER_STEP_TEMP_BYTES, **STEP_TEMP_BYTES}[t.optimizer] * terms["pack numel"]
+    temps = STEP_TEMP_BYTES[t.optimizer] * terms["pack numel"]
     if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of every bf16 weight
-        temps += WRAPPED_COPY_BYTES * terms["trained numel"]
+        temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
     base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}
     if not cfg.cache.latents:
@@ -405,8 +386,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         # Adafactor, and AdamW on bf16 weights; fp32 ones step in place)
         weights = torch.bfloat16 if t.precision == "full_bf16" else torch.float32
         if optimizer_class(t.optimizer).chunks_weights_of(weights):
-            temps = ({**OTHER_STEP_TEMP_BYTES, **STEP_TEMP_BYTES}[t.optimizer]
-                     * min(terms["pack numel"], ParamOptimizer.MIN_PACK_NUMEL))
+            temps = STEP_TEMP_BYTES[t.optimizer] * min(terms["pack numel"], ParamOptimizer.MIN_PACK_NUMEL)
         candidates.append({"gradients": max(accumulated, terms["largest bytes"]), **act,
                            "step temporaries": int(IN_BACKWARD_TEMP_SHARE * temps)})
     else:

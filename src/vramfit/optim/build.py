@@ -15,7 +15,8 @@ resumable state; each has train.warmup_steps of linear warm-up.
 """
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Optional
 
 import torch
 from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
@@ -43,6 +44,22 @@ def optimizer_class(name: str) -> type[ParamOptimizer]:
     if name in WRAPPED or name == "custom":
         return WrappedOptimizer
     return AdamW8bit if name == "adamw8bit" else AdamW
+
+
+def other_state_bytes(name: str, numel: int, shape: tuple, dtype_bytes: int) -> Optional[int]:
+    """Optimizer state of one trained tensor for the optimizers fit/model_facts.py does not count, as
+    they allocate it (None for the others): Lion one moment in the weight's dtype; from an fp32 shadow
+    (optim/wrapped.py) Prodigy s, p0 and two moments, schedule-free z and the second moment, CAME the
+    first moment and row and column factors (over the last two dimensions, the others kept) of the
+    second moment and of the residual; a custom class is counted as AdamW's two fp32 moments."""
+    if name == "lion":
+        return numel * dtype_bytes
+    if name == "came":
+        if len(shape) >= 2:
+            return 4 * (numel + 2 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]))
+        return 4 * 2 * numel
+    values = {"prodigy": 4, "schedulefree_adamw": 2, "custom": 2}.get(name)
+    return None if values is None else 4 * values * numel
 
 
 def steps_streamed_on_device(streamed: bool, mode: str, in_backward: bool, optimizer: type) -> bool:

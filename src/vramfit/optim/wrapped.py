@@ -55,6 +55,8 @@ def import_class(path: str, key: str = "train.optimizer_class") -> type:
 class WrappedOptimizer(ParamOptimizer):
     """A torch.optim-style class stepping fp32 shadows of the parameters (see the module doc)."""
 
+    COPY_BYTES = 8  # during a step, per value of a bf16 parameter: its fp32 copy and its gradient's
+
     def __init__(self, params, cls: type, kwargs: dict[str, Any], rounding: Optional[RoundingGenerators] = None,
                  key: str = "train.optimizer_args"):
         params = list(params)
