@@ -172,3 +172,19 @@ def test_each_schedule_warms_up_then_follows_its_curve(scheduler, keys, after):
     got = _lrs(scheduler, **keys)
     want = [0.0, 0.5] + [after((s - 2) / 8) for s in range(2, 10)]
     assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_a_wrapped_step_that_is_not_finite_is_not_taken():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 8).to(torch.bfloat16))
+    opt = build_optimizer([p], TrainConfig(optimizer="prodigy", lr=1.0))
+    p.grad = torch.randn_like(p)
+    opt.step(finite=torch.tensor(True))
+    before, state = p.detach().clone(), io.BytesIO()
+    torch.save(opt.state_dict(), state)
+    p.grad = torch.randn_like(p)
+    opt.step(finite=torch.tensor(False))
+    opt.take_back()
+    after = io.BytesIO()
+    torch.save(opt.state_dict(), after)
+    assert torch.equal(p.detach(), before) and after.getvalue() == state.getvalue()

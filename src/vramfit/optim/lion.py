@@ -42,8 +42,8 @@ class Lion(ParamOptimizer):
 
     def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         beta1, beta2 = group["betas"]
-        moment = fp32(state["exp_avg"])
+        moment = fp32(state["exp_avg"])  # the state itself where it is fp32: read only, written through _store
         direction = moment.lerp(grad, 1 - beta1).sign_()
-        self._store(state["exp_avg"], moment.lerp_(grad, 1 - beta2), finite)
+        self._store(state["exp_avg"], moment.lerp(grad, 1 - beta2), finite)
         new = p32 * hyper["keep"] if group["weight_decay"] else p32.clone()
         return scaled_(new, direction, hyper["minus_lr"])
