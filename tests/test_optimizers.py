@@ -29,7 +29,8 @@ def test_each_optimizer_trains_bf16_weights_and_resumes_exactly(images, tmp_path
     """Through the CLI (full_bf16 with stochastic rounding): 4 steps in one run against 2, then a
     resume for 2 more: the same losses and bit-identical weights; the weights moved in between.
     (Lion and a custom class: the same in-process below, which is cheaper.)"""
-    sets = (f"train.optimizer={name}", "train.steps=4", "save.state_every_steps=2", "save.name=m", "save.keep_last=5")
+    sets = (f"train.optimizer={name}", "train.steps=4", "save.state_every_steps=2", "save.name=m",
+            "save.keep_last=5")
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(train_args(images, full, cache_root / "opt", *sets)) == 0
     resume = ["--resume", str(full / "state/step-000002")]
@@ -48,7 +49,8 @@ def _run(train: TrainConfig, steps: int, saved: bytes = b"") -> tuple[list[torch
     bytes of its weights and state dict, through torch.save and weights_only loading as
     train/state.py does) or from the start; returns the weights and the state saved after."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in ((32, 16, 3, 3), (24, 40), (40,))]
+    shapes = ((32, 16, 3, 3), (24, 40), (40,))
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
     opt = build_optimizer(params, train)
     start = 0
     if saved:
@@ -69,7 +71,8 @@ def _run(train: TrainConfig, steps: int, saved: bytes = b"") -> tuple[list[torch
     return [p.detach() for p in params], buffer.getvalue()
 
 
-@pytest.mark.parametrize("cfg", [dict(optimizer="lion"), dict(optimizer="custom", optimizer_class="torch.optim.Adam",
+@pytest.mark.parametrize("cfg", [dict(optimizer="lion"), dict(optimizer="custom",
+                                                               optimizer_class="torch.optim.Adam",
                                                                optimizer_args={"amsgrad": True})])
 def test_lion_and_a_custom_class_resume_exactly(cfg):
     train = TrainConfig(lr=1e-3, **cfg)
@@ -138,7 +141,8 @@ def test_state_bytes_the_planner_counts_are_the_state_each_optimizer_allocates()
 
 @pytest.mark.parametrize("key,sets", [
     ("train.optimizer_in_backward", ["train.optimizer=prodigy", "train.optimizer_in_backward=true"]),
-    ("train.optimizer_in_backward", ["train.optimizer=schedulefree_adamw", "train.optimizer_in_backward=true"]),
+    ("train.optimizer_in_backward", ["train.optimizer=schedulefree_adamw",
+                                     "train.optimizer_in_backward=true"]),
     ("train.optimizer_class", ["train.optimizer=custom"]),
     ("train.optimizer_class", ["train.optimizer=custom", "train.optimizer_class=nowhere.Optimizer"]),
     ("train.optimizer_args", ["train.optimizer=custom", "train.optimizer_class=torch.optim.SGD",
@@ -152,7 +156,8 @@ def test_a_refused_optimizer_setting_names_its_key(images, tmp_path, cache_root,
 
 def _lrs(scheduler: str, steps: int = 10, warmup: int = 2, **keys) -> list[float]:
     p = torch.nn.Parameter(torch.zeros(1))
-    train = TrainConfig(lr=1.0, steps=steps, warmup_steps=warmup, lr_scheduler=scheduler, optimizer="adamw", **keys)
+    train = TrainConfig(lr=1.0, steps=steps, warmup_steps=warmup, lr_scheduler=scheduler, optimizer="adamw",
+                        **keys)
     schedule = build_schedule(build_optimizer([p], train), train)
     out = []
     for _ in range(steps):

@@ -17,7 +17,7 @@ COMPACT_STATE_OPTIMIZERS = frozenset({"adafactor"})
 # Optimizers that step all parameters at once (optim/wrapped.py), and why they cannot step one at a time.
 WHOLE_STEP_OPTIMIZERS = {
     "prodigy": "Prodigy's step size is one estimate from the gradients of all parameters together",
-    "schedulefree_adamw": "schedule-free's averaging weights advance once per step of all parameters together",
+    "schedulefree_adamw": "schedule-free's averaging weights advance once per step of all parameters",
     "came": "pytorch-optimizer's CAME steps all parameters in one call",
     "custom": "a torch.optim-style class steps all parameters in one call",
 }
@@ -98,8 +98,8 @@ def _every(section: str) -> Callable[[Any], Optional[str]]:
 def _whole_step(cfg: Any) -> Optional[str]:
     why = WHOLE_STEP_OPTIMIZERS.get(cfg.train.optimizer)
     if why and cfg.train.optimizer_in_backward:
-        return (f"cannot be used with train.optimizer = {cfg.train.optimizer!r}: {why}, so no parameter can step "
-                "alone inside backward; set it to false, or use adamw, adamw8bit, adafactor or lion")
+        return (f"cannot be used with train.optimizer = {cfg.train.optimizer!r}: {why}, so no parameter "
+                "can step alone inside backward; set it to false, or use adamw, adamw8bit, adafactor or lion")
     return None
 
 
@@ -112,9 +112,10 @@ def _whole_step_streamed(cfg: Any) -> Optional[str]:
     return None
 
 
-RULES = (Rule("train.optimizer_in_backward", _whole_step), Rule("memory.stream_weights", _whole_step_streamed),
-         Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
-         Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
+RULES = (Rule("train.optimizer_in_backward", _whole_step),
+         Rule("memory.stream_weights", _whole_step_streamed),
+         Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
+         Rule("sample.every_steps", _samples), Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
          Rule("sample.every_epochs", _every("sample")))
 
 

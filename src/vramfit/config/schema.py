@@ -477,15 +477,15 @@ class TrainConfig(_Section):
     def _optimizer_keys(self) -> "TrainConfig":
         problems = []
         if self.optimizer == "custom" and self.optimizer_class is None:
-            problems.append(("optimizer_class", "train.optimizer = 'custom' needs the dotted path of its class "
-                             "here, as package.module.Class"))
+            problems.append(("optimizer_class", "train.optimizer = 'custom' needs the dotted path of its "
+                             "class here, as package.module.Class"))
         if self.optimizer != "custom" and self.optimizer_class is not None:
-            problems.append(("optimizer_class", f"applies to train.optimizer = 'custom', not {self.optimizer!r}; "
-                             "set train.optimizer = 'custom' or remove it"))
+            problems.append(("optimizer_class", f"applies to train.optimizer = 'custom', not "
+                             f"{self.optimizer!r}; set train.optimizer = 'custom' or remove it"))
         if self.optimizer_args and self.optimizer in ("adafactor", "adamw", "adamw8bit", "lion"):
-            problems.append(("optimizer_args", f"{self.optimizer!r} takes its settings from train.lr, betas, eps "
-                             "and weight_decay; optimizer_args applies to prodigy, schedulefree_adamw, came "
-                             "and custom"))
+            problems.append(("optimizer_args", f"{self.optimizer!r} takes its settings from train.lr, betas, "
+                             "eps and weight_decay; optimizer_args applies to prodigy, schedulefree_adamw, "
+                             "came and custom"))
         _raise_any(problems)
         return self
 

@@ -353,7 +353,8 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
             # the optimizer steps packs of tensors of up to this many values (optim/base.py)
-            "pack numel": min(sum(x.numel for x in trained), max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL)),
+            "pack numel": min(sum(x.numel for x in trained),
+                              max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL)),
             "trained numel": sum(x.numel for x in trained)}
 
 
@@ -362,7 +363,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     t = cfg.train
     grads = terms["gradients"]
     temps = STEP_TEMP_BYTES[t.optimizer] * terms["pack numel"]
-    if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of every bf16 weight
+    if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of bf16 weights
         temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
     base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}

@@ -29,8 +29,8 @@ from vramfit.optim.lion import DEFAULT_BETAS as LION_BETAS, Lion
 from vramfit.optim.wrapped import ScheduleFree, WrappedOptimizer, import_class
 
 # train.optimizer -> the pytorch-optimizer class a WrappedOptimizer steps (imported when built)
-WRAPPED = {"prodigy": "pytorch_optimizer.Prodigy", "schedulefree_adamw": "pytorch_optimizer.ScheduleFreeAdamW",
-           "came": "pytorch_optimizer.CAME"}
+WRAPPED = {"prodigy": "pytorch_optimizer.Prodigy", "came": "pytorch_optimizer.CAME",
+           "schedulefree_adamw": "pytorch_optimizer.ScheduleFreeAdamW"}
 
 
 def optimizer_class(name: str) -> type[ParamOptimizer]:
@@ -93,7 +93,7 @@ def _common_args(cfg: TrainConfig) -> dict:
     """The train keys a pytorch-optimizer class takes as arguments (a custom class: only those set)."""
     if cfg.optimizer == "custom":
         return {k: getattr(cfg, k) for k in ("betas", "eps", "weight_decay") if k in cfg.model_fields_set}
-    args = {"weight_decay": cfg.weight_decay, "foreach": False}  # foreach: temporaries of every tensor at once
+    args = {"weight_decay": cfg.weight_decay, "foreach": False}  # foreach: temporaries of all tensors at once
     if cfg.optimizer == "came":  # its three betas and two eps are its own; train.betas sets the first two
         if "betas" in cfg.model_fields_set:
             args["betas"] = (*cfg.betas, 0.9999)

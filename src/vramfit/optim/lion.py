@@ -1,4 +1,4 @@
-"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms"), stepped one parameter or pack at a time.
+"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms"), stepped a parameter or pack at a time.
 
 Written here as a ParamOptimizer rather than wrapped from a package: its update is elementwise and
 small, and as vramfit's own it packs (optim/base.py), steps inside backward (optim/in_backward.py)
@@ -42,7 +42,7 @@ class Lion(ParamOptimizer):
 
     def _update(self, p32, grad, state, group, hyper, finite, batch_dims):
         beta1, beta2 = group["betas"]
-        moment = fp32(state["exp_avg"])  # the state itself where it is fp32: read only, written through _store
+        moment = fp32(state["exp_avg"])  # the state itself where fp32: read only, written through _store
         direction = moment.lerp(grad, 1 - beta1).sign_()
         self._store(state["exp_avg"], moment.lerp(grad, 1 - beta2), finite)
         new = p32 * hyper["keep"] if group["weight_decay"] else p32.clone()

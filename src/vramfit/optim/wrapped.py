@@ -57,8 +57,8 @@ class WrappedOptimizer(ParamOptimizer):
 
     COPY_BYTES = 8  # during a step, per value of a bf16 parameter: its fp32 copy and its gradient's
 
-    def __init__(self, params, cls: type, kwargs: dict[str, Any], rounding: Optional[RoundingGenerators] = None,
-                 key: str = "train.optimizer_args"):
+    def __init__(self, params, cls: type, kwargs: dict[str, Any],
+                 rounding: Optional[RoundingGenerators] = None, key: str = "train.optimizer_args"):
         params = list(params)
         super().__init__(params, dict(lr=kwargs.get("lr", 1e-3)), rounding)
         self.shadows = [p if p.dtype == torch.float32 else torch.empty(0, device=p.device) for p in params]
