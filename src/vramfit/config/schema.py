@@ -355,9 +355,11 @@ class TrainConfig(_Section):
                                 "multiplies each trained weight by 1 - lr * weight_decay (every optimizer); "
                                 "0 turns it off.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1).")
+        (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1); also "
+        "Lion's, Prodigy's, schedule-free AdamW's and CAME's first two (and a custom class's where set).")
     eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's term added to the second moment's square "
-                       "root in the update's denominator (adamw and adamw8bit; Adafactor has no use for it).")
+                       "root in the update's denominator (adamw, adamw8bit, prodigy, schedulefree_adamw, "
+                       "and a custom class where set; Adafactor, Lion and CAME have no use for it).")
     lr_scheduler: Literal["constant", "cosine", "linear", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="constant: the learning rate rises linearly over train.warmup_steps, then "
         "stays at train.lr; cosine: after the same warm-up it falls along a half cosine to 0 at train.steps; "
