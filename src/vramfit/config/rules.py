@@ -115,8 +115,8 @@ def _whole_step_streamed(cfg: Any) -> Optional[str]:
 RULES = (Rule("train.optimizer_in_backward", _whole_step),
          Rule("memory.stream_weights", _whole_step_streamed),
          Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
-         Rule("sample.every_steps", _samples), Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
-         Rule("sample.every_epochs", _every("sample")))
+         Rule("sample.every_steps", _samples), Rule("train.steps", _steps),
+         Rule("save.every_epochs", _every("save")), Rule("sample.every_epochs", _every("sample")))
 
 
 def config_problems(cfg: Any) -> list[tuple[str, str]]:
