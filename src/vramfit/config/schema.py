@@ -488,6 +488,10 @@ class TrainConfig(_Section):
             problems.append(("optimizer_args", f"{self.optimizer!r} takes its settings from train.lr, betas, "
                              "eps and weight_decay; optimizer_args applies to prodigy, schedulefree_adamw, "
                              "came and custom"))
+        taken = sorted({"params", "lr"} & set(self.optimizer_args))
+        if taken:
+            problems.append(("optimizer_args", f"{', '.join(taken)}: set by vramfit (the trained weights, and "
+                             "train.lr with train.lr_scheduler); remove them here"))
         _raise_any(problems)
         return self
 
