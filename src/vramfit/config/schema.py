@@ -490,8 +490,8 @@ class TrainConfig(_Section):
                              "came and custom"))
         taken = sorted({"params", "lr"} & set(self.optimizer_args))
         if taken:
-            problems.append(("optimizer_args", f"{', '.join(taken)}: set by vramfit (the trained weights, and "
-                             "train.lr with train.lr_scheduler); remove them here"))
+            problems.append(("optimizer_args", f"{' and '.join(taken)} come from vramfit (params: the trained "
+                             "weights; lr: train.lr, moved by train.lr_scheduler); remove them here"))
         _raise_any(problems)
         return self
 
