@@ -16,8 +16,9 @@ from vramfit.optim.adafactor import Adafactor
 from vramfit.optim.adamw import AdamW, AdamW8bit
 from vramfit.optim.base import ChunkedGrad, ParamOptimizer, RoundingGenerators, state_bytes
 from vramfit.optim.build import build_optimizer, build_schedule
+from vramfit.optim.lion import Lion
 
-OPTIMIZERS = [Adafactor, AdamW, AdamW8bit]
+OPTIMIZERS = [Adafactor, AdamW, AdamW8bit, Lion]
 
 
 def _model(dtype=torch.float32):

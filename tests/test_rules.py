@@ -25,6 +25,8 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "train.huber_c": {"train": {"huber_c": 0.3}},
         "train.huber_schedule": {"train": {"huber_schedule": "constant"}},
         "train.flow_shift": {"train": {"flow_shift": 2.0, "flow_shift_mode": "resolution"}},
+        "train.optimizer_in_backward": {"train": {"optimizer": "prodigy", "optimizer_in_backward": True}},
+        "memory.stream_weights": {"train": {"optimizer": "came"}, "memory": {"stream_weights": True}},
     }
     assert set(cases) == {r.key for r in RULES}  # every rule is tried
     for key, values in cases.items():

@@ -143,6 +143,15 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         log.info("the training state is at train.steps (%d): nothing to train; writing the final checkpoint",
                  start)
     saved: list[Path] = []
+
+    def averaged(call: Callable) -> Callable:
+        """`call` with the weights to sample, validate and save in the model (a schedule-free
+        optimizer's average, optim/wrapped.py; the trained ones otherwise), the trained ones after."""
+        def run(*args, **kwargs):
+            with optimizer.averaged():
+                return call(*args, **kwargs)
+        return run
+
     config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
 
     def write_state(p: Progress) -> None:
@@ -156,13 +165,14 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
                       save_at=clock.due(cfg.save.every_epochs) if cfg.save.every_epochs else None,
                       on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
-                          save_on_main(ranks, family, bundle, cfg, p.step, lora_meta)), out),
+                          averaged(save_on_main)(ranks, family, bundle, cfg, p.step, lora_meta)), out),
                       on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     engine = StepEngine(family, bundle, optimizer, cfg.train, device, streamer=streamer, ranks=ranks)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples",
                         clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None,
                         release=engine.release_for_sampling, inputs=sample_inputs)
+    grids.render = averaged(grids.render)  # every grid, the ones `maybe` finds due and the final one
     validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, engine.dtype)
     if validation.enabled:
         log.info("validation: %d held-out images at %d timesteps, %s", validation.images, cfg.validation.timesteps,
@@ -181,7 +191,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             spill.step_done()
         if validation.due(step):
             started = time.perf_counter()
-            value = validation.loss()
+            value = averaged(validation.loss)()
             if value is not None:
                 state.validation.append([step, value])
                 logger.validation(step, value, time.perf_counter() - started)
@@ -213,7 +223,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         with tracker.phase("save"):
             write_state(state)  # also at the end, so a finished run can be extended with more steps
             if not result.interrupted:
-                saved += save_on_main(ranks, family, bundle, cfg, None, lora_meta)
+                saved += averaged(save_on_main)(ranks, family, bundle, cfg, None, lora_meta)
         saved = [p for p in saved if p.exists()]  # intermediate saves pruned since (save.keep_last) are gone
         free_device_memory(device)
         report = tracker.report

@@ -14,6 +14,13 @@ from typing import Any, Callable, Optional
 # Optimizers whose state is small enough to live beside streamed weights on the GPU (optim/: the
 # class attribute compact_state; tests/test_rules.py checks the two agree).
 COMPACT_STATE_OPTIMIZERS = frozenset({"adafactor"})
+# Optimizers that step all parameters at once (optim/wrapped.py), and why they cannot step one at a time.
+WHOLE_STEP_OPTIMIZERS = {
+    "prodigy": "Prodigy's step size is one estimate from the gradients of all parameters together",
+    "schedulefree_adamw": "schedule-free's averaging weights advance once per step of all parameters",
+    "came": "pytorch-optimizer's CAME steps all parameters in one call",
+    "custom": "a torch.optim-style class steps all parameters in one call",
+}
 
 
 @dataclass(frozen=True)
@@ -136,9 +143,28 @@ def _shift(cfg: Any) -> Optional[str]:
     return None
 
 
-RULES = (Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
-         Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
-         Rule("sample.every_epochs", _every("sample")),
+def _whole_step(cfg: Any) -> Optional[str]:
+    why = WHOLE_STEP_OPTIMIZERS.get(cfg.train.optimizer)
+    if why and cfg.train.optimizer_in_backward:
+        return (f"cannot be used with train.optimizer = {cfg.train.optimizer!r}: {why}, so no parameter "
+                "can step alone inside backward; set it to false, or use adamw, adamw8bit, adafactor or lion")
+    return None
+
+
+def _whole_step_streamed(cfg: Any) -> Optional[str]:
+    why = WHOLE_STEP_OPTIMIZERS.get(cfg.train.optimizer)
+    if why and cfg.memory.stream_weights and cfg.train.mode == "full":
+        return (f"cannot be used in a full fine-tune with train.optimizer = {cfg.train.optimizer!r}: {why}, "
+                "while streamed weights step in CPU memory apart from the GPU's; turn streaming off, or use "
+                "adamw, adamw8bit, adafactor or lion")
+    return None
+
+
+RULES = (Rule("train.optimizer_in_backward", _whole_step),
+         Rule("memory.stream_weights", _whole_step_streamed),
+         Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
+         Rule("sample.every_steps", _samples), Rule("train.steps", _steps),
+         Rule("save.every_epochs", _every("save")), Rule("sample.every_epochs", _every("sample")),
          # the training objective's settings (prediction type, loss weightings, loss, shift)
          Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
          Rule("train.weighting_scheme", _snr_beside_cosmap), Rule("train.huber_c", _huber("huber_c")),

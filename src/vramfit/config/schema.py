@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -334,19 +334,41 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, le=10**6, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-5, gt=0, le=1.0, description="Learning rate: its value after train.warmup_steps, "
                       "which train.lr_scheduler keeps or lowers from there.")
-    optimizer: Literal["adafactor", "adamw", "adamw8bit"] = Field(
+    optimizer: Literal["adafactor", "adamw", "adamw8bit", "lion", "prodigy", "schedulefree_adamw", "came",
+                       "custom"] = Field(
         "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
-        "(a quarter of AdamW's state; the write-up's --use_8bit_adam).")
+        "(a quarter of AdamW's state; the write-up's --use_8bit_adam). lion: Lion (sign updates, one "
+        "moment; a learning rate 3-10x below AdamW's; train.betas default to (0.9, 0.99) for it). "
+        "prodigy, schedulefree_adamw, came: pytorch-optimizer's Prodigy (estimates the step size: "
+        "set train.lr = 1.0), ScheduleFreeAdamW (samples, validates and saves its averaged weights; "
+        "use lr_scheduler constant) and CAME. custom: the class train.optimizer_class names. "
+        "docs/training.md, Optimizers and schedules.")
+    optimizer_class: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$",
+        description="train.optimizer = 'custom': the dotted path of a torch.optim-style class "
+        "(package.module.Class), built as Class(params, lr=train.lr, **train.optimizer_args) plus "
+        "train.betas, eps and weight_decay where the config sets them.")
+    optimizer_args: dict[str, Any] = Field(
+        default_factory=dict, description="Further arguments of the optimizer's class, by name (prodigy, "
+        "schedulefree_adamw, came and custom), e.g. {d_coef = 0.5} for Prodigy.")
     weight_decay: float = Field(0.0, ge=0, le=10.0, description="Decoupled weight decay: every step "
                                 "multiplies each trained weight by 1 - lr * weight_decay (every optimizer); "
                                 "0 turns it off.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1).")
+        (0.9, 0.999), description="AdamW's decay rates of the first and second moments, each in [0, 1); also "
+        "Lion's, Prodigy's, schedule-free AdamW's and CAME's first two (and a custom class's where set).")
     eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's term added to the second moment's square "
-                       "root in the update's denominator (adamw and adamw8bit; Adafactor has no use for it).")
-    lr_scheduler: Literal["constant", "cosine"] = Field(
+                       "root in the update's denominator (adamw, adamw8bit, prodigy, schedulefree_adamw, "
+                       "and a custom class where set; Adafactor, Lion and CAME have no use for it).")
+    lr_scheduler: Literal["constant", "cosine", "linear", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="constant: the learning rate rises linearly over train.warmup_steps, then "
-        "stays at train.lr; cosine: after the same warm-up it falls along a half cosine to 0 at train.steps.")
+        "stays at train.lr; cosine: after the same warm-up it falls along a half cosine to 0 at train.steps; "
+        "linear: falls in a straight line to 0; cosine_with_restarts: train.lr_cycles half cosines, each "
+        "from train.lr to 0; polynomial: falls as (1 - progress) ** train.lr_power to 0.")
+    lr_cycles: int = Field(1, ge=1, le=10**6, description="lr_scheduler cosine_with_restarts: how many times "
+                           "the learning rate falls to 0 and starts again from train.lr.")
+    lr_power: float = Field(1.0, gt=0, le=100.0, description="lr_scheduler polynomial: the power of its fall "
+                            "(1: linear; 2: faster at first).")
     warmup_steps: int = Field(0, ge=0, le=10**9, description="Optimizer steps over which the learning rate "
                               "rises linearly from 0 to train.lr; fewer than train.steps.")
     precision: Literal["full_bf16", "mixed_bf16", "fp32"] = Field(
@@ -492,6 +514,26 @@ class TrainConfig(_Section):
         if not re.fullmatch(DEVICE_PATTERN, value):
             raise ValueError(f"{value!r} is not a device vramfit trains on; use {DEVICE_CHOICES}")
         return value
+
+    @model_validator(mode="after")
+    def _optimizer_keys(self) -> "TrainConfig":
+        problems = []
+        if self.optimizer == "custom" and self.optimizer_class is None:
+            problems.append(("optimizer_class", "train.optimizer = 'custom' needs the dotted path of its "
+                             "class here, as package.module.Class"))
+        if self.optimizer != "custom" and self.optimizer_class is not None:
+            problems.append(("optimizer_class", f"applies to train.optimizer = 'custom', not "
+                             f"{self.optimizer!r}; set train.optimizer = 'custom' or remove it"))
+        if self.optimizer_args and self.optimizer in ("adafactor", "adamw", "adamw8bit", "lion"):
+            problems.append(("optimizer_args", f"{self.optimizer!r} takes its settings from train.lr, betas, "
+                             "eps and weight_decay; optimizer_args applies to prodigy, schedulefree_adamw, "
+                             "came and custom"))
+        taken = sorted({"params", "lr"} & set(self.optimizer_args))
+        if taken:
+            problems.append(("optimizer_args", f"{' and '.join(taken)} come from vramfit (params: the trained "
+                             "weights; lr: train.lr, moved by train.lr_scheduler); remove them here"))
+        _raise_any(problems)
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":

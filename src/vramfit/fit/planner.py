@@ -65,7 +65,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.config.rules import streamed_step_on_device
+from vramfit.config.rules import WHOLE_STEP_OPTIMIZERS, streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
 from vramfit.memory.checkpointing import recomputed_blocks
@@ -75,7 +75,8 @@ from vramfit.memory.offload import block_modules, split_units
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
-from vramfit.optim.build import optimizer_class
+from vramfit.optim.build import optimizer_class, other_state_bytes
+from vramfit.optim.wrapped import WrappedOptimizer
 from vramfit.train.distributed import composition_problems, launched_world
 from vramfit.train.lora import target_modules
 
@@ -322,6 +323,12 @@ def _checkpointed_share(cfg: RunConfig) -> float:
     return 1.0 if setting is True else 0.0 if setting is False else float(setting)
 
 
+def optimizer_state_bytes(optimizer: str, x: "_Tensor") -> int:
+    """Optimizer state of one trained tensor, as optim/ (or the class it wraps) allocates it."""
+    counted = other_state_bytes(optimizer, x.numel, x.shape, x.dtype_bytes)
+    return state_bytes(optimizer, x.numel, x.shape, x.dtype_bytes) if counted is None else counted
+
+
 def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """Bytes on the device while training, exact where vramfit allocates them itself: weights
     (incl. buffers, LoRA, quantized linears; the stream unit apart), optimizer state, all
@@ -340,13 +347,15 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             # on the device only while a streamed block runs; stepped here, a share of a unit's gradients too
             "stream unit": sum(units[:STREAM_SLOTS[stepped_here]])
             + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
-            "optimizer state": sum(state_bytes(cfg.train.optimizer, x.numel, x.shape, x.dtype_bytes) for x in trained),
+            "optimizer state": sum(optimizer_state_bytes(cfg.train.optimizer, x) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
             # the optimizer steps packs of tensors of up to this many values (optim/base.py)
-            "pack numel": min(sum(x.numel for x in trained), max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL))}
+            "pack numel": min(sum(x.numel for x in trained),
+                              max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL)),
+            "trained numel": sum(x.numel for x in trained)}
 
 
 def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms: dict[str, int]) -> dict[str, int]:
@@ -354,6 +363,8 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     t = cfg.train
     grads = terms["gradients"]
     temps = STEP_TEMP_BYTES[t.optimizer] * terms["pack numel"]
+    if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of bf16 weights
+        temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
     base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}
     if not cfg.cache.latents:

@@ -57,7 +57,8 @@ full fp32 copy of the model.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import nullcontext
+from typing import ContextManager, Optional
 
 import torch
 
@@ -231,6 +232,11 @@ class ParamOptimizer(torch.optim.Optimizer):
         `device` (see RecordedScalars)."""
         self._recorded = RecordedScalars(self, device, capacity)
         return self._recorded
+
+    def averaged(self) -> ContextManager:
+        """A `with` block in which the model holds the weights to sample, validate and save: the
+        trained ones themselves, except for a schedule-free optimizer's average (optim/wrapped.py)."""
+        return nullcontext()
 
     def ensure_state(self, params) -> None:
         """Make the state of each of `params` that has none yet (a recording must find it)."""

@@ -34,6 +34,7 @@ _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"
                ("data", "datasets"), ("data", "kohya"), ("validation", "seed"), ("validation", "timesteps"),
                ("train", "batch_size"), ("train", "grad_accum"), ("train", "optimizer"),
                ("train", "precision"), ("train", "seed"), ("train", "lr_scheduler"),
+               ("train", "optimizer_class"), ("train", "lr_cycles"), ("train", "lr_power"),
                ("lora", "base_quantization"), ("lora", "targets"), ("prior", "class_prompt")]
 
 
