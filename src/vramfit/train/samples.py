@@ -5,14 +5,17 @@ active), so what it shows is what an exported checkpoint will give. The VAE and 
 were freed for training; they are read from the source again for each grid (T5 stored as
 model.t5_precision asks) and freed after, and on CUDA each model visits the GPU only while it
 runs (generate.sample_grid), so a grid adds the largest single encoder to the training peak,
-not all of them. Cost: one encoder load plus the renders, every sample.every_steps steps.
+not all of them. Cost: one encoder load plus the renders, every sample.every_steps steps. With
+ema.sample_with_ema the EMA weights are swapped into the denoiser for the render and the trained
+ones put back after (memory/ema.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -36,8 +39,10 @@ class SampleGrids:
 
     def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path,
                  epoch_ended: Optional[Callable[[Progress], bool]] = None,
-                 release: Optional[Callable[[], bool]] = None):
+                 release: Optional[Callable[[], bool]] = None,
+                 weights: Optional[Callable[[], ContextManager]] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
+        self.weights = weights  # ema.sample_with_ema: the EMA's swap (memory/ema.py), around each render
         self.folder = folder
         self.release = release  # the step engine's: its CUDA graph recordings make room for the grid
         self.epoch_ended = epoch_ended  # sample.every_epochs: whether a step ended an N-th epoch
@@ -70,17 +75,19 @@ class SampleGrids:
         pipe.set_progress_bar_config(disable=True)
         size = self.cfg.data.resolution
         try:
-            grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
-                               guidance=s.guidance, width=s.width or size, height=s.height or size,
-                               device=self.device,
-                               max_sequence_length=self.bundle.extra.get("max_sequence_length"))
+            with self.weights() if self.weights is not None else nullcontext():
+                grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
+                                   guidance=s.guidance, width=s.width or size, height=s.height or size,
+                                   device=self.device,
+                                   max_sequence_length=self.bundle.extra.get("max_sequence_length"))
         finally:
             del pipe, temp, vae, encoders
             free_device_memory(self.device)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:06d}.png"
         save_png(grid, path, {"step": str(step), "prompts": " | ".join(s.prompts),
-                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps)})
+                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps),
+                              "weights": "ema" if self.weights is not None else "trained"})
         self.paths.append(path)
         log.info("sample grid: %s", path)
         return path
