@@ -205,18 +205,22 @@ def test_full_fine_tune_ema_every_2_steps_in_cpu_memory(tmp_path, images, cache_
     out = tmp_path / "out"
     assert main(train_args(images, out, cache_root, "train.steps=4", "ema.enabled=true", "ema.device=cpu",
                            "ema.update_every=2", "ema.decay=0.5", "save.state_every_steps=2",
-                           "save.keep_last=10",
-                           "save.dtype=fp32", model="tiny:sdxl")) == 0
+                           "save.keep_last=2", "save.every_steps=1", "save.dtype=fp32", model="tiny:sdxl")) == 0
     states = _states(out)
     _assert_shadows(states[4], _hand_ema(states, [2, 4], 0.5))
+    # intermediate EMA files beside the trained ones, pruned alike (save.keep_last)
+    for name in ("model", "model-ema"):
+        assert sorted(p.name for p in out.glob(f"{name}-step*")) == [
+            f"{name}-step00000{i}.safetensors" for i in (2, 3)]
     assert main(["generate", "--no-progress", "--model", str(out / "model-ema.safetensors"),
                  "--prompt", "a cat", "--steps", "1", "--width", "64", "--height", "64",
                  "--out", str(tmp_path / "gen")]) == 0
     assert (tmp_path / "gen" / "0-0.png").is_file()
 
 
-def test_resume_gives_the_same_ema(tmp_path, images, cache_root):
-    """4 steps at once, and 2 then 2 more resumed: the same bf16 EMA (its rounding draws included)."""
+def test_resume_gives_the_same_ema(tmp_path, images, cache_root, caplog, capsys):
+    """4 steps at once, and 2 then 2 more resumed: the same bf16 EMA (its rounding draws included).
+    A state without an EMA file resumes with a warning; a torn one is refused, naming it."""
     sets = ("train.mode=lora", "train.steps=4", "ema.enabled=true", "ema.dtype=bf16", "ema.device=cpu",
             "ema.decay=0.9", "save.state_every_steps=1", "save.keep_last=10")
     whole = tmp_path / "whole"
@@ -230,3 +234,17 @@ def test_resume_gives_the_same_ema(tmp_path, images, cache_root):
     assert int(a["updates"][0]) == 4
     ema_file, trained = (load_file(str(part / f"model{s}.safetensors")) for s in ("-ema", ""))
     assert ema_file.keys() == trained.keys()
+    torn = tmp_path / "torn" / "state" / "step-000002"
+    shutil.copytree(whole / "state" / "step-000002", torn)
+    (torn.parent / "latest").write_text("step-000002\n")
+    data = (torn / "ema.safetensors").read_bytes()
+    (torn / "ema.safetensors").write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert main([*train_args(images, tmp_path / "torn", cache_root, *sets, model="tiny:sdxl"), "--resume",
+                 "latest"]) == 2
+    err = capsys.readouterr().err
+    assert f"{torn / 'ema.safetensors'}: unreadable" in err and "Traceback" not in err
+    (torn / "ema.safetensors").unlink()  # a state saved before [ema] was turned on
+    assert main([*train_args(images, tmp_path / "torn", cache_root, *sets, model="tiny:sdxl"), "--resume",
+                 "latest"]) == 0
+    assert "holds no EMA (it was saved without [ema]); the EMA starts at the resumed weights" in caplog.text
