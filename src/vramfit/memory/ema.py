@@ -19,7 +19,8 @@ shadows equal its own, value for value) but does not fit the two placements used
   does inside backward hooks or recorded CUDA graphs, so the compute stream itself orders it), and
   the CPU's arithmetic runs on a worker thread while the GPU runs the next steps; anything that
   reads the shadows (a save, a swap, the training state) waits for it first. The staging buffers
-  cost the trained weights' bytes of host memory again.
+  cost the trained weights' bytes of host memory again. Weights that live in CPU memory (a CPU
+  run, streamed weights at home) are copied by the host at once, then updated the same way.
 
 The update runs in the training loop after the optimizer step, outside any recorded step, and
 reads the weights, never their gradients. `swapped()` puts the shadows into the weights in place
@@ -172,5 +173,10 @@ class EMA:
                     raise ValueError(f"{where}: EMA weight {n} has shape {tuple(value.shape)}, the model's "
                                      f"{tuple(s.shape)}; start a new run")
                 s.copy_(value)
-        self.generator.set_state(state[_RNG])
+        try:
+            self.generator.set_state(state[_RNG])
+        except (RuntimeError, ValueError):
+            # saved with the EMA on another device (ema.device changed): that generator's state does not
+            # fit this one, which keeps its seed; only the bf16 rounding draws differ from then on
+            pass
         self.updates = int(state[_UPDATES][0])
