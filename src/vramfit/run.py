@@ -263,8 +263,7 @@ def _ema_of(cfg: RunConfig, bundle: ModelBundle, state: Progress) -> Optional[EM
                 raise ResumeError(str(exc)) from None
     log.info("ema: %.1f MiB of %s weights in %s memory, decay %g, updated every %d steps%s",
              ema.bytes() / 2**20, e.dtype, "CPU" if e.device == "cpu" else "the trained weights'", e.decay,
-             e.update_every,
-             " (warmup)" if e.warmup else "")
+             e.update_every, " (warmup)" if e.warmup else "")
     return ema
 
 
