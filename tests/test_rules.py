@@ -27,6 +27,7 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "train.flow_shift": {"train": {"flow_shift": 2.0, "flow_shift_mode": "resolution"}},
         "train.optimizer_in_backward": {"train": {"optimizer": "prodigy", "optimizer_in_backward": True}},
         "memory.stream_weights": {"train": {"optimizer": "came"}, "memory": {"stream_weights": True}},
+        "ema.device": {"ema": {"enabled": True}, "memory": {"stream_weights": True}},
     }
     assert set(cases) == {r.key for r in RULES}  # every rule is tried
     for key, values in cases.items():
@@ -43,4 +44,7 @@ def test_several_processes_refuse_what_does_not_compose_and_one_process_nothing(
     assert [line.split(":")[0] for line in lines] == ["train.distributed", "train.optimizer",
                                                       "train.optimizer_in_backward"]
     assert "'adafactor' does not compose with 'fsdp' with 2 processes" in lines[1]
-    assert process_problems(cfg, 1) == [] and len(PROCESS_RULES) == 9
+    assert process_problems(cfg, 1) == [] and len(PROCESS_RULES) == 10
+    ema = RunConfig.model_construct(train=TrainConfig(distributed="fsdp", optimizer="adamw"),
+                                    ema=RunConfig().ema.model_copy(update={"enabled": True}))
+    assert [line.split(":")[0] for line in process_problems(ema, 2)] == ["ema.enabled"]

@@ -25,6 +25,7 @@ from vramfit.fit.spill import SpillWatch
 from vramfit.formats.lora import LORA_FILE_SUFFIXES
 from vramfit.formats.safetensors_io import clean_stale_temps, write_text_atomic
 from vramfit.memory.accounting import MemoryTracker
+from vramfit.memory.ema import EMA
 from vramfit.models.adapter import Family, ModelBundle
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
@@ -38,7 +39,7 @@ from vramfit.train.validation import Validation
 from vramfit.train.setup import (Interrupted, RunResult, assert_finite, cache_root, check_resumable, held_signals,
                                  fill_cache, load_data, package_version, place_denoiser, resume_progress, save_on_main,
                                  signal_name, stop_on_signals, stopped_as)
-from vramfit.train.state import Progress, find_state, save_state, state_root
+from vramfit.train.state import EMA_FILE, Progress, ResumeError, find_state, load_ema, save_state, state_root
 
 log = logging.getLogger("vramfit")
 
@@ -138,6 +139,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     schedule = build_schedule(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     state = resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks)
+    ema = _ema_of(cfg, bundle, state)  # None without [ema]
     start = state.step
     if resume and start == cfg.train.steps:  # check_resumable lets this through only without a final save
         log.info("the training state is at train.steps (%d): nothing to train; writing the final checkpoint",
@@ -158,20 +160,30 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         model, opt = ranks.whole_state(bundle.denoiser, optimizer)  # FSDP gathers: every rank takes part
         if ranks.main:  # DDP keeps every rank's weights and optimizer state identical
             assert_finite(model)
-            save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last)
+            save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last,
+                       ema.state_dict() if ema is not None else None)
+
+    def save_checkpoints(step: Optional[int]) -> list[Path]:
+        """The trained weights' files and, with [ema], the EMA's as <save.name>-ema (swapped in)."""
+        paths = save_on_main(ranks, family, bundle, cfg, step, lora_meta)
+        if ema is not None:
+            with ema.swapped():
+                paths += save_on_main(ranks, family, bundle, cfg, step, lora_meta, suffix="-ema")
+        return paths
 
     lora_meta = {"ss_tag_frequency": json.dumps(tag_frequency(data.records))}
     flag = StopFlag()
     hooks = LoopHooks(save_every=cfg.save.every_steps, state_every=cfg.save.state_every_steps or cfg.save.every_steps,
                       save_at=clock.due(cfg.save.every_epochs) if cfg.save.every_epochs else None,
-                      on_save=_held("saving a checkpoint", (out,), flag, lambda p: saved.extend(
-                          averaged(save_on_main)(ranks, family, bundle, cfg, p.step, lora_meta)), out),
+                      on_save=_held("saving a checkpoint", (out,), flag,
+                                    lambda p: saved.extend(averaged(save_checkpoints)(p.step)), out),
                       on_state=_held("saving the training state", (state_root(out),), flag, write_state, out))
     logger = RunLogger(cfg, out, progress, device, start, world=ranks.world, main=ranks.main)
     engine = StepEngine(family, bundle, optimizer, cfg.train, device, streamer=streamer, ranks=ranks)
     grids = SampleGrids(cfg, family, bundle, device, out / "samples",
                         clock.due(cfg.sample.every_epochs) if cfg.sample.every_epochs else None,
-                        release=engine.release_for_sampling, inputs=sample_inputs)
+                        release=engine.release_for_sampling, inputs=sample_inputs,
+                        weights=ema.swapped if ema is not None and cfg.ema.sample_with_ema else None)
     grids.render = averaged(grids.render)  # every grid, the ones `maybe` finds due and the final one
     validation = Validation(family, ranks.forward_bundle(bundle), data, cfg, device, engine.dtype)
     if validation.enabled:
@@ -199,6 +211,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
             grids.maybe(step, state)
 
     hooks.on_step = on_step
+    hooks.on_update = ema.maybe_update if ema is not None else None
     second = stopped_as(lambda: _second_stop_note(out, state))  # a second signal stops the loop at once
     with tracker.phase("train") as phase, second, stop_on_signals(flag):
         result = run_loop(engine, data, schedule, cfg.train, state, hooks, flag, shuffle=cfg.data.shuffle)
@@ -223,7 +236,9 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         with tracker.phase("save"):
             write_state(state)  # also at the end, so a finished run can be extended with more steps
             if not result.interrupted:
-                saved += averaged(save_on_main)(ranks, family, bundle, cfg, None, lora_meta)
+                saved += averaged(save_checkpoints)(None)
+            if ema is not None:
+                ema.close()
         saved = [p for p in saved if p.exists()]  # intermediate saves pruned since (save.keep_last) are gone
         free_device_memory(device)
         report = tracker.report
@@ -235,6 +250,31 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     if stopped is not None:
         raise stopped
     return RunResult(out, saved, report, result, scanned, data.stats, rank=ranks.rank)
+
+
+def _ema_of(cfg: RunConfig, bundle: ModelBundle, state: Progress) -> Optional[EMA]:
+    """The EMA of the trained weights (memory/ema.py) with [ema]: from the resumed training state
+    where it holds one, else starting at the weights as they are now."""
+    e = cfg.ema
+    if not e.enabled:
+        return None
+    params = {n: p for n, p in bundle.denoiser.named_parameters() if p.requires_grad}
+    ema = EMA(params, decay=e.decay, update_every=e.update_every, warmup=e.warmup, device=e.device,
+              dtype=e.dtype, seed=cfg.train.seed)
+    if state.resumed_from:
+        saved = load_ema(Path(state.resumed_from))
+        if saved is None:
+            log.warning("ema: the training state %s holds no EMA (it was saved without [ema]); the EMA "
+                        "starts at the resumed weights", state.resumed_from)
+        else:
+            try:
+                ema.load_state_dict(saved, str(Path(state.resumed_from) / EMA_FILE))
+            except ValueError as exc:
+                raise ResumeError(str(exc)) from None
+    log.info("ema: %.1f MiB of %s weights in %s memory, decay %g, updated every %d steps%s",
+             ema.bytes() / 2**20, e.dtype, "CPU" if e.device == "cpu" else "the trained weights'", e.decay,
+             e.update_every, " (warmup)" if e.warmup else "")
+    return ema
 
 
 def _steps_of_epochs(cfg: RunConfig, clock: EpochClock) -> RunConfig:

@@ -38,6 +38,7 @@ SECTIONS = {
     "output": "Where the run writes.",
     "logging": "Progress bars and training logs.",
     "memory": "Where the denoiser's weights, activations and the text encoders live, and the fit checks.",
+    "ema": "An exponential moving average of the trained weights, saved beside them.",
 }
 
 _BOUNDS = (("ge", "at least"), ("gt", "above"), ("le", "at most"), ("lt", "below"))

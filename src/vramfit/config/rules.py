@@ -82,6 +82,14 @@ def _samples(cfg: Any) -> Optional[str]:
     return None
 
 
+def _ema_device(cfg: Any) -> Optional[str]:
+    if cfg.ema.enabled and cfg.ema.device == "gpu" and cfg.memory.stream_weights and cfg.train.mode == "full":
+        return ("\"gpu\" cannot be used with memory.stream_weights in a full fine-tune: the trained "
+                "weights live in CPU memory there, and an EMA of them on the GPU would hold their whole size "
+                "on the device that streaming keeps them off; set ema.device = \"cpu\"")
+    return None
+
+
 def _steps(cfg: Any) -> Optional[str]:
     if cfg.train.epochs is not None and "steps" in cfg.train.model_fields_set:
         return "given beside train.epochs, which derives it; use one of them"
@@ -168,7 +176,8 @@ RULES = (Rule("train.optimizer_in_backward", _whole_step),
          # the training objective's settings (prediction type, loss weightings, loss, shift)
          Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
          Rule("train.weighting_scheme", _snr_beside_cosmap), Rule("train.huber_c", _huber("huber_c")),
-         Rule("train.huber_schedule", _huber("huber_schedule")), Rule("train.flow_shift", _shift))
+         Rule("train.huber_schedule", _huber("huber_schedule")), Rule("train.flow_shift", _shift),
+         Rule("ema.device", _ema_device))
 
 
 def config_problems(cfg: Any) -> list[tuple[str, str]]:
@@ -231,6 +240,9 @@ PROCESS_RULES = (
     _fsdp("sample.every_steps", lambda c: bool(c.sample.every_steps or c.sample.every_epochs),
           "sample grids need the whole denoiser on one GPU, which 'fsdp' never holds; render from the saved "
           "checkpoints with `vramfit generate`, or use 'ddp'"),
+    _fsdp("ema.enabled", lambda c: c.ema.enabled,
+          "an EMA of the trained weights is not kept under 'fsdp', where no rank holds them whole; use 'ddp' "
+          "or set it to false"),
     Rule("train.optimizer_in_backward", _in_backward),
     Rule("train.grad_accum", _rounded_sums),
     Rule("train.cuda_graphs", _graphs_written),

@@ -712,6 +712,30 @@ class ValidationConfig(_Section):
                                       "train.batch_size.")
 
 
+class EmaConfig(_Section):
+    """An exponential moving average of the trained weights (memory/ema.py), saved beside them."""
+
+    enabled: bool = Field(False, description="Keep an EMA of the trained weights (a LoRA's adapter "
+                          "matrices, or every weight of a full fine-tune), saved as <save.name>-ema beside "
+                          "each checkpoint and kept in the training state.")
+    decay: float = Field(0.9999, gt=0, lt=1, description="Decay d of each update: ema <- d * ema + (1 - d) "
+                         "* weights.")
+    update_every: int = Field(1, ge=1, le=10**6, description="Update the EMA after every N-th optimizer "
+                              "step (d is per update).")
+    warmup: bool = Field(True, description="Ramp the decay up: min(decay, (1 + n) / (10 + n)) at the "
+                         "update after n others, 0 at the first (diffusers' EMAModel default); false: decay "
+                         "from the first update, starting at the initial weights.")
+    device: Literal["gpu", "cpu"] = Field("gpu", description="Where the EMA lives: \"gpu\" beside the "
+                                          "trained weights (their count again on the device), \"cpu\" in CPU "
+                                          "memory, updated from a staging copy of the weights on a worker "
+                                          "thread (host memory: the EMA and the copy; none on the device).")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Precision of the EMA weights; bf16 halves "
+                                           "their bytes and rounds each update stochastically (exact on "
+                                           "average).")
+    sample_with_ema: bool = Field(False, description="Render the sample grids with the EMA weights (swapped "
+                                  "in for the grid, the trained ones back after).")
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -725,6 +749,7 @@ class RunConfig(_Section):
     output: OutputConfig = OutputConfig()
     logging: LoggingConfig = LoggingConfig()
     memory: MemoryConfig = MemoryConfig()
+    ema: EmaConfig = EmaConfig()
 
     @model_validator(mode="after")
     def _formats_fit_the_mode(self) -> "RunConfig":
@@ -760,6 +785,9 @@ class RunConfig(_Section):
                           "on; set it, or leave the [prior] settings out") for k in PriorConfig.model_fields
                          if k != "class_prompt" and getattr(self.prior, k) != getattr(default, k)
                          and not (k == "loss_weight" and regularized)]
+        problems += [(f"ema.{k}", "given without ema.enabled = true; set it, or leave the [ema] settings out")
+                     for k in EmaConfig.model_fields if k != "enabled" and not self.ema.enabled
+                     and getattr(self.ema, k) != getattr(EmaConfig(), k)]
         problems += config_problems(self)  # config/rules.py: which settings refuse which
         _raise_any(problems)
         return self

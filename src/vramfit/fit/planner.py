@@ -27,6 +27,9 @@ Each phase (bytes allocated; n = a tensor's element count):
   prompt), W + SAMPLE_WORK x the largest block's elements at the sample size for both halves of
   guidance, and the VAE decoding one image (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where
   the grid runs in fp32.
+- ema (ema.enabled, ema.device = "gpu"): the EMA of every trained tensor on the device, 4 bytes a
+  value (2 in bf16), in train, samples and save; in CPU memory it adds no term here (plan_report
+  states its host bytes: `ema_host_bytes`).
 - save: W + S + SAVE_WORKSPACE, or SAVE_WORKSPACE_STREAMED with streamed weights (the optimizer
   still lives while the state is written).
 
@@ -349,6 +352,8 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
             "optimizer state": sum(optimizer_state_bytes(cfg.train.optimizer, x) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
+            "ema": sum(x.numel for x in trained if not x.streamed) * _ema_item(cfg)
+            if cfg.ema.device == "gpu" else 0,
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
@@ -356,6 +361,20 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             "pack numel": min(sum(x.numel for x in trained),
                               max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL)),
             "trained numel": sum(x.numel for x in trained)}
+
+
+def _ema_item(cfg: RunConfig) -> int:
+    """Bytes an EMA value takes (memory/ema.py); 0 without [ema]."""
+    return 0 if not cfg.ema.enabled else 4 if cfg.ema.dtype == "fp32" else 2
+
+
+def ema_host_bytes(facts: ModelFacts, cfg: RunConfig) -> int:
+    """Host memory of an EMA in CPU memory (ema.device = "cpu"): the EMA itself and the staging copy
+    of the trained weights it is updated from (memory/ema.py); 0 otherwise."""
+    if not cfg.ema.enabled or cfg.ema.device != "cpu":
+        return 0
+    trained = [x for x in _denoiser_tensors(facts, cfg)[0] if x.trained]
+    return sum(x.numel * (_ema_item(cfg) + x.dtype_bytes) for x in trained)
 
 
 def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms: dict[str, int]) -> dict[str, int]:
@@ -366,7 +385,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of bf16 weights
         temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
-    base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state")}
+    base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state", "ema")}
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
@@ -418,7 +437,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
               {"weights": terms["weights"],
                "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
               {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]
-    return {"optimizer state": terms["optimizer state"], **max(stages, key=lambda st: sum(st.values())),
+    return {"optimizer state": terms["optimizer state"], "ema": terms["ema"],
+            **max(stages, key=lambda st: sum(st.values())),
             "workspace": WORKSPACE}
 
 
@@ -455,7 +475,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     if cfg.sample.every_steps and cfg.sample.prompts:
         samples = _samples_phase(facts, cfg, terms)  # (CUDA graphs drop their pool and buffers before a grid)
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
-    parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state")}
+    parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state", "ema")}
     parts["workspace"] = SAVE_WORKSPACE_STREAMED if cfg.memory.stream_weights else SAVE_WORKSPACE
     phases.append(PhaseEstimate("save", sum(parts.values()), parts))
     return Prediction(phases)
@@ -785,6 +805,9 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     lines = [f"{model}, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
+    host = ema_host_bytes(facts, cfg)
+    if host:
+        lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")
     if budget is None:
         return "\n".join(lines)
     choice = choose(cfg, budget, facts)

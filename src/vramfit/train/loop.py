@@ -33,6 +33,8 @@ class StopFlag:
 @dataclass
 class LoopHooks:
     on_step: Optional[Callable[[int, float, float], None]] = None
+    # after each optimizer step, outside the recorded step, before the saves (the EMA: memory/ema.py)
+    on_update: Optional[Callable[[int], None]] = None
     on_save: Optional[Callable[[Progress], None]] = None  # checkpoint every save_every steps
     on_state: Optional[Callable[[Progress], None]] = None  # resumable state every state_every
     save_at: Optional[Callable[[Progress], bool]] = None  # a checkpoint too where it says so (epochs)
@@ -172,6 +174,8 @@ def run_loop(engine: StepEngine, data: TrainingData, schedule, cfg: TrainConfig,
             progress.step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if hooks.on_update is not None:
+                hooks.on_update(progress.step)
             result.step_seconds.append(time.perf_counter() - t0)
             result.losses.append(value)
             _after_step(hooks, progress, value, schedule, cfg)

@@ -6,7 +6,9 @@ the sample prompts are encoded with them, in the caption phase (`encode_sample_p
 the VAE is kept in CPU memory: a grid then needs only the denoiser and the decoder on the GPU, and
 reads nothing from disk. Otherwise (live text encoders) the VAE and text encoders are read from
 the source again for each grid (T5 stored as model.t5_precision asks) and freed after; on CUDA
-each model visits the GPU only while it runs (generate.sample_grid).
+each model visits the GPU only while it runs (generate.sample_grid). With
+ema.sample_with_ema the EMA weights are swapped into the denoiser for the render and the trained
+ones put back after (memory/ema.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -66,9 +69,11 @@ class SampleGrids:
 
     def __init__(self, cfg: RunConfig, family, bundle, device: torch.device, folder: Path,
                  epoch_ended: Optional[Callable[[Progress], bool]] = None,
-                 release: Optional[Callable[[], bool]] = None, inputs: Optional[SampleInputs] = None):
+                 release: Optional[Callable[[], bool]] = None, inputs: Optional[SampleInputs] = None,
+                 weights: Optional[Callable[[], ContextManager]] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
         self.inputs = inputs  # prompts encoded in the caption phase, and the VAE
+        self.weights = weights  # ema.sample_with_ema: the EMA's swap (memory/ema.py), around each render
         self.folder = folder
         self.release = release  # the step engine's: its CUDA graph recordings make room for the grid
         self.epoch_ended = epoch_ended  # sample.every_epochs: whether a step ended an N-th epoch
@@ -106,18 +111,20 @@ class SampleGrids:
         pipe.set_progress_bar_config(disable=True)
         size = self.cfg.data.resolution
         try:
-            grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
-                               guidance=s.guidance, width=s.width or size, height=s.height or size,
-                               device=self.device,
-                               max_sequence_length=self.bundle.extra.get("max_sequence_length"),
-                               encoded=None if self.inputs is None else self.inputs.encoded)
+            with self.weights() if self.weights is not None else nullcontext():
+                grid = sample_grid(pipe, s.prompts, s.seeds, negative=s.negative_prompt, steps=s.steps,
+                                   guidance=s.guidance, width=s.width or size, height=s.height or size,
+                                   device=self.device,
+                                   max_sequence_length=self.bundle.extra.get("max_sequence_length"),
+                                   encoded=None if self.inputs is None else self.inputs.encoded)
         finally:
             del pipe, vae, encoders
             free_device_memory(self.device)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:06d}.png"
         save_png(grid, path, {"step": str(step), "prompts": " | ".join(s.prompts),
-                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps)})
+                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps),
+                              "weights": "ema" if self.weights is not None else "trained"})
         self.paths.append(path)
         log.info("sample grid: %s", path)
         return path

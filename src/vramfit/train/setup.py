@@ -349,12 +349,14 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 
 def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int],
-                    lora_meta: Optional[dict] = None) -> list[Path]:
+                    lora_meta: Optional[dict] = None, suffix: str = "") -> list[Path]:
     """Write the formats asked for; `step` None means the final save. `lora_meta`: what a LoRA file
-    says of the run besides (the dataset's tag frequencies)."""
+    says of the run besides (the dataset's tag frequencies). `suffix` follows save.name in every
+    file's name ("-ema": the EMA weights, swapped into the denoiser by the caller)."""
     assert_finite(bundle.denoiser)
     out = cfg.output_dir
-    name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
+    base = cfg.save.name + suffix
+    name = base if step is None else f"{base}-step{step:06d}"
     dtype = SAVE_DTYPES[cfg.save.dtype]
     meta = {"vramfit.version": package_version(), "vramfit.config": dump_config(cfg),
             "vramfit.step": str(step if step is not None else cfg.train.steps),
@@ -376,8 +378,8 @@ def save_checkpoint(family, bundle, cfg: RunConfig, step: Optional[int],
         family.save_diffusers(bundle, folder, dtype)
         paths.append(folder)
     if step is not None:
-        for suffix in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values()):
-            _prune_intermediate(out, f"{cfg.save.name}-step", suffix, cfg.save.keep_last, step)
+        for ending in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values()):
+            _prune_intermediate(out, f"{base}-step", ending, cfg.save.keep_last, step)
     return paths
 
 
@@ -401,15 +403,15 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
 
 
 def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
-                  step: Optional[int], lora_meta: Optional[dict] = None) -> list[Path]:
+                  step: Optional[int], lora_meta: Optional[dict] = None, suffix: str = "") -> list[Path]:
     """save_checkpoint on rank 0, with the whole denoiser (FSDP gathers it: every rank takes part)."""
     whole = ranks.whole_bundle(bundle)
     if whole is None:
         return []
-    name = cfg.save.name if step is None else f"{cfg.save.name}-step{step:06d}"
+    name = cfg.save.name + suffix if step is None else f"{cfg.save.name}{suffix}-step{step:06d}"
     with writing(f"the checkpoint {name}", cfg.output_dir,  # a full disk: say what is kept
                  lambda: f"Nothing was left under its name. {kept_note(cfg.output_dir)}"):
-        return save_checkpoint(family, whole, cfg, step, lora_meta)
+        return save_checkpoint(family, whole, cfg, step, lora_meta, suffix)
 
 
 def _prune_intermediate(out: Path, prefix: str, suffix: str, keep: int, newest: int) -> None:

@@ -3,7 +3,8 @@
 A state is a folder `output/state/step-NNNNNN/` holding the trainable weights (safetensors, in
 the training precision), the optimizer and schedule (torch.save, read back with
 weights_only=True), the random generators, the step, epoch and data position counters and the
-config it was made with, and the losses of the steps so far. It is written to a temporary folder,
+config it was made with, the losses of the steps so far, and with [ema] the EMA of the trained
+weights with its rounding generator (ema.safetensors). It is written to a temporary folder,
 every file fsynced, then renamed into place, and only then does `output/state/latest` name it: a
 crash or a full disk at any point leaves the previous state whole and `latest` pointing at it. Old
 states are renamed away before they are deleted, and a state missing any of its files is never
@@ -28,6 +29,7 @@ from vramfit.formats.safetensors_io import (atomic_file, commit_folder, discard,
 log = logging.getLogger("vramfit")
 
 STATE_VERSION = 1
+EMA_FILE = "ema.safetensors"  # with ema.enabled only
 STATE_FILES = ("weights.safetensors", "optimizer.pt", "schedule.pt", "rng.safetensors", "trainer.json")
 # Settings that must match for a resumed run to continue the same run. Steps may grow.
 _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"), ("data", "random_crop"),
@@ -62,8 +64,9 @@ def state_root(output_dir: Path) -> Path:
 
 
 def save_state(output_dir: Path, model: torch.nn.Module, optimizer, schedule, generator: torch.Generator,
-               progress: Progress, config: dict, keep_last: int) -> Path:
-    """Write the state of `progress.step`; a full disk raises OutputWriteError saying what is kept."""
+               progress: Progress, config: dict, keep_last: int, ema: Optional[dict] = None) -> Path:
+    """Write the state of `progress.step`; a full disk raises OutputWriteError saying what is kept.
+    `ema`: the EMA's tensors (memory/ema.py state_dict), written as EMA_FILE."""
     root = state_root(output_dir)
     name = f"step-{progress.step:06d}"
     with writing(f"the training state {name}", root, lambda: kept_note(output_dir)):
@@ -80,6 +83,8 @@ def save_state(output_dir: Path, model: torch.nn.Module, optimizer, schedule, ge
                 for i, s in enumerate(torch.cuda.get_rng_state_all()):
                     rng[f"cuda{i}"] = s
             save_atomic(rng, tmp / "rng.safetensors")
+            if ema is not None:
+                save_atomic(ema, tmp / EMA_FILE)
             _save_torch(tmp / "optimizer.pt", optimizer.state_dict())
             _save_torch(tmp / "schedule.pt", schedule.state_dict())
             meta = {"version": STATE_VERSION, "progress": asdict(progress), "config": config}
@@ -236,3 +241,15 @@ def load_state(path: Path, model: torch.nn.Module, optimizer, schedule, generato
     progress.resumed_from = str(path)
     progress.resumes += 1
     return progress
+
+
+def load_ema(path: Path) -> Optional[dict]:
+    """The EMA's tensors of the state folder `path`; None where it holds none (saved without [ema])."""
+    file = Path(path) / EMA_FILE
+    if not file.is_file():
+        return None
+    try:
+        return load_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for a torn or foreign file
+        raise ResumeError(f"{file}: unreadable ({exc}); resume from another state, or remove the file to "
+                          "start the EMA anew at the resumed weights") from None
