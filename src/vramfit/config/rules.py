@@ -88,14 +88,38 @@ def _every(section: str) -> Callable[[Any], Optional[str]]:
     return check
 
 
+def _adapter(key: str) -> Callable[[Any], Optional[str]]:
+    """lora.* settings that only one adapter type, or only a given conv_rank, reads."""
+    def check(cfg: Any) -> Optional[str]:
+        lora = cfg.lora
+        if key == "lora.conv_alpha" and lora.conv_alpha is not None and lora.conv_rank is None:
+            return "given without lora.conv_rank, which it scales; set lora.conv_rank or leave it out"
+        if key == "lora.lokr_factor" and lora.lokr_factor != -1 and lora.type != "lokr":
+            return f"is for lora.type = 'lokr' (this run's is {lora.type!r}); leave it out"
+        if key == "lora.dropout" and lora.dropout > 0 and lora.type in ("lokr", "loha"):
+            return (f"has no {lora.type} counterpart in peft (it drops a LoRA branch's input); use "
+                    "lora.type = 'lora' or 'dora', or set it to 0")
+        if (key == "lora.type" and lora.type in ("lokr", "loha") and cfg.train.mode == "lora"
+                and "lora" in (cfg.save.formats or ())):
+            return (f"{lora.type!r} has no diffusers layout, which save.formats' 'lora' asks for (diffusers "
+                    "loads LoRA and DoRA only); save it as 'lora_kohya' (ComfyUI and A1111 read it)")
+        return None
+    return check
+
+
 RULES = (Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs), Rule("sample.every_steps", _samples),
          Rule("train.steps", _steps), Rule("save.every_epochs", _every("save")),
          Rule("sample.every_epochs", _every("sample")))
 
 
+# lora.* settings that need another (tests/test_adapters.py tries each)
+ADAPTER_RULES = tuple(Rule(k, _adapter(k)) for k in ("lora.type", "lora.conv_alpha", "lora.lokr_factor",
+                                                        "lora.dropout"))
+
+
 def config_problems(cfg: Any) -> list[tuple[str, str]]:
     """(key, why) of every rule the config breaks on one process."""
-    return [(rule.key, why) for rule in RULES if (why := rule.check(cfg))]
+    return [(rule.key, why) for rule in (*RULES, *ADAPTER_RULES) if (why := rule.check(cfg))]
 
 
 # ---- several processes (`vramfit train --gpus N`, accelerate launch) --------------------------------

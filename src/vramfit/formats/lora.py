@@ -130,6 +130,105 @@ def peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict
     return modules
 
 
+# peft's tensor names of the other adapter types (formats/lora.py passes them on under the same
+# names, which are LyCORIS's: ComfyUI and A1111 read them in kohya files), and DoRA's magnitudes.
+LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+DORA_PARTS = ("lora_magnitude_vector", "dora_scale")  # peft's [out...]; ComfyUI's [out, 1...] (train/lora.py)
+_OTHER_PART = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(LOHA_PARTS + LOKR_PARTS + DORA_PARTS) + ")$")
+
+
+def split_adapter_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(the peft LoRA pairs, {module: {part: tensor}} of DoRA's magnitudes and LoHa's and LoKr's
+    factors): what the exporters pass on besides lora_A / lora_B."""
+    pairs, other = {}, {}
+    for key, t in state.items():
+        m = None if _PEFT_KEY.match(key) else _OTHER_PART.match(key)
+        if m:
+            other.setdefault(m["module"], {})[m["part"]] = t
+        else:
+            pairs[key] = t
+    return pairs, other
+
+
+def lycoris_rank(parts: Mapping[str, torch.Tensor]) -> Optional[int]:
+    """The rank a LoHa / LoKr module's alpha is divided by, as ComfyUI and A1111 read it: LoHa's
+    hada_w1_b rows; LoKr's low-rank factor's (lokr_w2_b, else lokr_w1_b); None for a LoKr with no
+    low-rank factor (its scale is in its tensors; loaders apply none)."""
+    for key in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+        if key in parts:
+            return int(parts[key].shape[0])
+    return None
+
+
+def kohya_lycoris(name: str, parts: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """One LoHa / LoKr module in a kohya file: its factors under their LyCORIS names beside
+    ``<name>.alpha`` (none where :func:`lycoris_rank` is None)."""
+    kind = [p for p in (LOHA_PARTS, LOKR_PARTS) if set(parts) & set(p)]
+    need = LOHA_PARTS if kind and kind[0] is LOHA_PARTS else ()
+    if len(kind) != 1 or set(parts) - set(kind[0]) or not set(need) <= set(parts):
+        raise ValueError(f"module {name!r}: not one LoHa or LoKr adapter ({sorted(parts)})")
+    out = {f"{name}.{k}": v for k, v in parts.items()}
+    if lycoris_rank(parts) is not None:
+        out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+    return out
+
+
+def lycoris_delta(parts: Mapping[str, torch.Tensor], alpha: Optional[float], shape) -> torch.Tensor:
+    """The weight change (fp32, in `shape`) of one LoHa / LoKr module of a kohya file, as ComfyUI
+    and A1111 compute it: LoHa (w1_a @ w1_b) * (w2_a @ w2_b); LoKr kron(w1, w2), each side from
+    its low-rank factors where it has them (a 4-D w2 takes w1 as a 1x1 kernel); times alpha / rank
+    (:func:`lycoris_rank`; 1 where the file has no alpha or the module no rank)."""
+    f = {k: v.float() for k, v in parts.items()}
+    if "hada_w1_a" in f:
+        diff = (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
+    else:
+        w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+        w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+        if w2.dim() == 4:
+            w1 = w1[:, :, None, None]
+        diff = torch.kron(w1, w2)
+    rank = lycoris_rank(parts)
+    scale = alpha / rank if alpha is not None and rank else 1.0
+    return (diff * scale).reshape(shape)
+
+
+def lycoris_to_lora(raw: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                    shapes: Mapping[str, tuple], component: str) -> dict[str, torch.Tensor]:
+    """A kohya file's LoHa / LoKr modules as an exact LoRA in diffusers keys, for loaders that
+    read LoRA only (diffusers): each module's whole update ΔW as lora_B over an identity
+    lora_A (rank = the module's inputs times its kernel), so scaling the adapter scales ΔW
+    as ComfyUI's strength does. Plain LoRA modules of the file are kept as they are (alpha
+    folded). `names`: {kohya name: module}; `shapes`: {module: weight shape}. Large (a
+    full-rank copy of every adapted weight): meant for previews."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        name, _, part = key.partition(".")
+        groups.setdefault(name, {})[part] = t
+    te = sorted(n for n in groups if not n.startswith(KOHYA_UNET))
+    unknown = sorted(n for n in groups if n.startswith(KOHYA_UNET) and n not in names)
+    if te or unknown:
+        raise ValueError(f"LoHa/LoKr module {(te or unknown)[0]!r} is not a module of this "
+                         f"{'denoiser' if unknown else 'reader'} (text-encoder LoHa/LoKr are not read)")
+    out, plain = {}, {}
+    for name, parts in groups.items():
+        alpha = float(parts["alpha"].item()) if "alpha" in parts else None
+        factors = {k: v for k, v in parts.items() if k != "alpha"}
+        if set(factors) & {*LOHA_PARTS, *LOKR_PARTS}:
+            module, shape = names[name], tuple(shapes[names[name]])
+            delta = lycoris_delta(factors, alpha, shape).reshape(shape[0], -1)
+            inputs = delta.shape[1]
+            eye = torch.eye(inputs).reshape(inputs, *shape[1:])
+            out[f"{component}.{module}.lora_A.weight"] = eye
+            out[f"{component}.{module}.lora_B.weight"] = delta.reshape(shape[0], inputs, *[1] * (len(shape) - 2))
+        else:
+            plain.update({f"{name}.{k}": v for k, v in parts.items()})
+    if plain:
+        state, alphas = from_kohya(kohya_modules(plain, "lycoris_to_lora"), names.__getitem__, "lycoris_to_lora")
+        out.update(to_diffusers(state, component, alphas))
+    return out
+
+
 def alpha_for(alpha: Alpha, module: str, rank: int) -> float:
     if alpha is None:
         return float(rank)
@@ -160,6 +259,11 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
         raise ValueError(f"LoRA denoiser component {component!r}: expected one of "
                          f"{sorted(DENOISER_COMPONENTS)}")
     prefix = component
+    peft_state, other = split_adapter_state(peft_state)
+    lycoris = sorted(m for m, parts in other.items() if set(parts) - set(DORA_PARTS))
+    if lycoris:
+        raise ValueError(f"to_diffusers: LoHa / LoKr modules (e.g. {lycoris[0]!r}) have no layout that "
+                         "diffusers loads; save them as lora_kohya (ComfyUI and A1111 read them there)")
     modules = peft_modules(peft_state, "to_diffusers")
     clash = [m for m in modules if m.split(".", 1)[0] in (*DENOISER_COMPONENTS, *TEXT_ENCODERS)]
     if clash:
@@ -174,6 +278,8 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
             b = (b.to(torch.float32) * scale).to(b.dtype)
         out[f"{prefix}.{module}.lora_A.weight"] = a
         out[f"{prefix}.{module}.lora_B.weight"] = b
+        if "lora_magnitude_vector" in other.get(module, {}):  # DoRA, as diffusers reads it into peft
+            out[f"{prefix}.{module}.lora_magnitude_vector"] = other[module]["lora_magnitude_vector"]
     return out
 
 
