@@ -99,6 +99,10 @@ def _adapter(key: str) -> Callable[[Any], Optional[str]]:
         if key == "lora.dropout" and lora.dropout > 0 and lora.type in ("lokr", "loha"):
             return (f"has no {lora.type} counterpart in peft (it drops a LoRA branch's input); use "
                     "lora.type = 'lora' or 'dora', or set it to 0")
+        if key == "lora.type" and lora.type == "dora" and lora.base_quantization != "none":
+            return (f"'dora' cannot train over lora.base_quantization = {lora.base_quantization!r}: peft's "
+                    "DoRA reads the frozen weight itself each step (its row norms), which a quantized base "
+                    "does not give it; use lora.type = 'lora' or base_quantization = 'none'")
         if (key == "lora.type" and lora.type in ("lokr", "loha") and cfg.train.mode == "lora"
                 and "lora" in (cfg.save.formats or ())):
             return (f"{lora.type!r} has no diffusers layout, which save.formats' 'lora' asks for (diffusers "

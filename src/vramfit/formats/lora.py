@@ -591,6 +591,11 @@ def module_kind(module: str, ndim: int) -> str:
     return "other"
 
 
+def _numbers_first(value) -> tuple:
+    """Sort key of ranks and alphas: numbers in order, then "full" (a LoKr module with no rank)."""
+    return (isinstance(value, str), 0 if isinstance(value, str) else value)
+
+
 def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Optional[dict]:
     """What `vramfit inspect` says about a LoRA file, from its keys, shapes and alphas (no model
     needed): format, rank and alpha, the modules it adapts by kind, and the denoiser it is for
@@ -614,6 +619,21 @@ def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Opt
             elif part == "lora_down.weight":
                 shape = info["shape"]
                 entry.update(rank=int(shape[0]), ndim=len(shape), width=int(shape[1]))
+            elif part in LOHA_PARTS + LOKR_PARTS:  # LyCORIS: rank of its low-rank factor, "full" without
+                entry.setdefault("rank", "full")
+                entry.setdefault("ndim", 2)
+                entry["adapter"] = "loha" if part in LOHA_PARTS else "lokr"
+                shape = info["shape"]
+                if part in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+                    entry["rank"] = int(shape[0])
+                if part == "hada_w1_b":
+                    entry["width"] = int(shape[1])
+                if part == "lokr_w2" and len(shape) == 4:
+                    entry["ndim"] = 4
+                if part in ("lokr_w1", "lokr_w1_b", "lokr_w2", "lokr_w2_b"):  # kron: inputs multiply
+                    entry[part[:7]] = int(shape[1])
+            elif part == "dora_scale":
+                entry["adapter"] = "dora"
             continue
         comp, rest = key.split(".", 1) if fmt == "diffusers" else ("denoiser", key)
         comp = "denoiser" if comp in DENOISER_COMPONENTS else comp
@@ -621,17 +641,26 @@ def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Opt
             shape = info["shape"]
             modules[f"{comp}:{m['module']}"] = {"rank": int(shape[0]), "ndim": len(shape),
                                                 "width": int(shape[1])}
+    for entry in modules.values():
+        if "lokr_w1" in entry and "lokr_w2" in entry:
+            entry["width"] = entry.pop("lokr_w1") * entry.pop("lokr_w2")
     if alpha_keys:
         with safe_open(str(path), framework="pt") as fh:
             for key, entry in alpha_keys.items():
                 entry["alpha"] = float(fh.get_tensor(key).item())
     unet = {m.split(":", 1)[1]: e for m, e in modules.items() if m.startswith("denoiser:") and "rank" in e}
-    ranks = sorted({e["rank"] for e in modules.values() if "rank" in e})
+    ranks = sorted({e["rank"] for e in modules.values() if "rank" in e}, key=_numbers_first)
     out = {"format": fmt, "rank": ranks[0] if len(ranks) == 1 else ranks}
+    kinds = sorted({e.get("adapter", "lora") for e in modules.values() if "rank" in e})
+    if fmt != "kohya" and any(k.endswith(".lora_magnitude_vector") for k in header):
+        kinds = ["dora"]
+    if kinds != ["lora"]:  # LoHa, LoKr, DoRA (by the tensors a module holds)
+        out["adapter"] = kinds[0] if len(kinds) == 1 else kinds
     roots = {k.split(".", 1)[0] for k in header} if fmt == "diffusers" else set()
     prefix = next((r for r in roots if r in DENOISER_COMPONENTS), None)
     if fmt == "kohya":
-        alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e})
+        alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e},
+                        key=_numbers_first)
         out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
     else:  # no alpha tensors: diffusers and ComfyUI apply scale 1 unless diffusers' metadata says otherwise
         applied = _diffusers_alphas(meta, prefix, {m: e["rank"] for m, e in unet.items()})
