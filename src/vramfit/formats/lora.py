@@ -279,7 +279,11 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
         out[f"{prefix}.{module}.lora_A.weight"] = a
         out[f"{prefix}.{module}.lora_B.weight"] = b
         if "lora_magnitude_vector" in other.get(module, {}):  # DoRA, as diffusers reads it into peft
-            out[f"{prefix}.{module}.lora_magnitude_vector"] = other[module]["lora_magnitude_vector"]
+            magnitude = other[module]["lora_magnitude_vector"]
+            if magnitude.numel() != b.shape[0]:
+                raise ValueError(f"to_diffusers: module {module!r} has a lora_magnitude_vector of "
+                                 f"{tuple(magnitude.shape)}, not one value per output ({b.shape[0]})")
+            out[f"{prefix}.{module}.lora_magnitude_vector"] = magnitude
     return out
 
 
