@@ -179,7 +179,8 @@ def test_adapter_settings_that_need_another_are_refused(lora, save, key):
     cfg = RunConfig.model_construct(train=RunConfig().train.model_copy(update={"mode": "lora"}),
                                     lora=LoraSettings(**lora), save=RunConfig().save.model_copy(update=save))
     assert [k for k, _ in config_problems(cfg)] == [key]
-    assert {r.key for r in ADAPTER_RULES} == {"lora.type", "lora.conv_alpha", "lora.lokr_factor", "lora.dropout"}
+    assert {r.key for r in ADAPTER_RULES} == {"lora.type", "lora.conv_alpha", "lora.lokr_factor",
+                                              "lora.dropout"}
 
 
 def test_loha_default_formats_leave_diffusers_out():

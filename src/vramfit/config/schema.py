@@ -318,10 +318,10 @@ class LoraSettings(_Section):
         "the attention/transformer blocks.",
         min_length=1,
     )
-    conv_rank: Optional[int] = Field(None, ge=1, le=1024, description="Also adapt the convolutions of "
-                                     "the UNet's ResNet blocks and down/upsamplers at this rank (kohya's "
-                                     "conv_dim), with every lora.type. SDXL family only. Default: convolutions "
-                                     "untouched.")
+    conv_rank: Optional[int] = Field(
+        None, ge=1, le=1024, description="Also adapt the convolutions of the UNet's ResNet blocks and "
+        "down/upsamplers at this rank (kohya's conv_dim), with every lora.type. SDXL family only. Default: "
+        "convolutions untouched.")
     conv_alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator of the "
                                         "convolutions' adapters (kohya's conv_alpha); default: conv_rank.")
     lokr_factor: int = Field(-1, ge=-1, le=65536, description="LoKr only: the size each dimension's first "

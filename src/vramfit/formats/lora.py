@@ -135,7 +135,8 @@ def peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 DORA_PARTS = ("lora_magnitude_vector", "dora_scale")  # peft's [out...]; ComfyUI's [out, 1...] (train/lora.py)
-_OTHER_PART = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(LOHA_PARTS + LOKR_PARTS + DORA_PARTS) + ")$")
+_OTHER_PART = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(LOHA_PARTS + LOKR_PARTS + DORA_PARTS)
+                         + ")$")
 
 
 def split_adapter_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
@@ -220,11 +221,13 @@ def lycoris_to_lora(raw: Mapping[str, torch.Tensor], names: Mapping[str, str],
             inputs = delta.shape[1]
             eye = torch.eye(inputs).reshape(inputs, *shape[1:])
             out[f"{component}.{module}.lora_A.weight"] = eye
-            out[f"{component}.{module}.lora_B.weight"] = delta.reshape(shape[0], inputs, *[1] * (len(shape) - 2))
+            kernel = [1] * (len(shape) - 2)  # a conv's lora_B is 1x1
+            out[f"{component}.{module}.lora_B.weight"] = delta.reshape(shape[0], inputs, *kernel)
         else:
             plain.update({f"{name}.{k}": v for k, v in parts.items()})
     if plain:
-        state, alphas = from_kohya(kohya_modules(plain, "lycoris_to_lora"), names.__getitem__, "lycoris_to_lora")
+        what = "lycoris_to_lora"
+        state, alphas = from_kohya(kohya_modules(plain, what), names.__getitem__, what)
         out.update(to_diffusers(state, component, alphas))
     return out
 
