@@ -201,3 +201,17 @@ def test_combinations_without_a_format_are_refused_before_training(images, tmp_p
                            model=model)) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_conv_adapter_runs_over_a_bf16_base(sdxl, kind):
+    """full_bf16: linears' adapters compute in bf16 (memory/lora_compute.py); a conv's keeps peft's
+    cast of its input to its fp32 weights."""
+    from vramfit.memory.lora_compute import lora_in_base_dtype
+
+    model = copy.deepcopy(sdxl.denoiser).to(torch.bfloat16)
+    apply_lora(model, LoraSettings(type=kind, conv_rank=2))
+    lora_in_base_dtype(model)
+    conv = model.down_blocks[0].resnets[0].conv1
+    x = torch.randn(1, conv.get_base_layer().in_channels, 8, 8, dtype=torch.bfloat16)
+    assert conv(x).dtype == torch.bfloat16
