@@ -25,10 +25,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from vramfit.config.load import cuda_problem, default_cache_root, folder_problem
 from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
+from vramfit.formats.lora import KOHYA_UNET, LOHA_PARTS, LOKR_PARTS, lycoris_to_lora
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
 from vramfit.memory.encoder_stream import encoder_on
@@ -209,16 +211,16 @@ def load_loras(pipe, loras: Sequence[tuple[Path, float]], allow_pickle: bool = F
             if not path.is_file():
                 raise FileNotFoundError(f"--lora: {path} is not a file")
             name = f"lora{i}"
-            weights = read_lora(path, allow_pickle)
+            weights = plain_lora(pipe, path, read_lora(path, allow_pickle))
             names.append(name)  # before loading, so that a half-loaded adapter is removed too
             try:
                 pipe.load_lora_weights(weights, adapter_name=name)
             except (ValueError, KeyError, RuntimeError, OSError) as exc:
                 raise ValueError(f"--lora {path}: diffusers could not load it into this "
-                                 f"{_family(pipe)} model: {exc}") from None
+                                 f"{_family(pipe).name} model: {exc}") from None
             if not any(name in found for found in pipe.get_list_adapters().values()):
                 raise ValueError(f"--lora {path}: none of its tensors match a layer of this "
-                                 f"{_family(pipe)} model (is it a LoRA for another model family?)")
+                                 f"{_family(pipe).name} model (is it a LoRA for another model family?)")
             _warn_unmatched(pipe, path, weights, name)
         if names:
             pipe.set_adapters(names, adapter_weights=[float(scale) for _, scale in loras])
@@ -276,6 +278,40 @@ def _warn_unmatched(pipe, path: Path, weights, name: str) -> None:
     log.warning("--lora %s: %d of its %d layers are not in this %s model and are left out%s; "
                 "it was probably trained for another model of the family", path, missing, len(layers),
                 _family(pipe).name, names)
+
+
+def plain_lora(pipe, path: Path, weights):
+    """What diffusers is given for a LoRA file: a kohya LoHa / LoKr file as the exact LoRA of its
+    weight updates (formats/lora.py lycoris_to_lora; SDXL family); any other file as it is. A
+    kohya DoRA file is loaded with a warning: diffusers reads its dora_scale as peft's magnitude,
+    which is ComfyUI's only approximately (vramfit writes the exact one beside it, -diffusers)."""
+    keys = read_header(Path(weights))[0] if isinstance(weights, str) else weights
+    parts = {k.rpartition(".")[2] for k in keys if k.startswith(KOHYA_UNET)}
+    if "dora_scale" in parts:
+        log.warning("--lora %s: a kohya DoRA file; diffusers applies its dora_scale as peft's magnitude, "
+                    "ComfyUI against the frozen weight's norm, so the two differ slightly (a DoRA "
+                    "trained by vramfit is exact here as its -diffusers.safetensors file)", path)
+    if not parts & {*LOHA_PARTS, *LOKR_PARTS}:
+        return weights
+    family, denoiser = _family(pipe), _denoiser(pipe)
+    kohya = getattr(family, "kohya_names", None)
+    names = kohya(dict(denoiser.config)) if kohya else None
+    if names is None:
+        raise GenerateError(f"--lora {path}: a LoHa/LoKr file; vramfit reads those for SDXL-family UNets "
+                            f"only, not {family.name} (ComfyUI loads LyCORIS files)")
+    raw = load_file(weights) if isinstance(weights, str) else weights
+    modules = dict(denoiser.named_modules())
+    shapes = {}
+    for module in set(names.values()):
+        layer = modules.get(module)
+        if layer is not None:
+            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+            shapes[module] = tuple(base.weight.shape)
+    try:
+        return lycoris_to_lora(raw, {k: v for k, v in names.items() if v in shapes}, shapes,
+                               family.denoiser_component)
+    except ValueError as exc:
+        raise GenerateError(f"--lora {path}: {exc}") from None
 
 
 def read_lora(path: Path, allow_pickle: bool = False):

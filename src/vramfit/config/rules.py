@@ -143,6 +143,29 @@ def _huber(key: str) -> Callable[[Any], Optional[str]]:
     return check
 
 
+def _adapter(key: str) -> Callable[[Any], Optional[str]]:
+    """lora.* settings that only one adapter type, or only a given conv_rank, reads."""
+    def check(cfg: Any) -> Optional[str]:
+        lora = cfg.lora
+        if key == "lora.conv_alpha" and lora.conv_alpha is not None and lora.conv_rank is None:
+            return "given without lora.conv_rank, which it scales; set lora.conv_rank or leave it out"
+        if key == "lora.lokr_factor" and lora.lokr_factor != -1 and lora.type != "lokr":
+            return f"is for lora.type = 'lokr' (this run's is {lora.type!r}); leave it out"
+        if key == "lora.dropout" and lora.dropout > 0 and lora.type in ("lokr", "loha"):
+            return (f"has no {lora.type} counterpart in peft (it drops a LoRA branch's input); use "
+                    "lora.type = 'lora' or 'dora', or set it to 0")
+        if key == "lora.type" and lora.type == "dora" and lora.base_quantization != "none":
+            return (f"'dora' cannot train over lora.base_quantization = {lora.base_quantization!r}: peft's "
+                    "DoRA reads the frozen weight itself each step (its row norms), which a quantized base "
+                    "does not give it; use lora.type = 'lora' or base_quantization = 'none'")
+        if (key == "lora.type" and lora.type in ("lokr", "loha") and cfg.train.mode == "lora"
+                and "lora" in (cfg.save.formats or ())):
+            return (f"{lora.type!r} has no diffusers layout, which save.formats' 'lora' asks for (diffusers "
+                    "loads LoRA and DoRA only); save it as 'lora_kohya' (ComfyUI and A1111 read it)")
+        return None
+    return check
+
+
 def _shift(cfg: Any) -> Optional[str]:
     t = cfg.train
     if t.flow_shift is not None and t.flow_shift_mode == "resolution":
@@ -177,7 +200,9 @@ RULES = (Rule("train.optimizer_in_backward", _whole_step),
          Rule("train.zero_terminal_snr", _zero_snr), Rule("train.debiased_estimation", _debiased),
          Rule("train.weighting_scheme", _snr_beside_cosmap), Rule("train.huber_c", _huber("huber_c")),
          Rule("train.huber_schedule", _huber("huber_schedule")), Rule("train.flow_shift", _shift),
-         Rule("ema.device", _ema_device))
+         Rule("ema.device", _ema_device),
+         # lora.* settings that need another (adapter types, conv ranks)
+         *(Rule(k, _adapter(k)) for k in ("lora.type", "lora.conv_alpha", "lora.lokr_factor", "lora.dropout")))
 
 
 def config_problems(cfg: Any) -> list[tuple[str, str]]:

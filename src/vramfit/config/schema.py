@@ -300,6 +300,10 @@ class CacheConfig(_Section):
 
 
 class LoraSettings(_Section):
+    type: Literal["lora", "dora", "lokr", "loha"] = Field(
+        "lora", description="Adapter type (peft): lora; dora (LoRA plus a trained magnitude per output "
+        "row); lokr (Kronecker product of two small factors); loha (Hadamard product of two LoRAs). "
+        "Every type exports in kohya/LyCORIS keys for SDXL-family models; diffusers loads lora and dora.")
     rank: int = Field(4, ge=1, le=1024, description="Rank r of each adapted layer's update (two matrices "
                       "of r rows or columns): a higher rank can learn more and costs memory and file size in "
                       "proportion.")
@@ -314,6 +318,14 @@ class LoraSettings(_Section):
         "the attention/transformer blocks.",
         min_length=1,
     )
+    conv_rank: Optional[int] = Field(
+        None, ge=1, le=1024, description="Also adapt the convolutions of the UNet's ResNet blocks and "
+        "down/upsamplers at this rank (kohya's conv_dim), with every lora.type. SDXL family only. Default: "
+        "convolutions untouched.")
+    conv_alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator of the "
+                                        "convolutions' adapters (kohya's conv_alpha); default: conv_rank.")
+    lokr_factor: int = Field(-1, ge=-1, le=65536, description="LoKr only: the size each dimension's first "
+                             "factor is brought near (peft's decompose_factor); -1: near its square root.")
     base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
         "none", description="How the frozen base's linear weights are stored while the LoRA trains "
         "(convs, norms and embeddings stay in the training precision): none; int8 (per-channel, "
@@ -797,7 +809,10 @@ class RunConfig(_Section):
         if self.save.formats:
             return list(self.save.formats)
         # a LoRA run's default: what the family writes of these (models/*.py lora_formats)
-        return ["single_file"] if self.train.mode == "full" else list(LORA_FORMATS)
+        if self.train.mode == "full":
+            return ["single_file"]
+        # LoHa / LoKr have no diffusers layout (config/rules.py refuses one asked for)
+        return [f for f in LORA_FORMATS if not (f == "lora" and self.lora.type in ("lokr", "loha"))]
 
     def start_warnings(self) -> list[str]:
         """What a run of this config will not do although a key seems to ask for it: intervals

@@ -130,6 +130,108 @@ def peft_modules(state: Mapping[str, torch.Tensor], what: str) -> dict[str, dict
     return modules
 
 
+# peft's tensor names of the other adapter types (formats/lora.py passes them on under the same
+# names, which are LyCORIS's: ComfyUI and A1111 read them in kohya files), and DoRA's magnitudes.
+LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+DORA_PARTS = ("lora_magnitude_vector", "dora_scale")  # peft's [out...]; ComfyUI's [out, 1...] (train/lora.py)
+_OTHER_PART = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(LOHA_PARTS + LOKR_PARTS + DORA_PARTS)
+                         + ")$")
+
+
+def split_adapter_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(the peft LoRA pairs, {module: {part: tensor}} of DoRA's magnitudes and LoHa's and LoKr's
+    factors): what the exporters pass on besides lora_A / lora_B."""
+    pairs, other = {}, {}
+    for key, t in state.items():
+        m = None if _PEFT_KEY.match(key) else _OTHER_PART.match(key)
+        if m:
+            other.setdefault(m["module"], {})[m["part"]] = t
+        else:
+            pairs[key] = t
+    return pairs, other
+
+
+def lycoris_rank(parts: Mapping[str, torch.Tensor]) -> Optional[int]:
+    """The rank a LoHa / LoKr module's alpha is divided by, as ComfyUI and A1111 read it: LoHa's
+    hada_w1_b rows; LoKr's low-rank factor's (lokr_w2_b, else lokr_w1_b); None for a LoKr with no
+    low-rank factor (its scale is in its tensors; loaders apply none)."""
+    for key in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+        if key in parts:
+            return int(parts[key].shape[0])
+    return None
+
+
+def kohya_lycoris(name: str, parts: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """One LoHa / LoKr module in a kohya file: its factors under their LyCORIS names beside
+    ``<name>.alpha`` (none where :func:`lycoris_rank` is None)."""
+    kind = [p for p in (LOHA_PARTS, LOKR_PARTS) if set(parts) & set(p)]
+    need = LOHA_PARTS if kind and kind[0] is LOHA_PARTS else ()
+    if len(kind) != 1 or set(parts) - set(kind[0]) or not set(need) <= set(parts):
+        raise ValueError(f"module {name!r}: not one LoHa or LoKr adapter ({sorted(parts)})")
+    out = {f"{name}.{k}": v for k, v in parts.items()}
+    if lycoris_rank(parts) is not None:
+        out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+    return out
+
+
+def lycoris_delta(parts: Mapping[str, torch.Tensor], alpha: Optional[float], shape) -> torch.Tensor:
+    """The weight change (fp32, in `shape`) of one LoHa / LoKr module of a kohya file, as ComfyUI
+    and A1111 compute it: LoHa (w1_a @ w1_b) * (w2_a @ w2_b); LoKr kron(w1, w2), each side from
+    its low-rank factors where it has them (a 4-D w2 takes w1 as a 1x1 kernel); times alpha / rank
+    (:func:`lycoris_rank`; 1 where the file has no alpha or the module no rank)."""
+    f = {k: v.float() for k, v in parts.items()}
+    if "hada_w1_a" in f:
+        diff = (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
+    else:
+        w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+        w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+        if w2.dim() == 4:
+            w1 = w1[:, :, None, None]
+        diff = torch.kron(w1, w2)
+    rank = lycoris_rank(parts)
+    scale = alpha / rank if alpha is not None and rank else 1.0
+    return (diff * scale).reshape(shape)
+
+
+def lycoris_to_lora(raw: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                    shapes: Mapping[str, tuple], component: str) -> dict[str, torch.Tensor]:
+    """A kohya file's LoHa / LoKr modules as an exact LoRA in diffusers keys, for loaders that
+    read LoRA only (diffusers): each module's whole update ΔW as lora_B over an identity
+    lora_A (rank = the module's inputs times its kernel), so scaling the adapter scales ΔW
+    as ComfyUI's strength does. Plain LoRA modules of the file are kept as they are (alpha
+    folded). `names`: {kohya name: module}; `shapes`: {module: weight shape}. Large (a
+    full-rank copy of every adapted weight): meant for previews."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        name, _, part = key.partition(".")
+        groups.setdefault(name, {})[part] = t
+    te = sorted(n for n in groups if not n.startswith(KOHYA_UNET))
+    unknown = sorted(n for n in groups if n.startswith(KOHYA_UNET) and n not in names)
+    if te or unknown:
+        raise ValueError(f"LoHa/LoKr module {(te or unknown)[0]!r} is not a module of this "
+                         f"{'denoiser' if unknown else 'reader'} (text-encoder LoHa/LoKr are not read)")
+    out, plain = {}, {}
+    for name, parts in groups.items():
+        alpha = float(parts["alpha"].item()) if "alpha" in parts else None
+        factors = {k: v for k, v in parts.items() if k != "alpha"}
+        if set(factors) & {*LOHA_PARTS, *LOKR_PARTS}:
+            module, shape = names[name], tuple(shapes[names[name]])
+            delta = lycoris_delta(factors, alpha, shape).reshape(shape[0], -1)
+            inputs = delta.shape[1]
+            eye = torch.eye(inputs).reshape(inputs, *shape[1:])
+            out[f"{component}.{module}.lora_A.weight"] = eye
+            kernel = [1] * (len(shape) - 2)  # a conv's lora_B is 1x1
+            out[f"{component}.{module}.lora_B.weight"] = delta.reshape(shape[0], inputs, *kernel)
+        else:
+            plain.update({f"{name}.{k}": v for k, v in parts.items()})
+    if plain:
+        what = "lycoris_to_lora"
+        state, alphas = from_kohya(kohya_modules(plain, what), names.__getitem__, what)
+        out.update(to_diffusers(state, component, alphas))
+    return out
+
+
 def alpha_for(alpha: Alpha, module: str, rank: int) -> float:
     if alpha is None:
         return float(rank)
@@ -160,6 +262,11 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
         raise ValueError(f"LoRA denoiser component {component!r}: expected one of "
                          f"{sorted(DENOISER_COMPONENTS)}")
     prefix = component
+    peft_state, other = split_adapter_state(peft_state)
+    lycoris = sorted(m for m, parts in other.items() if set(parts) - set(DORA_PARTS))
+    if lycoris:
+        raise ValueError(f"to_diffusers: LoHa / LoKr modules (e.g. {lycoris[0]!r}) have no layout that "
+                         "diffusers loads; save them as lora_kohya (ComfyUI and A1111 read them there)")
     modules = peft_modules(peft_state, "to_diffusers")
     clash = [m for m in modules if m.split(".", 1)[0] in (*DENOISER_COMPONENTS, *TEXT_ENCODERS)]
     if clash:
@@ -174,6 +281,12 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
             b = (b.to(torch.float32) * scale).to(b.dtype)
         out[f"{prefix}.{module}.lora_A.weight"] = a
         out[f"{prefix}.{module}.lora_B.weight"] = b
+        if "lora_magnitude_vector" in other.get(module, {}):  # DoRA, as diffusers reads it into peft
+            magnitude = other[module]["lora_magnitude_vector"]
+            if magnitude.numel() != b.shape[0]:
+                raise ValueError(f"to_diffusers: module {module!r} has a lora_magnitude_vector of "
+                                 f"{tuple(magnitude.shape)}, not one value per output ({b.shape[0]})")
+            out[f"{prefix}.{module}.lora_magnitude_vector"] = magnitude
     return out
 
 
@@ -485,6 +598,11 @@ def module_kind(module: str, ndim: int) -> str:
     return "other"
 
 
+def _numbers_first(value) -> tuple:
+    """Sort key of ranks and alphas: numbers in order, then "full" (a LoKr module with no rank)."""
+    return (isinstance(value, str), 0 if isinstance(value, str) else value)
+
+
 def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Optional[dict]:
     """What `vramfit inspect` says about a LoRA file, from its keys, shapes and alphas (no model
     needed): format, rank and alpha, the modules it adapts by kind, and the denoiser it is for
@@ -508,6 +626,21 @@ def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Opt
             elif part == "lora_down.weight":
                 shape = info["shape"]
                 entry.update(rank=int(shape[0]), ndim=len(shape), width=int(shape[1]))
+            elif part in LOHA_PARTS + LOKR_PARTS:  # LyCORIS: rank of its low-rank factor, "full" without
+                entry.setdefault("rank", "full")
+                entry.setdefault("ndim", 2)
+                entry["adapter"] = "loha" if part in LOHA_PARTS else "lokr"
+                shape = info["shape"]
+                if part in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+                    entry["rank"] = int(shape[0])
+                if part == "hada_w1_b":
+                    entry["width"] = int(shape[1])
+                if part == "lokr_w2" and len(shape) == 4:
+                    entry["ndim"] = 4
+                if part in ("lokr_w1", "lokr_w1_b", "lokr_w2", "lokr_w2_b"):  # kron: inputs multiply
+                    entry[part[:7]] = int(shape[1])
+            elif part == "dora_scale":
+                entry["adapter"] = "dora"
             continue
         comp, rest = key.split(".", 1) if fmt == "diffusers" else ("denoiser", key)
         comp = "denoiser" if comp in DENOISER_COMPONENTS else comp
@@ -515,17 +648,26 @@ def describe_lora(path: Union[str, Path], families: Iterable[LoraFamily]) -> Opt
             shape = info["shape"]
             modules[f"{comp}:{m['module']}"] = {"rank": int(shape[0]), "ndim": len(shape),
                                                 "width": int(shape[1])}
+    for entry in modules.values():
+        if "lokr_w1" in entry and "lokr_w2" in entry:
+            entry["width"] = entry.pop("lokr_w1") * entry.pop("lokr_w2")
     if alpha_keys:
         with safe_open(str(path), framework="pt") as fh:
             for key, entry in alpha_keys.items():
                 entry["alpha"] = float(fh.get_tensor(key).item())
     unet = {m.split(":", 1)[1]: e for m, e in modules.items() if m.startswith("denoiser:") and "rank" in e}
-    ranks = sorted({e["rank"] for e in modules.values() if "rank" in e})
+    ranks = sorted({e["rank"] for e in modules.values() if "rank" in e}, key=_numbers_first)
     out = {"format": fmt, "rank": ranks[0] if len(ranks) == 1 else ranks}
+    kinds = sorted({e.get("adapter", "lora") for e in modules.values() if "rank" in e})
+    if fmt != "kohya" and any(k.endswith(".lora_magnitude_vector") for k in header):
+        kinds = ["dora"]
+    if kinds != ["lora"]:  # LoHa, LoKr, DoRA (by the tensors a module holds)
+        out["adapter"] = kinds[0] if len(kinds) == 1 else kinds
     roots = {k.split(".", 1)[0] for k in header} if fmt == "diffusers" else set()
     prefix = next((r for r in roots if r in DENOISER_COMPONENTS), None)
     if fmt == "kohya":
-        alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e})
+        alphas = sorted({e.get("alpha", e["rank"]) for e in modules.values() if "rank" in e},
+                        key=_numbers_first)
         out["alpha"] = alphas[0] if len(alphas) == 1 else alphas
     else:  # no alpha tensors: diffusers and ComfyUI apply scale 1 unless diffusers' metadata says otherwise
         applied = _diffusers_alphas(meta, prefix, {m: e["rank"] for m, e in unet.items()})

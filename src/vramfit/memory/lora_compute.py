@@ -32,8 +32,8 @@ def lora_in_base_dtype(model: torch.nn.Module) -> int:
 
     swapped = 0
     for layer in model.modules():
-        if not isinstance(layer, LoraLayer):
-            continue
+        if not isinstance(layer, LoraLayer) or type(layer.get_base_layer()) is not torch.nn.Linear:
+            continue  # a conv's adapter (lora.conv_rank) keeps peft's cast of its input to fp32
         layer.cast_input_dtype_enabled = False
         for adapters in (layer.lora_A, layer.lora_B):
             for name, old in list(adapters.items()):

@@ -9,6 +9,7 @@ the adapter, which is unchanged: the exported LoRA has the same keys and shapes.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -18,6 +19,11 @@ from vramfit.memory.quantize import quantize_base
 log = logging.getLogger("vramfit")
 
 ALL_LINEAR = "all_linear"
+ADAPTER = "default"  # peft's name of the one adapter a run trains
+# Module names (one path component) whose convolutions lora.conv_rank adapts, as kohya's conv_dim does
+CONV_BLOCKS = ("resnets", "downsamplers", "upsamplers")
+# The factor of each adapter type that a module's scale is folded into (formats carry one per module)
+UP_FACTORS = ("lora_B.weight", "hada_w1_a", "lokr_w1", "lokr_w1_a")
 
 
 def target_modules(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
@@ -38,29 +44,97 @@ def target_modules(denoiser: torch.nn.Module, settings: LoraSettings) -> list[st
     return sorted(set(found))
 
 
-def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
-    """Freeze the denoiser and add a trainable fp32 LoRA adapter; returns the adapted modules."""
-    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
-    from peft import LoraConfig
+def conv_modules(denoiser: torch.nn.Module) -> list[str]:
+    """The convolutions kohya's conv_dim and LyCORIS adapt: those of the ResNet blocks and the
+    down/upsamplers (a UNet's; a transformer's blocks have none)."""
+    return sorted(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Conv2d)
+                  and any(part in n.split(".") for part in CONV_BLOCKS))
 
+
+def adapter_config(settings: LoraSettings, targets: list[str], convs: list[str]):
+    """The peft config of `settings.type` over `targets` (linears) and `convs` (at conv_rank)."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    alpha = settings.alpha or settings.rank
+    conv_alpha = settings.conv_alpha or settings.conv_rank
+    ranks = {re.escape(n): settings.conv_rank for n in convs if settings.conv_rank != settings.rank}
+    alphas = {re.escape(n): conv_alpha for n in convs if conv_alpha != alpha}
+    common = dict(r=settings.rank, target_modules=targets + convs, rank_pattern=ranks, alpha_pattern=alphas)
+    if settings.type == "lokr":
+        return LoKrConfig(alpha=alpha, decompose_factor=settings.lokr_factor, **common)
+    if settings.type == "loha":
+        return LoHaConfig(alpha=alpha, **common)
+    return LoraConfig(lora_alpha=alpha, lora_dropout=settings.dropout, init_lora_weights="gaussian",
+                      use_dora=settings.type == "dora", **common)
+
+
+def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
+    """Freeze the denoiser and add a trainable fp32 adapter of settings.type (LoRA, DoRA, LoKr,
+    LoHa; on the convolutions too where lora.conv_rank is set); returns the adapted modules."""
     targets = target_modules(denoiser, settings)
+    convs = conv_modules(denoiser) if settings.conv_rank else []
+    if settings.conv_rank and not convs:
+        raise ValueError("lora.conv_rank: this denoiser has no convolutions in ResNet blocks or "
+                         "down/upsamplers (a transformer's blocks are all linear); leave it out")
     denoiser.requires_grad_(False)
-    denoiser.add_adapter(LoraConfig(r=settings.rank, lora_alpha=settings.alpha or settings.rank,
-                                    lora_dropout=settings.dropout, target_modules=targets,
-                                    init_lora_weights="gaussian"))
+    denoiser.add_adapter(adapter_config(settings, targets, convs))
     for p in denoiser.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    return targets
+    return targets + convs
 
 
 def lora_state(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trained LoRA tensors in peft naming (`<module>.lora_A.weight`), on the CPU in fp32."""
+    """The trained adapter tensors in peft naming (`<module>.lora_A.weight`, `.hada_w1_a`,
+    `.lokr_w1`, ...), on the CPU in fp32, ready for the exporters (formats/lora.py):
+
+    * each module's scale is expressed against the run's alpha over the module's own rank (what
+      a file's one `.alpha` per module says): a conv module trained at conv_alpha / conv_rank has
+      the difference folded into its up factor, and a LoKr module with no low-rank factor (whose
+      files carry no scale) has its whole scale folded into lokr_w1;
+    * a DoRA module carries `<module>.dora_scale` besides peft's magnitude: the [out, 1...]
+      magnitude that ComfyUI's decomposition (which divides by the frozen weight's row norms)
+      turns into exactly peft's merged weight.
+    """
     # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
+    from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu", torch.float32).contiguous()
-            for k, v in get_peft_model_state_dict(denoiser).items()}
+    state = {k: v.detach().to("cpu", torch.float32).contiguous()
+             for k, v in get_peft_model_state_dict(denoiser).items()}
+    configs = getattr(denoiser, "peft_config", {})
+    if ADAPTER not in configs:
+        return state
+    cfg = configs[ADAPTER]
+    run_alpha = float(getattr(cfg, "lora_alpha", None) or getattr(cfg, "alpha", None) or cfg.r)
+    for name, layer in denoiser.named_modules():
+        if not isinstance(layer, BaseTunerLayer) or ADAPTER not in getattr(layer, "scaling", {}):
+            continue
+        scale, rank = float(layer.scaling[ADAPTER]), int(layer.r[ADAPTER])
+        up = next((f"{name}.{k}" for k in UP_FACTORS if f"{name}.{k}" in state), None)
+        if f"{name}.lokr_w1" in state and f"{name}.lokr_w2" in state:
+            factor = scale  # no low-rank factor: loaders apply no alpha at all
+        else:
+            factor = scale * rank / run_alpha
+        if up is not None and factor != 1.0:
+            state[up] = state[up] * factor
+        magnitude = getattr(layer, "lora_magnitude_vector", None)
+        if magnitude is not None and ADAPTER in magnitude:
+            state[f"{name}.dora_scale"] = _comfy_dora_scale(layer)
+    return state
+
+
+@torch.no_grad()
+def _comfy_dora_scale(layer) -> torch.Tensor:
+    """m * (|W| + eps) / |W + s B A| per output row, shaped [out, 1, ...]: ComfyUI applies
+    dora_scale / (|W| + eps) to W + s B A (its weight_decompose, output axis, fp32)."""
+    base = layer.get_base_layer().weight.detach().float()
+    merged = base + layer.get_delta_weight(ADAPTER).float()
+    rows = lambda w: w.reshape(w.shape[0], -1).norm(dim=1)  # noqa: E731
+    magnitude = layer.lora_magnitude_vector[ADAPTER].weight.detach().float().reshape(-1)
+    scale = magnitude * (rows(base) + torch.finfo(torch.float32).eps) / rows(merged)
+    return scale.reshape(base.shape[0], *[1] * (base.dim() - 1)).cpu().contiguous()
 
 
 def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, device: torch.device):

@@ -277,6 +277,14 @@ class FluxFamily:
             if cfg.sample.every_steps and value and value % self.resolution_multiple:
                 problems.append(f"sample.{side}: {value} is not a multiple of {self.resolution_multiple}, "
                                 "which Flux.1 needs (VAE factor 8 x 2x2 packing)")
+        if cfg.train.mode == "lora" and cfg.lora.type in ("lokr", "loha"):
+            problems.append(f"lora.type: {cfg.lora.type!r} is written in kohya/LyCORIS keys for SDXL-family "
+                            "UNets only; Flux.1 adapters train as 'lora' or 'dora'")
+        if cfg.train.mode == "lora" and cfg.lora.conv_rank:
+            problems.append("lora.conv_rank: Flux.1's transformer blocks have no convolutions; leave it out")
+        if cfg.train.mode == "lora" and cfg.lora.type == "dora" and "lora_kohya" in cfg.save_formats:
+            problems.append("lora.type: 'dora' has no kohya Flux.1 layout (its fused qkv would need one "
+                            "magnitude per part); set save.formats = ['lora'] (diffusers reads its DoRA)")
         return problems + resolution_problems(self, cfg)
 
     @staticmethod

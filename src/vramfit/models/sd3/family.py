@@ -434,6 +434,11 @@ class SD3Family:
         if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
+        if cfg.train.mode == "lora" and cfg.lora.type in ("lokr", "loha"):
+            problems.append(f"lora.type: {cfg.lora.type!r} is written in kohya/LyCORIS keys for SDXL-family "
+                            "UNets only; SD3 adapters train as 'lora' or 'dora'")
+        if cfg.train.mode == "lora" and cfg.lora.conv_rank:
+            problems.append("lora.conv_rank: SD3's transformer blocks have no convolutions; leave it out")
         return problems + resolution_problems(self, cfg)
 
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,

@@ -13,7 +13,8 @@ from functools import lru_cache
 import torch
 
 from vramfit.formats.lora import (
-    Alpha, alpha_for, from_kohya, kohya_modules, kohya_name, module_kind, peft_modules,
+    DORA_PARTS, Alpha, alpha_for, from_kohya, kohya_lycoris, kohya_modules, kohya_name, lycoris_rank,
+    module_kind, peft_modules, split_adapter_state,
 )
 from vramfit.models.parts import shipped_config
 from vramfit.models.sdxl.sgm_unet import unet_key_map
@@ -61,8 +62,10 @@ def to_kohya_sdxl(peft_state: Mapping[str, torch.Tensor], unet_config: Mapping, 
     each module gets ``.alpha`` as a float32 scalar.
     """
     to_sgm = _module_map(_config_dict(unet_config))
+    peft_state, other = split_adapter_state(peft_state)
     modules = peft_modules(peft_state, "to_kohya_sdxl")
-    unknown = sorted(m for m in modules if m not in to_sgm)
+    lycoris = {m: p for m, p in other.items() if set(p) - set(DORA_PARTS)}
+    unknown = sorted(m for m in {*modules, *other} if m not in to_sgm)
     if unknown:
         raise ValueError(f"to_kohya_sdxl: {len(unknown)} LoRA module(s) are not parameters of this UNet "
                          f"config (e.g. {unknown[0]!r}); is the state dict of the UNet, without prefix?")
@@ -73,6 +76,12 @@ def to_kohya_sdxl(peft_state: Mapping[str, torch.Tensor], unet_config: Mapping, 
         out[f"{name}.lora_up.weight"] = pair["B"]
         out[f"{name}.alpha"] = torch.tensor(alpha_for(alpha, module, int(pair["A"].shape[0])),
                                             dtype=torch.float32)
+        if "dora_scale" in other.get(module, {}):  # DoRA: ComfyUI's magnitude (train/lora.py)
+            out[f"{name}.dora_scale"] = other[module]["dora_scale"]
+    for module, parts in lycoris.items():
+        rank = lycoris_rank(parts)
+        out.update(kohya_lycoris(kohya_name(to_sgm[module]), parts,
+                                 alpha_for(alpha, module, rank) if rank else 1.0))
     return out
 
 
