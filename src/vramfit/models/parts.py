@@ -167,7 +167,9 @@ def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
 
 def t5_encoder(state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
     """A T5 encoder from its transformers-keyed state (config read from the keys; float8 widened to
-    bfloat16, the tied embedding restored), built on the meta device."""
+    bfloat16, the tied embedding restored), built on the meta device. The state's float8 tensors
+    are replaced in place, each freed as it is widened: host memory holds the bfloat16 encoder and
+    one float8 tensor at most, not the whole float8 file beside it."""
     # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
     from transformers import T5Config, T5EncoderModel
 
@@ -176,7 +178,9 @@ def t5_encoder(state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     # Stability ships T5-XXL in float8, which no matmul takes: widen it to bfloat16.
-    state = {k: v.to(torch.bfloat16) if v.dtype in _FP8 else v for k, v in state.items()}
+    for key in list(state):
+        if state[key].dtype in _FP8:
+            state[key] = state[key].to(torch.bfloat16)
     with init_empty_weights():
         model = T5EncoderModel(config)
     check_shapes(model, state, "T5 encoder", path, lambda k: prefix + k)
