@@ -432,8 +432,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     family = FAMILIES[facts.family]
     shape = family.activations(facts.config, h // 8, w // 8, t5_tokens(family, cfg, facts.config))
     halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
-    # with captions cached the prompts were encoded in the caption phase (train/samples.py): no encoder here
-    stages = [{"text encoders": 0 if cfg.cache.text else sum(encoders[-2:])},
+    # with captions and latents cached the prompts were encoded in the caption phase (train/samples.py)
+    stages = [{"text encoders": 0 if cfg.cache.text and cfg.cache.latents else sum(encoders[-2:])},
               {"weights": terms["weights"],
                "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
               {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]
@@ -618,8 +618,11 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     # Encoders that stay live during training put their settings into the training group.
     if knob.group == "cache_latents" and not cfg.cache.latents:
         return "train"
-    if knob.group == "cache_text" and not cfg.cache.text:
-        return "train"  # (with captions cached, sample grids take their prompts from the caption phase)
+    grids = bool(cfg.sample.every_steps and cfg.sample.prompts)
+    if knob.group == "cache_text" and (not cfg.cache.text or (grids and not cfg.cache.latents)):
+        # the encoders run while the denoiser trains: live captions, or sample grids that encode their
+        # prompts (with captions and latents cached they take them from the caption phase, train/samples.py)
+        return "train"
     return knob.group
 
 

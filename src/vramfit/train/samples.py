@@ -51,8 +51,10 @@ def grids_enabled(cfg: RunConfig) -> bool:
 
 def encode_sample_prompts(cfg: RunConfig, bundle, device: torch.device) -> Optional[SampleInputs]:
     """The sample prompts encoded by the bundle's text encoders (still loaded: the caption phase), and
-    its VAE kept, when grids are on and captions cached; else None (grids load their encoders)."""
-    if not (grids_enabled(cfg) and cfg.cache.text and bundle.vae is not None and bundle.text_encoders):
+    its VAE kept, when grids are on and captions and latents cached (else the VAE stays in the run's
+    own use); else None (grids load their encoders)."""
+    if not (grids_enabled(cfg) and cfg.cache.text and cfg.cache.latents and bundle.vae is not None
+            and bundle.text_encoders):
         return None
     s = cfg.sample
     pipe = build_pipeline(bundle)
