@@ -64,7 +64,7 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
 
     # the trained (peft) encoders, rebuilt from the final state, against each file loaded by diffusers
     from vramfit.generate import build_pipeline, load_loras
-    from vramfit.train.lora import apply_text_encoder_lora
+    from vramfit.train.lora import apply_text_encoder_lora, merge_trained_encoders
     from vramfit.config.schema import LoraSettings
 
     family, bundle = _loaded_encoders(cache_root)
@@ -72,7 +72,7 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
     with torch.no_grad():
         frozen = [e(ids, output_hidden_states=True).hidden_states[-2] for e in bundle.text_encoders]
     final = load_file(str(whole / "state" / "step-000004" / "weights.safetensors"))
-    trained = []
+    trained, copies = [], []
     for i, enc in enumerate(bundle.text_encoders):
         copy = type(enc)(enc.config)
         copy.load_state_dict(enc.state_dict())
@@ -83,6 +83,15 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
         with torch.no_grad():
             trained.append(copy(ids, output_hidden_states=True).hidden_states[-2])
         assert not torch.allclose(trained[i], frozen[i], atol=1e-5)  # the encoder's output changed
+        copies.append(copy)
+    # a sample grid's fresh encoders with the trained LoRA merged in encode as the trained ones do
+    fresh = [type(e)(e.config) for e in bundle.text_encoders]
+    for f, e in zip(fresh, bundle.text_encoders):
+        f.load_state_dict(e.state_dict())
+    merge_trained_encoders(fresh, copies)
+    for f, want in zip(fresh, trained):
+        with torch.no_grad():
+            assert torch.allclose(f(ids, output_hidden_states=True).hidden_states[-2], want, atol=1e-5)
     for name in ("model.safetensors", "model-diffusers.safetensors"):
         _, bundle = _loaded_encoders(cache_root)
         pipe = build_pipeline(bundle)
@@ -94,10 +103,13 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
 
 
 def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
-    """train.text_encoder_lr = 0: the encoders' LoRA stays at its init while the UNet's moves."""
+    """train.text_encoder_lr = 0: the encoders' LoRA stays at its init while the UNet's moves. The
+    final sample grid renders with the trained encoders merged into fresh copies."""
     out = tmp_path / "out"
-    sets = (*TE, "train.text_encoder_lr=0", "save.state_every_steps=1", "save.keep_last=10")
+    sets = (*TE, "train.text_encoder_lr=0", "save.state_every_steps=1", "save.keep_last=10",
+            "sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")
     assert main(train_args(images, out, cache_root, *sets, model="tiny:sdxl")) == 0
+    assert (out / "samples" / "step-000002.png").is_file()
     first, last = (load_file(str(out / "state" / f"step-00000{s}" / "weights.safetensors")) for s in (1, 2))
     te = [k for k in first if k.startswith("text_encoder_")]
     unet = [k for k in first if not k.startswith("text_encoder_") and "lora_B" in k]

@@ -193,6 +193,21 @@ def text_encoder_states(bundle) -> list[dict[str, torch.Tensor]]:
     return [lora_state(e) for e in bundle.text_encoders]
 
 
+@torch.no_grad()
+def merge_trained_encoders(fresh: list[torch.nn.Module], trained: list[torch.nn.Module]) -> None:
+    """Merge each trained text encoder's LoRA update into its fresh copy's weights (a sample grid
+    then encodes with what the encoders learned, while the trained ones stay in place)."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for copy, encoder in zip(fresh, trained):
+        modules = dict(copy.named_modules())
+        for name, layer in encoder.named_modules():
+            if isinstance(layer, BaseTunerLayer) and ADAPTER in getattr(layer, "scaling", {}):
+                weight = modules[name].weight
+                weight += layer.get_delta_weight(ADAPTER).to(weight.device, weight.dtype)
+
+
 class TrainedWeights(torch.nn.Module):
     """The denoiser's parameters under their own names and each trained text encoder's under
     `text_encoder_<i>.`: what a training state saves and loads (train/state.py reads
