@@ -28,7 +28,8 @@ def _te_keys(state: dict, prefix: str) -> dict:
 
 def _loaded_encoders(cache_root):
     family = FAMILIES["sdxl"]
-    return family, family.load(resolve_source(load_config(None, ["model.path=tiny:sdxl"], need_data=False).model, cache_root))
+    model = load_config(None, ["model.path=tiny:sdxl"], need_data=False).model
+    return family, family.load(resolve_source(model, cache_root))
 
 
 def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, caplog):
@@ -68,7 +69,8 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
     from vramfit.config.schema import LoraSettings
 
     family, bundle = _loaded_encoders(cache_root)
-    ids = bundle.tokenizers[0](["a red cube"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    ids = bundle.tokenizers[0](["a red cube"], padding="max_length", max_length=77,
+                               return_tensors="pt").input_ids
     with torch.no_grad():
         frozen = [e(ids, output_hidden_states=True).hidden_states[-2] for e in bundle.text_encoders]
     final = load_file(str(whole / "state" / "step-000004" / "weights.safetensors"))
@@ -77,7 +79,8 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
         copy = type(enc)(enc.config)
         copy.load_state_dict(enc.state_dict())
         apply_text_encoder_lora(copy, LoraSettings(text_encoder_rank=4, text_encoder_alpha=2))
-        ours = {k[len(f"text_encoder_{i}."):]: v for k, v in final.items() if k.startswith(f"text_encoder_{i}.")}
+        prefix = f"text_encoder_{i}."
+        ours = {k[len(prefix):]: v for k, v in final.items() if k.startswith(prefix)}
         missing = copy.load_state_dict(ours, strict=False)
         assert not missing.unexpected_keys
         with torch.no_grad():
@@ -134,12 +137,14 @@ def test_refusals_name_the_key(sets, key):
 def test_several_processes_refuse_it():
     cfg = load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4"], need_data=False)
     lines = process_problems(cfg, 2)
-    assert [line.split(":")[0] for line in lines] == ["lora.text_encoder_rank"] and not process_problems(cfg, 1)
+    assert [line.split(":")[0] for line in lines] == ["lora.text_encoder_rank"]
+    assert not process_problems(cfg, 1)
 
 
 def test_lr_without_rank_and_other_families_are_refused():
-    with pytest.raises(ConfigError, match="train.text_encoder_lr"):
-        load_config(None, ["train.mode=lora", "train.text_encoder_lr=1e-4"], need_data=False)
+    for key in ("train.text_encoder_lr=1e-4", "lora.text_encoder_alpha=8"):
+        with pytest.raises(ConfigError, match=key.split("=")[0] + ": given without lora.text_encoder_rank"):
+            load_config(None, ["train.mode=lora", key], need_data=False)
     cfg = load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4"], need_data=False)
     assert cfg.cache.text is False  # turned off, not refused, where it was left at its default
     for name in ("sd3", "flux"):

@@ -812,15 +812,17 @@ class RunConfig(_Section):
                      for k in EmaConfig.model_fields if k != "enabled" and not self.ema.enabled
                      and getattr(self.ema, k) != getattr(EmaConfig(), k)]
         problems += config_problems(self)  # config/rules.py: which settings refuse which
-        if self.train.text_encoder_lr is not None and not self.lora.text_encoder_rank:
-            problems.append(("train.text_encoder_lr", "given without lora.text_encoder_rank, which trains the "
-                             "text encoders; set it, or leave train.text_encoder_lr out"))
+        unused = {"train.text_encoder_lr": self.train.text_encoder_lr,
+                  "lora.text_encoder_alpha": self.lora.text_encoder_alpha}
+        problems += [(key, "given without lora.text_encoder_rank, which trains the text encoders; set it, or "
+                      f"leave {key} out") for key, value in unused.items()
+                     if value is not None and not self.lora.text_encoder_rank]
         _raise_any(problems)
         if self.lora.text_encoder_rank and self.cache.text:
             if "text" in self.cache.model_fields_set:
-                _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained text "
-                             "encoders change every caption's embedding each step, so none can be cached; set "
-                             "it to false or leave it out (it is then turned off)")])
+                _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained "
+                             "text encoders change every caption's embedding each step, so none can be "
+                             "cached; set it to false or leave it out (it is then turned off)")])
             # trained text encoders encode every caption anew; left at its default, the cache is off
             object.__setattr__(self, "cache", self.cache.model_copy(update={"text": False}))
         return self

@@ -822,9 +822,9 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
     if cfg.train.mode == "lora" and cfg.lora.text_encoder_rank:
-        lines.append(f"lora.text_encoder_rank = {cfg.lora.text_encoder_rank}: the CLIP text encoders train in "
-                     "the train phase (their weights, LoRA and activations); cache.text is off, captions are "
-                     "encoded each step")
+        lines.append(f"lora.text_encoder_rank = {cfg.lora.text_encoder_rank}: the CLIP text encoders train "
+                     "in the train phase (their weights, LoRA and activations); cache.text is off, captions "
+                     "are encoded each step")
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")

@@ -401,7 +401,8 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
     for fmt in [f for f in own if f in formats]:
         path = cfg.output_dir / lora_formats.lora_file_name(name, fmt, own[0])
         tensors = family.lora_tensors(fmt, state, dict(bundle.denoiser.config), alpha)
-        tensors.update(lora_formats.text_encoder_lora(text_encoder_states(bundle), te_alpha, fmt == "lora_kohya"))
+        tensors.update(lora_formats.text_encoder_lora(text_encoder_states(bundle), te_alpha,
+                                                      kohya=fmt == "lora_kohya"))
         scale = lora_formats.lora_scale_metadata(cfg.lora.rank, alpha, "kohya" if fmt == "lora_kohya" else "diffusers")
         lora_formats.save_lora(path, tensors, {**meta, **scale})
         paths.append(path)
