@@ -113,6 +113,8 @@ def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
             "sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")
     assert main(train_args(images, out, cache_root, *sets, model="tiny:sdxl")) == 0
     assert (out / "samples" / "step-000002.png").is_file()
+    schedule = torch.load(out / "state" / "step-000002" / "schedule.pt", weights_only=True)
+    assert schedule["base_lrs"] == [1e-2, 0.0]  # the schedule scales both groups
     first, last = (load_file(str(out / "state" / f"step-00000{s}" / "weights.safetensors")) for s in (1, 2))
     te = [k for k in first if k.startswith("text_encoder_")]
     unet = [k for k in first if not k.startswith("text_encoder_") and "lora_B" in k]
