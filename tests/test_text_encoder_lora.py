@@ -32,8 +32,9 @@ def _loaded_encoders(cache_root):
     return family, family.load(resolve_source(model, cache_root))
 
 
-def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, caplog):
-    """4 steps, and 2 then 2 more resumed: identical LoRA weights of UNet and both encoders; the
+def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, caplog, capsys):
+    """4 steps, and 2 then 2 more resumed: identical LoRA weights of UNet and both encoders (another
+    lora.text_encoder_rank is refused for the resume); the
     encoders' LoRA moved; the files carry lora_te1_/lora_te2_ and text_encoder(_2). keys, which
     diffusers' load_lora_weights applies, giving the trained encoder's output."""
     sets = (*TE, "train.steps=4", "save.state_every_steps=1", "save.keep_last=10")
@@ -46,6 +47,10 @@ def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, c
     shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
     (part / "state" / "latest").write_text("step-000002\n")
     assert main([*train_args(images, part, cache_root, *sets, model="tiny:sdxl"), "--resume", "latest"]) == 0
+    other = [*train_args(images, part, cache_root, *sets, "lora.text_encoder_rank=8", model="tiny:sdxl"),
+             "--resume", "latest"]
+    capsys.readouterr()
+    assert main(other) != 0 and "lora.text_encoder_rank" in capsys.readouterr().err  # refused before loading
     a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     for i in (0, 1):
