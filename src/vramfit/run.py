@@ -31,6 +31,7 @@ from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import distributed, graphs
 from vramfit.train.data import free_device_memory, tag_frequency
 from vramfit.train.logs import RunLogger
+from vramfit.train.lora import place_text_encoders, trained_weights
 from vramfit.train.engine import StepEngine
 from vramfit.train.loop import LoopHooks, LoopResult, StopFlag, run_loop
 from vramfit.train.epochs import EpochClock
@@ -131,11 +132,17 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
     streamer = place_denoiser(bundle, cfg, device)
+    encoder_params = place_text_encoders(bundle, cfg.lora, device)  # [] unless lora.text_encoder_rank
     for hint in start_hints(cfg):
         log.warning("%s", hint)
     ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them
     optimizer = build_optimizer(ranks.trainable(bundle.denoiser), cfg.train)
     ranks.attach(optimizer)
+    if encoder_params:  # a group of their own, which the schedule scales as it does the denoiser's
+        te_lr = cfg.train.text_encoder_lr if cfg.train.text_encoder_lr is not None else cfg.train.lr
+        optimizer.add_param_group({"params": encoder_params, "lr": te_lr})
+        log.info("text encoders: learning rate %g (train.text_encoder_lr%s)", te_lr,
+                 "" if cfg.train.text_encoder_lr is not None else " not given: train.lr")
     schedule = build_schedule(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     state = resume_progress(cfg, resume, bundle, optimizer, schedule, generator, ranks)
@@ -157,7 +164,8 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     config_json = distributed.stamp(cfg.model_dump(mode="json"), ranks)
 
     def write_state(p: Progress) -> None:
-        model, opt = ranks.whole_state(bundle.denoiser, optimizer)  # FSDP gathers: every rank takes part
+        # FSDP gathers: every rank takes part; trained text encoders are saved beside the denoiser
+        model, opt = ranks.whole_state(trained_weights(bundle), optimizer)
         if ranks.main:  # DDP keeps every rank's weights and optimizer state identical
             assert_finite(model)
             save_state(out, model, opt, schedule, generator, p, config_json, cfg.save.keep_last,

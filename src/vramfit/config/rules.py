@@ -53,7 +53,9 @@ def graph_clashes(cfg: Any) -> list[str]:
          streamed_step_in_cpu_memory(cfg)),
         ("train.optimizer_in_backward with train.grad_accum > 1",
          cfg.train.optimizer_in_backward and cfg.train.grad_accum > 1),
-        ("lora.dropout", cfg.train.mode == "lora" and cfg.lora.dropout > 0)) if on]
+        ("lora.dropout", cfg.train.mode == "lora" and cfg.lora.dropout > 0),
+        ("lora.text_encoder_rank (the trained text encoders run before the recorded denoiser, with the "
+         "host's tokenizing between)", cfg.train.mode == "lora" and cfg.lora.text_encoder_rank > 0)) if on]
 
 
 def _compile(cfg: Any) -> Optional[str]:
@@ -191,7 +193,29 @@ def _whole_step_streamed(cfg: Any) -> Optional[str]:
     return None
 
 
+def _text_encoders(cfg: Any) -> Optional[str]:
+    """What lora.text_encoder_rank (a LoRA trained on the text encoders) cannot be used with."""
+    if not cfg.lora.text_encoder_rank:
+        return None
+    t = cfg.train
+    why = WHOLE_STEP_OPTIMIZERS.get(t.optimizer)
+    clash = [(key, reason) for key, reason, on in (
+        ("train.optimizer_in_backward", "the text encoders' gradients are complete only after the "
+         "denoiser's backward has passed through them, outside its gradient hooks; set it to false",
+         t.optimizer_in_backward),
+        (f"train.optimizer = {t.optimizer!r}", f"{why}, built over the denoiser's parameters alone, with no "
+         "second group at train.text_encoder_lr; use adamw, adamw8bit, adafactor or lion", bool(why)),
+        ("memory.stream_encoders", "a streamed encoder's weights leave the GPU layer by layer, while the "
+         "trained ones must stay there until backward; set it to false", cfg.memory.stream_encoders),
+        ("ema.enabled", "the EMA averages the denoiser's weights only; set it to false",
+         cfg.ema.enabled)) if on]
+    if not clash:
+        return None
+    return "cannot be used with " + "; nor with ".join(f"{k}: {r}" for k, r in clash)
+
+
 RULES = (Rule("train.optimizer_in_backward", _whole_step),
+         Rule("lora.text_encoder_rank", _text_encoders),
          Rule("memory.stream_weights", _whole_step_streamed),
          Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
          Rule("sample.every_steps", _samples), Rule("train.steps", _steps),
@@ -250,6 +274,9 @@ def _fsdp(key: str, check: Callable[[Any], bool], why: str) -> Rule:
 
 
 PROCESS_RULES = (
+    Rule("lora.text_encoder_rank", lambda cfg, where: None if not cfg.lora.text_encoder_rank else (
+        f"not {where} yet: DDP averages the denoiser's gradients only, so each rank's text encoders would "
+        "drift apart; train on one GPU, or leave it out")),
     _fsdp("train.distributed", lambda c: c.train.mode == "lora",
           "'fsdp' shards a full fine-tune; a LoRA's trainable weights are small, so train it with 'ddp'"),
     _fsdp("train.optimizer", lambda c: c.train.optimizer != "adamw",

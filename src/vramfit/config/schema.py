@@ -326,6 +326,13 @@ class LoraSettings(_Section):
                                         "convolutions' adapters (kohya's conv_alpha); default: conv_rank.")
     lokr_factor: int = Field(-1, ge=-1, le=65536, description="LoKr only: the size each dimension's first "
                              "factor is brought near (peft's decompose_factor); -1: near its square root.")
+    text_encoder_rank: int = Field(
+        0, ge=0, le=1024, description="Also train a LoRA of this rank on the CLIP text encoders' attention "
+        "and MLP linears (q_proj, k_proj, v_proj, out_proj, fc1, fc2): SDXL family, CLIP-L and CLIP-G. "
+        "0: the text encoders stay frozen. The captions are then encoded anew each step (cache.text is "
+        "turned off); train.text_encoder_lr sets their learning rate.")
+    text_encoder_alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator of the "
+                                                "text encoders' LoRA; default: lora.text_encoder_rank.")
     base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
         "none", description="How the frozen base's linear weights are stored while the LoRA trains "
         "(convs, norms and embeddings stay in the training precision): none; int8 (per-channel, "
@@ -346,6 +353,10 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, le=10**6, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-5, gt=0, le=1.0, description="Learning rate: its value after train.warmup_steps, "
                       "which train.lr_scheduler keeps or lowers from there.")
+    text_encoder_lr: Optional[float] = Field(None, ge=0, le=1.0, description="Learning rate of the text "
+                                             "encoders' LoRA (lora.text_encoder_rank), scaled by "
+                                             "train.lr_scheduler as train.lr is; 0 keeps them as they are. "
+                                             "Default: train.lr.")
     optimizer: Literal["adafactor", "adamw", "adamw8bit", "lion", "prodigy", "schedulefree_adamw", "came",
                        "custom"] = Field(
         "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
@@ -801,7 +812,19 @@ class RunConfig(_Section):
                      for k in EmaConfig.model_fields if k != "enabled" and not self.ema.enabled
                      and getattr(self.ema, k) != getattr(EmaConfig(), k)]
         problems += config_problems(self)  # config/rules.py: which settings refuse which
+        unused = {"train.text_encoder_lr": self.train.text_encoder_lr,
+                  "lora.text_encoder_alpha": self.lora.text_encoder_alpha}
+        problems += [(key, "given without lora.text_encoder_rank, which trains the text encoders; set it, or "
+                      f"leave {key} out") for key, value in unused.items()
+                     if value is not None and not self.lora.text_encoder_rank]
         _raise_any(problems)
+        if self.lora.text_encoder_rank and self.cache.text:
+            if "text" in self.cache.model_fields_set:
+                _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained "
+                             "text encoders change every caption's embedding each step, so none can be "
+                             "cached; set it to false or leave it out (it is then turned off)")])
+            # trained text encoders encode every caption anew; left at its default, the cache is off
+            object.__setattr__(self, "cache", self.cache.model_copy(update={"text": False}))
         return self
 
     @property

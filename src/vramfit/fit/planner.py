@@ -390,6 +390,9 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
+    if t.mode == "lora" and cfg.lora.text_encoder_rank:
+        base.update(_trained_encoders(facts, cfg))
+        base.pop("text encoder", None)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
     if t.cuda_graphs is True and not t.optimizer_in_backward:
@@ -415,6 +418,19 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         candidates.append({"gradients": grads, "saved": held, "work": act["work"]})
         candidates.append({"gradients": grads, "step temporaries": temps})
     return {**base, **max(candidates, key=lambda c: sum(c.values()))}
+
+
+def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
+    """lora.text_encoder_rank: the CLIP encoders stay on the GPU through the step (T5 never trains),
+    with their fp32 LoRA (weights, gradients, two optimizer moments at most: 16 bytes a value, by
+    the q/k/v/out and fc1/fc2 linears of each layer: 18 * rank * hidden) and the activations their
+    backward keeps (about 20 values of each token's width a layer: attention, MLP, norms)."""
+    clips = [e for e in facts.encoders if e.kind == "clip"]
+    rank, batch = cfg.lora.text_encoder_rank, cfg.step_batch
+    item = 4 if cfg.train.precision == "fp32" else 2
+    return {"text encoders trained": sum(encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in clips),
+            "text encoder lora": sum(16 * 18 * rank * e.hidden * e.layers for e in clips),
+            "text encoder activations": sum(20 * item * batch * 77 * e.hidden * e.layers for e in clips)}
 
 
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
@@ -808,6 +824,10 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     lines = [f"{model}, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
+    if cfg.train.mode == "lora" and cfg.lora.text_encoder_rank:
+        lines.append(f"lora.text_encoder_rank = {cfg.lora.text_encoder_rank}: the CLIP text encoders train "
+                     "in the train phase (their weights, LoRA and activations); cache.text is off, captions "
+                     "are encoded each step")
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")

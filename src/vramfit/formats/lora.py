@@ -290,6 +290,28 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
     return out
 
 
+def text_encoder_lora(states: list[Mapping[str, torch.Tensor]], alpha: float, kohya: bool) -> dict:
+    """The trained text encoders' LoRA (`states`: peft state with HF module paths, the pipeline's
+    encoders in order) in a LoRA file beside the denoiser's: kohya's `lora_te1_` / `lora_te2_`
+    names with `.alpha` (A1111, ComfyUI), or diffusers' `text_encoder.` / `text_encoder_2.`
+    prefixes with alpha / rank folded into lora_B (load_lora_weights reads them at scale 1)."""
+    out = {}
+    for i, state in enumerate(states):
+        for module, pair in peft_modules(state, "text_encoder_lora").items():
+            a, b = pair["A"], pair["B"]
+            # CLIPTextModel's module paths as files name them (recent transformers drop `text_model.`)
+            module = module if module.startswith("text_model.") else "text_model." + module
+            rank = int(a.shape[0])
+            if kohya:
+                name = f"lora_te{i + 1}_{module.replace('.', '_')}"
+                out.update({f"{name}.lora_down.weight": a, f"{name}.lora_up.weight": b,
+                            f"{name}.alpha": torch.tensor(float(alpha), dtype=torch.float32)})
+            else:
+                out[f"{TEXT_ENCODERS[i]}.{module}.lora_A.weight"] = a
+                out[f"{TEXT_ENCODERS[i]}.{module}.lora_B.weight"] = b * (float(alpha) / rank)
+    return out
+
+
 # ----------------------------------------------------------------------------- kohya format
 def kohya_name(module: str) -> str:
     """The kohya name of a denoiser module path (SGM or diffusers): ``lora_unet_`` + "." -> "_"."""

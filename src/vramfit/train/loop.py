@@ -107,7 +107,8 @@ class Feeder:
             inputs = self.family.loss_inputs(self.bundle, batch, self.cfg,
                                              micro_batch_generator(self.cfg.seed, index), self.dtype)
             if self.device.type == "cuda":
-                inputs = {k: v.pin_memory() for k, v in inputs.items()}
+                # (a trained text encoder's embeddings carry its graph: copied as they are)
+                inputs = {k: v if v.requires_grad else v.pin_memory() for k, v in inputs.items()}
                 try:
                     inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
                 except torch.OutOfMemoryError:  # no room yet: `loss_from` copies them when they are used

@@ -24,6 +24,8 @@ ADAPTER = "default"  # peft's name of the one adapter a run trains
 CONV_BLOCKS = ("resnets", "downsamplers", "upsamplers")
 # The factor of each adapter type that a module's scale is folded into (formats carry one per module)
 UP_FACTORS = ("lora_B.weight", "hada_w1_a", "lokr_w1", "lokr_w1_a")
+# The CLIP text encoders' linears lora.text_encoder_rank adapts (attention and MLP), as kohya's do
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 
 def target_modules(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
@@ -135,6 +137,90 @@ def _comfy_dora_scale(layer) -> torch.Tensor:
     magnitude = layer.lora_magnitude_vector[ADAPTER].weight.detach().float().reshape(-1)
     scale = magnitude * (rows(base) + torch.finfo(torch.float32).eps) / rows(merged)
     return scale.reshape(base.shape[0], *[1] * (base.dim() - 1)).cpu().contiguous()
+
+
+def apply_text_encoder_lora(encoder: torch.nn.Module, settings: LoraSettings) -> int:
+    """Freeze a CLIP text encoder and add a trainable fp32 LoRA (lora.text_encoder_rank) on its
+    attention and MLP linears; returns the number of adapted modules."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)
+             and n.rsplit(".", 1)[-1] in TEXT_ENCODER_TARGETS]
+    if not names:
+        raise ValueError(f"lora.text_encoder_rank: {type(encoder).__name__} has no "
+                         f"{'/'.join(TEXT_ENCODER_TARGETS)} linears to adapt; leave it out")
+    rank = settings.text_encoder_rank
+    encoder.requires_grad_(False)
+    # peft itself: transformers' add_adapter asks for a newer peft than diffusers does
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=settings.text_encoder_alpha or rank,
+                                       init_lora_weights="gaussian", target_modules=names), encoder, ADAPTER)
+    for p in encoder.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return len(names)
+
+
+def place_text_encoders(bundle, settings: LoraSettings, device: torch.device) -> list[torch.nn.Parameter]:
+    """With lora.text_encoder_rank: adapt every text encoder of `bundle`, put it on `device` for the
+    whole run (encode_text then neither moves it nor turns gradients off: bundle.extra
+    "text_encoders_trained") and return the adapters' parameters; [] without."""
+    if not settings.text_encoder_rank:
+        return []
+    modules = 0
+    for encoder in bundle.text_encoders:
+        modules += apply_text_encoder_lora(encoder, settings)
+        encoder.to(device)
+    bundle.extra["text_encoders_trained"] = True
+    params = [p for e in bundle.text_encoders for p in e.parameters() if p.requires_grad]
+    log.info("text encoders: LoRA rank %d on %d modules of %d encoders (%.2f M parameters); captions are "
+             "encoded each step (cache.text is off)", settings.text_encoder_rank, modules,
+             len(bundle.text_encoders), sum(p.numel() for p in params) / 1e6)
+    return params
+
+
+def trained_weights(bundle) -> torch.nn.Module:
+    """What a training state holds: the denoiser, with the trained text encoders beside it."""
+    if not bundle.extra.get("text_encoders_trained"):
+        return bundle.denoiser
+    return TrainedWeights(bundle.denoiser, list(bundle.text_encoders))
+
+
+def text_encoder_states(bundle) -> list[dict[str, torch.Tensor]]:
+    """Each trained text encoder's adapter tensors in peft naming (lora_state); [] when none trains."""
+    if not bundle.extra.get("text_encoders_trained"):
+        return []
+    return [lora_state(e) for e in bundle.text_encoders]
+
+
+@torch.no_grad()
+def merge_trained_encoders(fresh: list[torch.nn.Module], trained: list[torch.nn.Module]) -> None:
+    """Merge each trained text encoder's LoRA update into its fresh copy's weights (a sample grid
+    then encodes with what the encoders learned, while the trained ones stay in place)."""
+    # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for copy, encoder in zip(fresh, trained):
+        modules = dict(copy.named_modules())
+        for name, layer in encoder.named_modules():
+            if isinstance(layer, BaseTunerLayer) and ADAPTER in getattr(layer, "scaling", {}):
+                weight = modules[name].weight
+                weight += layer.get_delta_weight(ADAPTER).to(weight.device, weight.dtype)
+
+
+class TrainedWeights(torch.nn.Module):
+    """The denoiser's parameters under their own names and each trained text encoder's under
+    `text_encoder_<i>.`: what a training state saves and loads (train/state.py reads
+    `named_parameters`). Registers nothing, so the modules keep their owners."""
+
+    def __init__(self, denoiser: torch.nn.Module, encoders: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = [("", denoiser)] + [(f"text_encoder_{i}.", e) for i, e in enumerate(encoders)]
+
+    def named_parameters(self, *args, **kwargs):
+        for prefix, module in self.parts:
+            for name, p in module.named_parameters():
+                yield prefix + name, p
 
 
 def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, device: torch.device):

@@ -24,6 +24,7 @@ import torch
 from vramfit.config.schema import RunConfig
 from vramfit.generate import build_pipeline, decoder_pipeline, encode_prompts, sample_grid, save_png
 from vramfit.train.data import free_device_memory
+from vramfit.train.lora import merge_trained_encoders
 from vramfit.train.state import Progress
 
 log = logging.getLogger("vramfit")
@@ -103,6 +104,8 @@ class SampleGrids:
             pipe = decoder_pipeline(self.bundle, vae)
         else:
             vae, encoders = self.family.load_encoders(self.bundle.source)
+            if self.bundle.extra.get("text_encoders_trained"):  # lora.text_encoder_rank: what they learned
+                merge_trained_encoders(list(encoders), list(self.bundle.text_encoders))
             for m in (vae, *encoders):
                 m.to(dtype)
             temp = dataclasses.replace(self.bundle, vae=vae, text_encoders=list(encoders),

@@ -41,7 +41,8 @@ from vramfit.train.compile import compile_blocks
 from vramfit.train.data import PLAIN, DTYPES, Record, TrainingData, free_device_memory, make_records, record_of
 from vramfit.train.engine import NonFiniteLoss
 from vramfit.train.loop import LoopResult, StopFlag
-from vramfit.train.lora import apply_lora, lora_state, quantize_frozen_base
+from vramfit.train.lora import (apply_lora, lora_state, quantize_frozen_base, text_encoder_states,
+                                trained_weights)
 from vramfit.train.samples import SampleInputs, encode_sample_prompts
 from vramfit.train.state import (Progress, ResumeError, check_compatible, find_state, kept_note, load_state,
                                  read_meta)
@@ -390,12 +391,18 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
     own = family.lora_formats
     state = lora_state(bundle.denoiser)
     alpha = cfg.lora.alpha or cfg.lora.rank
+    te_alpha = cfg.lora.text_encoder_alpha or cfg.lora.text_encoder_rank
+    if cfg.lora.text_encoder_rank:
+        meta = {**meta, "vramfit.text_encoder_rank": str(cfg.lora.text_encoder_rank),
+                "vramfit.text_encoder_alpha": str(te_alpha)}
     meta = {**meta, "vramfit.lora_rank": str(cfg.lora.rank), "vramfit.lora_alpha": str(alpha),
             "ss_base_model_version": family.base_model_version}
     paths = []
     for fmt in [f for f in own if f in formats]:
         path = cfg.output_dir / lora_formats.lora_file_name(name, fmt, own[0])
         tensors = family.lora_tensors(fmt, state, dict(bundle.denoiser.config), alpha)
+        tensors.update(lora_formats.text_encoder_lora(text_encoder_states(bundle), te_alpha,
+                                                      kohya=fmt == "lora_kohya"))
         scale = lora_formats.lora_scale_metadata(cfg.lora.rank, alpha, "kohya" if fmt == "lora_kohya" else "diffusers")
         lora_formats.save_lora(path, tensors, {**meta, **scale})
         paths.append(path)
@@ -429,7 +436,7 @@ def resume_progress(cfg: RunConfig, resume: Optional[str], bundle, optimizer, sc
         return Progress()
     path = find_state(cfg.output_dir, resume)
     check_resumable(cfg, str(path), ranks.world)
-    progress = load_state(path, ranks.loadable(bundle.denoiser), optimizer, schedule, generator)
+    progress = load_state(path, ranks.loadable(trained_weights(bundle)), optimizer, schedule, generator)
     ranks.shard_optimizer_state(optimizer)  # FSDP: each rank keeps its shard of the whole state
     log.info("resumed from %s at step %d (epoch %d)", path, progress.step, progress.epoch)
     return progress

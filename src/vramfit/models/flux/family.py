@@ -261,6 +261,9 @@ class FluxFamily:
         problems += [f"{where}.negative_prompt: Flux.1 takes no negative prompt (its guidance is distilled "
                      "into the model); leave it out" for where in ("sample", "prior")
                      if getattr(getattr(cfg, where), "negative_prompt", None)]
+        if cfg.lora.text_encoder_rank:
+            problems.append("lora.text_encoder_rank: text-encoder LoRA trains the SDXL family's CLIP "
+                            "encoders only, not yet Flux.1's (whose T5 is never trained); leave it out")
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")

@@ -434,6 +434,9 @@ class SD3Family:
         if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
+        if cfg.lora.text_encoder_rank:
+            problems.append("lora.text_encoder_rank: text-encoder LoRA trains the SDXL family's CLIP "
+                            "encoders only, not yet SD3's (whose T5 is never trained); leave it out")
         if cfg.train.mode == "lora" and cfg.lora.type in ("lokr", "loha"):
             problems.append(f"lora.type: {cfg.lora.type!r} is written in kohya/LyCORIS keys for SDXL-family "
                             "UNets only; SD3 adapters train as 'lora' or 'dora'")

@@ -8,6 +8,7 @@ the projected pooled output of bigG, and the 6 size/crop numbers per image.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -226,16 +227,20 @@ class SDXLFamily:
             return "sdxl-vae:" + module_fingerprint(bundle.vae)
         return "sdxl-text:" + "+".join(module_fingerprint(m) for m in bundle.text_encoders)
 
-    @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Penultimate hidden states of both encoders (one on the device at a time; streamed layer
-        by layer with memory.stream_encoders, bundle.extra) and bigG's pooled."""
+        by layer with memory.stream_encoders, bundle.extra) and bigG's pooled. Encoders that train
+        (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stay where they were placed
+        and encode with gradients where they are enabled; frozen ones without."""
+        trained = bool(bundle.extra.get("text_encoders_trained"))
         hidden, pooled = [], None
         for tokenizer, encoder in zip(bundle.tokenizers, bundle.text_encoders):
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
                             truncation=True, return_tensors="pt").input_ids
-            with encoder_on(encoder, device, bundle.extra.get("stream_encoders", False)):
+            placed = nullcontext() if trained else encoder_on(encoder, device,
+                                                               bundle.extra.get("stream_encoders", False))
+            with placed, torch.set_grad_enabled(trained and torch.is_grad_enabled()):
                 out = encoder(ids.to(device), output_hidden_states=True)
                 hidden.append(out.hidden_states[-2].float().cpu())
                 if hasattr(out, "text_embeds"):

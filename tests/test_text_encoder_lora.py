@@ -1,0 +1,171 @@
+"""Text-encoder LoRA (lora.text_encoder_rank): trained through the CLI on tiny:sdxl with its own
+learning rate, resumed exactly, exported in kohya and diffusers keys that diffusers and `vramfit
+generate --lora` apply, planned, and refused beside what cannot work with it."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config.load import ConfigError, load_config
+from vramfit.config.rules import process_problems
+from vramfit.fit.model_facts import facts_for_layout
+from vramfit.fit.planner import plan_report, predict, with_values
+from vramfit.models.registry import FAMILIES
+from vramfit.models.sources import resolve_source
+
+TE = ("train.mode=lora", "lora.text_encoder_rank=4", "lora.text_encoder_alpha=2", "train.optimizer=adamw",
+      "train.lr=1e-2")
+
+
+def _te_keys(state: dict, prefix: str) -> dict:
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _loaded_encoders(cache_root):
+    family = FAMILIES["sdxl"]
+    model = load_config(None, ["model.path=tiny:sdxl"], need_data=False).model
+    return family, family.load(resolve_source(model, cache_root))
+
+
+def test_encoder_lora_trains_resumes_and_exports(tmp_path, images, cache_root, caplog, capsys):
+    """4 steps, and 2 then 2 more resumed: identical LoRA weights of UNet and both encoders (another
+    lora.text_encoder_rank is refused for the resume); the
+    encoders' LoRA moved; the files carry lora_te1_/lora_te2_ and text_encoder(_2). keys, which
+    diffusers' load_lora_weights applies, giving the trained encoder's output."""
+    sets = (*TE, "train.steps=4", "save.state_every_steps=1", "save.keep_last=10")
+    whole = tmp_path / "whole"
+    caplog.set_level("INFO", logger="vramfit")
+    assert main(train_args(images, whole, cache_root, *sets, model="tiny:sdxl")) == 0
+    assert "text encoders: LoRA rank 4" in caplog.text and "cache.text is off" in caplog.text
+    assert "learning rate 0.01" in caplog.text
+    part = tmp_path / "part"
+    shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
+    (part / "state" / "latest").write_text("step-000002\n")
+    assert main([*train_args(images, part, cache_root, *sets, model="tiny:sdxl"), "--resume", "latest"]) == 0
+    other = [*train_args(images, part, cache_root, *sets, "lora.text_encoder_rank=8", model="tiny:sdxl"),
+             "--resume", "latest"]
+    capsys.readouterr()
+    assert main(other) != 0 and "lora.text_encoder_rank" in capsys.readouterr().err  # refused before loading
+    a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for i in (0, 1):
+        assert any(k.startswith(f"text_encoder_{i}.") and "lora_A" in k for k in a)
+    start = load_file(str(whole / "state" / "step-000001" / "weights.safetensors"))
+    ups = [k for k in a if k.startswith("text_encoder_") and "lora_B" in k]
+    assert ups and any(not torch.equal(a[k], start[k]) for k in ups)  # the encoders' LoRA moved
+
+    kohya = load_file(str(whole / "model.safetensors"))  # the primary file: kohya keys
+    assert _te_keys(kohya, "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.")
+    assert _te_keys(kohya, "lora_te2_text_model_encoder_layers_0_mlp_fc1.")
+    assert any(k.startswith("lora_unet_") for k in kohya)
+    assert float(kohya["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.alpha"]) == 2.0
+    diff = load_file(str(whole / "model-diffusers.safetensors"))
+    assert any(k.startswith("text_encoder.text_model.") for k in diff)
+    assert any(k.startswith("text_encoder_2.text_model.") for k in diff)
+
+    # the trained (peft) encoders, rebuilt from the final state, against each file loaded by diffusers
+    from vramfit.generate import build_pipeline, load_loras
+    from vramfit.train.lora import apply_text_encoder_lora, merge_trained_encoders
+    from vramfit.config.schema import LoraSettings
+
+    family, bundle = _loaded_encoders(cache_root)
+    ids = bundle.tokenizers[0](["a red cube"], padding="max_length", max_length=77,
+                               return_tensors="pt").input_ids
+    with torch.no_grad():
+        frozen = [e(ids, output_hidden_states=True).hidden_states[-2] for e in bundle.text_encoders]
+    final = load_file(str(whole / "state" / "step-000004" / "weights.safetensors"))
+    trained, copies = [], []
+    for i, enc in enumerate(bundle.text_encoders):
+        copy = type(enc)(enc.config)
+        copy.load_state_dict(enc.state_dict())
+        apply_text_encoder_lora(copy, LoraSettings(text_encoder_rank=4, text_encoder_alpha=2))
+        prefix = f"text_encoder_{i}."
+        ours = {k[len(prefix):]: v for k, v in final.items() if k.startswith(prefix)}
+        missing = copy.load_state_dict(ours, strict=False)
+        assert not missing.unexpected_keys
+        with torch.no_grad():
+            trained.append(copy(ids, output_hidden_states=True).hidden_states[-2])
+        assert not torch.allclose(trained[i], frozen[i], atol=1e-5)  # the encoder's output changed
+        copies.append(copy)
+    # a sample grid's fresh encoders with the trained LoRA merged in encode as the trained ones do
+    fresh = [type(e)(e.config) for e in bundle.text_encoders]
+    for f, e in zip(fresh, bundle.text_encoders):
+        f.load_state_dict(e.state_dict())
+    merge_trained_encoders(fresh, copies)
+    for f, want in zip(fresh, trained):
+        with torch.no_grad():
+            assert torch.allclose(f(ids, output_hidden_states=True).hidden_states[-2], want, atol=1e-5)
+    for name in ("model.safetensors", "model-diffusers.safetensors"):
+        _, bundle = _loaded_encoders(cache_root)
+        pipe = build_pipeline(bundle)
+        assert load_loras(pipe, [(whole / name, 1.0)])  # what `vramfit generate --lora` does
+        for i, enc in enumerate((pipe.text_encoder, pipe.text_encoder_2)):
+            with torch.no_grad():
+                got = enc(ids, output_hidden_states=True).hidden_states[-2]
+            assert torch.allclose(got, trained[i], atol=1e-5), name
+
+
+def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
+    """train.text_encoder_lr = 0: the encoders' LoRA stays at its init while the UNet's moves. The
+    final sample grid renders with the trained encoders merged into fresh copies."""
+    out = tmp_path / "out"
+    sets = (*TE, "train.text_encoder_lr=0", "save.state_every_steps=1", "save.keep_last=10",
+            "sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")
+    assert main(train_args(images, out, cache_root, *sets, model="tiny:sdxl")) == 0
+    assert (out / "samples" / "step-000002.png").is_file()
+    schedule = torch.load(out / "state" / "step-000002" / "schedule.pt", weights_only=True)
+    assert schedule["base_lrs"] == [1e-2, 0.0]  # the schedule scales both groups
+    first, last = (load_file(str(out / "state" / f"step-00000{s}" / "weights.safetensors")) for s in (1, 2))
+    te = [k for k in first if k.startswith("text_encoder_")]
+    unet = [k for k in first if not k.startswith("text_encoder_") and "lora_B" in k]
+    assert te and all(torch.equal(first[k], last[k]) for k in te)
+    assert any(not torch.equal(first[k], last[k]) for k in unet)
+
+
+@pytest.mark.parametrize("sets, key", [
+    (("train.optimizer_in_backward=true",), "lora.text_encoder_rank"),
+    (("train.optimizer=prodigy",), "lora.text_encoder_rank"),
+    (("memory.stream_encoders=true",), "lora.text_encoder_rank"),
+    (("train.cuda_graphs=true",), "train.cuda_graphs"),
+    (("cache.text=true",), "cache.text"),
+])
+def test_refusals_name_the_key(sets, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4", *sets], need_data=False)
+    assert any(p.startswith(key) for p in exc.value.problems), exc.value.problems
+    assert "text_encoder_rank" in str(exc.value)
+
+
+def test_several_processes_refuse_it():
+    cfg = load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4"], need_data=False)
+    lines = process_problems(cfg, 2)
+    assert [line.split(":")[0] for line in lines] == ["lora.text_encoder_rank"]
+    assert not process_problems(cfg, 1)
+
+
+def test_lr_without_rank_and_other_families_are_refused():
+    for key in ("train.text_encoder_lr=1e-4", "lora.text_encoder_alpha=8"):
+        with pytest.raises(ConfigError, match=key.split("=")[0] + ": given without lora.text_encoder_rank"):
+            load_config(None, ["train.mode=lora", key], need_data=False)
+    cfg = load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4"], need_data=False)
+    assert cfg.cache.text is False  # turned off, not refused, where it was left at its default
+    for name in ("sd3", "flux"):
+        problems = FAMILIES[name].config_problems(cfg)
+        assert any(p.startswith("lora.text_encoder_rank:") for p in problems)
+
+
+def test_plan_counts_the_trained_encoders():
+    """The train phase grows by the encoders (weights, LoRA, activations); the plan says so."""
+    facts = facts_for_layout("sdxl")
+    plain = load_config(None, ["train.mode=lora", "cache.text=false"], need_data=False)
+    te = with_values(plain, {"lora.text_encoder_rank": 16})
+    before, after = (next(p for p in predict(facts, c).phases if p.name == "train") for c in (plain, te))
+    assert after.peak > before.peak
+    assert after.parts["text encoders trained"] > 0 and after.parts["text encoder lora"] > 0
+    assert after.parts["text encoder activations"] > 0
+    assert "lora.text_encoder_rank" in plan_report(te, facts, None)
