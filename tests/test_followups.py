@@ -14,7 +14,8 @@ from conftest import SIZE, train_args
 from vramfit.cli import main
 from vramfit.config.schema import LoraSettings, ModelConfig, RunConfig
 from vramfit.fit import probe
-from vramfit.fit.planner import GIB
+from vramfit.fit.model_facts import read_facts
+from vramfit.fit.planner import GIB, _factor_pair, adapter_temporaries, device_terms, with_values
 from vramfit.formats import lora as L
 from vramfit.formats.safetensors_io import read_header
 from vramfit.models.registry import FAMILIES, detect_family
@@ -151,3 +152,85 @@ def test_merge_refuses_adapters_that_are_not_a_plain_product(sdxl, tmp_path, cap
     err = capsys.readouterr().err
     assert f"{kind}.safetensors" in err and "not a plain LoRA" in err and "merge takes LoRA files only" in err
     assert not out.exists()
+
+
+# ---- the planner's adapter bytes ------------------------------------------------------------------
+
+def _adapter_config(kind: str, **lora) -> RunConfig:
+    return RunConfig.model_validate({"model": {"path": "tiny:sdxl"}, "data": {"resolution": SIZE},
+                                     "train": {"mode": "lora", "gradient_checkpointing": False},
+                                     "lora": {"type": kind, **lora}})
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "lokr", "loha"])
+@pytest.mark.parametrize("lora", [{"rank": 4, "conv_rank": 2, "conv_alpha": 3.0},
+                                  {"rank": 16, "targets": ["all_linear"], "conv_rank": 1}])
+def test_planned_adapter_bytes_are_the_ones_peft_builds(sdxl, kind, lora):
+    """Every adapter type, on the linears and with lora.conv_rank on the UNet's convolutions: the
+    planner's trained bytes (gradients, optimizer state) are those of the tensors apply_lora makes."""
+    if kind == "lokr":
+        lora = {**lora, "lokr_factor": 4} if lora["rank"] == 16 else lora
+    cfg = _adapter_config(kind, **lora)
+    facts = read_facts(cfg)
+    terms = device_terms(facts, cfg)
+    model = copy.deepcopy(sdxl.denoiser)
+    apply_lora(model, cfg.lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert terms["gradients"] == sum(p.numel() * p.element_size() for p in trained)
+    assert terms["trained numel"] == sum(p.numel() for p in trained)
+    # AdamW: two fp32 values per trained value
+    adamw = with_values(cfg, {"train.optimizer": "adamw"})
+    assert device_terms(facts, adamw)["optimizer state"] == 2 * terms["gradients"]
+
+
+def test_lokr_factors_split_dimensions_as_peft_does():
+    from peft.tuners.lokr.layer import factorization
+
+    for factor in (-1, 0, 1, 2, 3, 4, 8, 16, 100):
+        for dim in (*range(1, 200), 320, 640, 1280, 2048, 5120, 10240):
+            assert _factor_pair(dim, factor) == tuple(factorization(dim, factor)), (dim, factor)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_the_planned_formed_weights_are_what_lokr_and_loha_keep_for_backward(sdxl, kind):
+    """Without checkpointing LoKr and LoHa keep each module's formed update (a weight's size, fp32)
+    for backward: the planner's adapter_temporaries is their sum + one more of the largest (being
+    formed); DoRA's are two of the largest, LoRA makes none."""
+    cfg = _adapter_config(kind, rank=4, conv_rank=2)
+    model = copy.deepcopy(sdxl.denoiser)
+    apply_lora(model, cfg.lora)
+    model.train()
+    formed: dict[str, torch.Tensor] = {}  # each adapted layer's update as it forms it
+    for name, layer in model.named_modules():
+        if hasattr(layer, "get_delta_weight"):
+            def spy(*a, _form=layer.get_delta_weight, _name=name, **kw):
+                formed[_name] = _form(*a, **kw)
+                return formed[_name]
+            layer.get_delta_weight = spy
+    saved: set[int] = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    c = model.config
+    # inputs that need gradients: every module's input then does, as the planner assumes (a module fed
+    # by frozen inputs alone, the cross-attention's keys and values, keeps no update: an upper bound)
+    x, ctx = torch.randn(1, c.in_channels, 8, 8, requires_grad=True), torch.randn(1, 6, c.cross_attention_dim,
+                                                                                requires_grad=True)
+    pooled = torch.randn(1, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, torch.tensor([500]), ctx, added_cond_kwargs={
+            "text_embeds": pooled, "time_ids": torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]])})
+    assert out.sample.requires_grad
+    layers = {n: m.get_base_layer().weight for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    assert formed.keys() == layers.keys()
+    for name, t in formed.items():  # weight-sized, fp32, kept for backward
+        assert t.numel() == layers[name].numel() and t.dtype == torch.float32
+        assert t.untyped_storage().data_ptr() in saved, name
+    largest = max(4 * w.numel() for w in layers.values())
+    facts = read_facts(cfg)
+    assert adapter_temporaries(facts, cfg) == sum(4 * t.numel() for t in formed.values()) + largest
+    for other, expect in (("dora", 2 * largest), ("lora", 0)):
+        plain = _adapter_config(other, rank=4, conv_rank=2)
+        assert adapter_temporaries(read_facts(plain), plain) == expect
