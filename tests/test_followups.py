@@ -223,7 +223,8 @@ def test_the_planned_formed_weights_are_what_lokr_and_loha_keep_for_backward(sdx
         out = model(x, torch.tensor([500]), ctx, added_cond_kwargs={
             "text_embeds": pooled, "time_ids": torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]])})
     assert out.sample.requires_grad
-    layers = {n: m.get_base_layer().weight for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    layers = {n: m.get_base_layer().weight for n, m in model.named_modules()
+              if hasattr(m, "get_delta_weight")}
     assert formed.keys() == layers.keys()
     for name, t in formed.items():  # weight-sized, fp32, kept for backward
         assert t.numel() == layers[name].numel() and t.dtype == torch.float32
