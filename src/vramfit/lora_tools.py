@@ -52,6 +52,15 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _refuse_non_lora(path, keys, tool: str) -> None:
+    """Refuse a file holding DoRA, LoKr or LoHa tensors: their update is not a plain low-rank
+    product (a DoRA's magnitude rescales each output row of the merged weight)."""
+    odd = sorted(k for k in keys if any(part in k for part in _NOT_LORA))
+    if odd:
+        raise ValueError(f"{path}: holds adapter tensors that are not a plain LoRA (e.g. {odd[0]!r}: DoRA, "
+                         f"LoKr or LoHa); {tool} takes LoRA files only")
+
+
 def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
@@ -85,6 +94,7 @@ def merge(model_path: str, loras: Sequence[tuple[Path, float]], out: Path, dtype
     family, bundle = load_model(model_path, tokenizers)
     merged = {}
     for path, scale in loras:
+        _refuse_non_lora(path, read_header(path)[0], "merge")  # before a reader says less of them
         try:
             lora = load_lora(path, FAMILIES.values(), unet_config=dict(bundle.denoiser.config))
         except ValueError as exc:
@@ -206,10 +216,7 @@ def resize(path: Path, rank: int, out: Path, device: str = "auto") -> dict:
         raise ValueError(f"{out}: the output would overwrite the input LoRA; give another path")
     _, meta = read_header(path)
     raw = load_file(str(path))
-    odd = sorted(k for k in raw if any(part in k for part in _NOT_LORA))
-    if odd:
-        raise ValueError(f"{path}: holds adapter tensors that are not a plain LoRA (e.g. {odd[0]!r}: DoRA, "
-                         "LoKr or LoHa); resize takes LoRA files only")
+    _refuse_non_lora(path, raw, "resize")
     dev, result, layers, shrunk, worst = _device(device), {}, 0, 0, 1.0
     for key in sorted(raw):
         pair = next(((d, u) for d, u in _PAIRS if key.endswith(d)), None)

@@ -309,13 +309,16 @@ def _held(what: str, folders: tuple[Path, ...], flag: StopFlag, save: Callable[[
 
 def _earlier_run(out: Path, name: str) -> list[str]:
     """What of an earlier run in output.dir `out` a new run writes over: its run.json, its final
-    and intermediate checkpoints under save.name `name`, its training states."""
+    and intermediate checkpoints under save.name `name` and their EMA's (<name>-ema), its
+    training states."""
     found = ["run.json"] if (out / "run.json").is_file() else []
-    found += [p.name for s in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values())
-              if (p := out / f"{name}{s}").exists()]
-    steps = list(out.glob(f"{name}-step*")) if out.is_dir() else []
-    if steps:
-        found.append(f"{len(steps)} intermediate checkpoint{'s' if len(steps) > 1 else ''} ({name}-step*)")
+    for base in (name, f"{name}-ema"):
+        found += [p.name for s in (".safetensors", "-diffusers", *LORA_FILE_SUFFIXES.values())
+                  if (p := out / f"{base}{s}").exists()]
+        steps = list(out.glob(f"{base}-step*")) if out.is_dir() else []
+        if steps:
+            plural = "s" if len(steps) > 1 else ""
+            found.append(f"{len(steps)} intermediate checkpoint{plural} ({base}-step*)")
     states = sorted(p.name for p in state_root(out).glob("step-*") if p.is_dir())
     if states:
         found.append(f"state/ ({states[0]}{f' to {states[-1]}' if len(states) > 1 else ''})")

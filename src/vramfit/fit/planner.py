@@ -15,7 +15,9 @@ Each phase (bytes allocated; n = a tensor's element count):
   on the device: their state counts in S, STREAM_GRAD_SHARE of a unit of their gradients beside
   the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
   optimizer pack: the largest trained tensor, or 4 Mi values, at most all trained values),
-  activations A (saved + work) and WORKSPACE. The peak is the largest of: the end of forward
+  activations A (saved + work; with DoRA, LoKr and LoHa the adapted weights they form each step,
+  `adapter_temporaries`) and WORKSPACE. A LoRA's trained tensors are those peft builds for
+  lora.type and lora.conv_rank (`_adapter_shapes`). The peak is the largest of: the end of forward
   (W + S + accumulated G + A + autocast's bf16 weight copies); backward (W + S + G + work, + the
   saved inputs too with accumulation, whose buffer lives through every backward); the step after
   backward (W + S + G + T); with optimizer_in_backward instead backward with one tensor's gradient
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,7 +84,7 @@ from vramfit.optim.base import ParamOptimizer
 from vramfit.optim.build import optimizer_class, other_state_bytes
 from vramfit.optim.wrapped import WrappedOptimizer
 from vramfit.train.distributed import composition_problems, launched_world
-from vramfit.train.lora import target_modules
+from vramfit.train.lora import conv_modules, target_modules
 
 GIB = 2**30
 MIB = 2**20
@@ -173,14 +176,76 @@ class _Tensor:
     streamed: bool = False
 
 
+def _adapted_modules(facts: ModelFacts, cfg: RunConfig) -> list[tuple[str, torch.nn.Module, int]]:
+    """(name, module, rank) of every module train/lora.py adapts: the targeted linears at lora.rank
+    and, with lora.conv_rank, the UNet's convolutions it picks at that rank."""
+    linears = [(n, facts.denoiser.get_submodule(n), cfg.lora.rank)
+               for n in target_modules(facts.denoiser, cfg.lora)]
+    convs = conv_modules(facts.denoiser) if cfg.lora.conv_rank else []
+    return linears + [(n, facts.denoiser.get_submodule(n), cfg.lora.conv_rank) for n in convs]
+
+
+def _factor_pair(dim: int, factor: int) -> tuple[int, int]:
+    """(m, n), m * n = dim, as LoKr splits a dimension for lora.lokr_factor: the factor itself
+    where it divides dim, else m the largest divisor at most sqrt(dim) (and at most the factor)."""
+    if factor > 0 and dim % factor == 0:
+        return factor, dim // factor
+    limit = dim if factor == -1 else factor
+    m = max((d for d in range(1, int(dim ** 0.5) + 1) if dim % d == 0 and d <= limit), default=1)
+    return m, dim // m
+
+
+def _adapter_shapes(kind: str, module: torch.nn.Module, r: int, factor: int) -> dict[str, tuple]:
+    """The trained tensors (peft's names) of one module's adapter of `kind` at rank r: LoRA's A
+    and B (a conv's A carries the kernel, its B is 1x1), DoRA's + a magnitude per output row,
+    LoHa's two pairs (a conv flattened to [out, in x kernel]), LoKr's Kronecker factors (w1 whole;
+    w2 whole where r reaches half its larger side, else as a rank-r pair)."""
+    conv = isinstance(module, torch.nn.Conv2d)
+    if conv:
+        out, inp, kernel = module.out_channels, module.in_channels // module.groups, tuple(module.kernel_size)
+    else:
+        out, inp, kernel = module.out_features, module.in_features, ()
+    flat = inp * math.prod(kernel)
+    if kind in ("lora", "dora"):
+        shapes = {"lora_A": (r, inp, *kernel), "lora_B": (out, r, *(1,) * len(kernel))}
+        if kind == "dora":  # a conv's as [1, out, 1, 1]
+            shapes["lora_magnitude_vector"] = (1, out, 1, 1) if conv else (out,)
+        return shapes
+    if kind == "loha":
+        return {"hada_w1_a": (out, r), "hada_w1_b": (r, flat), "hada_w2_a": (out, r), "hada_w2_b": (r, flat)}
+    (out_l, out_k), (in_m, in_n) = _factor_pair(out, factor), _factor_pair(inp, factor)
+    shapes = {"lokr_w1": (out_l, in_m)}
+    if r >= max(out_k, in_n) / 2:
+        shapes["lokr_w2"] = (out_k, in_n, *kernel)
+    else:
+        shapes.update({"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n * math.prod(kernel))})
+    return shapes
+
+
 def _lora_tensors(facts: ModelFacts, cfg: RunConfig) -> list[_Tensor]:
+    """The adapter's trained fp32 tensors as train/lora.py has peft build them for lora.type."""
     out = []
-    for name in target_modules(facts.denoiser, cfg.lora):
-        lin = facts.denoiser.get_submodule(name)
-        r = cfg.lora.rank
-        out.append(_Tensor(f"{name}.lora_A", (r, lin.in_features), r * lin.in_features, 4, True))
-        out.append(_Tensor(f"{name}.lora_B", (lin.out_features, r), r * lin.out_features, 4, True))
+    for name, module, r in _adapted_modules(facts, cfg):
+        for part, shape in _adapter_shapes(cfg.lora.type, module, r, cfg.lora.lokr_factor).items():
+            out.append(_Tensor(f"{name}.{part}", shape, math.prod(shape), 4, True))
     return out
+
+
+def adapter_temporaries(facts: ModelFacts, cfg: RunConfig) -> int:
+    """Bytes of the weight-sized fp32 tensors DoRA, LoKr and LoHa form each step (0 for LoRA):
+    LoKr and LoHa build each adapted module's update (its weight's size) and the product with the
+    input keeps it for backward, in every module whose block does not recompute (with
+    checkpointing, the blocks that recompute form theirs again in backward: the largest, twice
+    while it is formed); DoRA forms B A and W + s B A one module at a time to take row norms
+    (two of the largest)."""
+    if cfg.train.mode != "lora" or cfg.lora.type == "lora":
+        return 0
+    sizes = [4 * module.weight.numel() for _, module, _ in _adapted_modules(facts, cfg)]
+    largest = max(sizes, default=0)
+    if cfg.lora.type == "dora":
+        return 2 * largest
+    kept = (1.0 - _checkpointed_share(cfg)) * sum(sizes)
+    return int(kept) + (2 * largest if _checkpointed_share(cfg) else largest)
 
 
 def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
@@ -385,6 +450,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     if t.optimizer in WHOLE_STEP_OPTIMIZERS and t.precision == "full_bf16":  # fp32 copies of bf16 weights
         temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
+    act["adapter weights"] = adapter_temporaries(facts, cfg)  # with the activations: formed in forward
     base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state", "ema")}
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg))

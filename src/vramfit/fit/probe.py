@@ -1,15 +1,15 @@
 """Fit probe: before the cache is filled, measure two real training steps and stop early when
 the run cannot fit.
 
-A stand-in denoiser of the same architecture is built with throwaway (zero) weights, placed
-exactly as the run will place it (train/setup.py place_denoiser: precision, LoRA, quantized
-base, checkpointing, streaming, offload) and trained for two optimizer steps of up to two
-micro-batches each by the training loop itself, on a synthetic batch of the largest bucket's
-shapes. Two steps, because the optimizer state exists only from the first step on and the
-second step's backward is the real peak; two micro-batches, because the accumulated gradients
-live through the next backward. Memory does not depend on weight values, so the peak equals the
-run's; the real weights are never touched, so nothing has to be put back: the stand-in, its
-optimizer and their device memory are dropped afterwards.
+A stand-in denoiser of the same architecture is built with throwaway (zero) weights, placed exactly
+as the run will place it (train/setup.py place_denoiser: precision, LoRA, quantized base,
+checkpointing, streaming, offload; with [ema] on the GPU, an EMA of its trained weights) and trained
+for two optimizer steps of up to two micro-batches each by the training loop itself, on a synthetic
+batch of the largest bucket's shapes. Two steps, because the optimizer state exists only from the
+first step on and the second step's backward is the real peak; two micro-batches, because the
+accumulated gradients live through the next backward. Memory does not depend on weight values, so
+the peak equals the run's; the real weights are never touched, so nothing has to be put back: the
+stand-in, its optimizer and their device memory are dropped afterwards.
 
 Cost: the stand-in in host memory (the denoiser's size in its training precision, beside the
 real one) and four micro-steps, a few seconds on a GPU. Only acts on CUDA (memory.fit_probe);
@@ -28,11 +28,12 @@ from accelerate import init_empty_weights
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import PlanError, budget_of, choose, setting
+from vramfit.memory.ema import EMA
 from vramfit.optim.build import build_optimizer, build_schedule
 from vramfit.train import graphs
 from vramfit.train.data import free_device_memory
 from vramfit.train.engine import StepEngine
-from vramfit.train.loop import run_loop
+from vramfit.train.loop import LoopHooks, run_loop
 from vramfit.train.setup import place_denoiser
 from vramfit.train.state import Progress
 
@@ -103,11 +104,25 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
     schedule = build_schedule(optimizer, train)
     batch = family.synthetic_batch(dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)
     data = _SyntheticData(batch, cfg.step_batch)
+    ema = probe_ema(twin.denoiser, cfg)
+    hooks = LoopHooks(on_update=ema.maybe_update if ema is not None else None)
 
     def run():  # the LoopResult of the two steps
         engine = StepEngine(family, twin, optimizer, train, device, streamer=streamer)
-        return run_loop(engine, data, schedule, train, Progress(), shuffle=False)
+        return run_loop(engine, data, schedule, train, Progress(), hooks=hooks, shuffle=False)
     return run
+
+
+def probe_ema(denoiser: torch.nn.Module, cfg: RunConfig) -> Optional[EMA]:
+    """The EMA a run with [ema] on the GPU keeps beside the weights (memory/ema.py), over the
+    stand-in's trained tensors, so the measured peak holds its shadows; None otherwise (an EMA in
+    CPU memory takes no GPU memory: leaving it out spares its host copies)."""
+    e = cfg.ema
+    if not e.enabled or e.device != "gpu":
+        return None
+    params = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
+    return EMA(params, decay=e.decay, update_every=e.update_every, warmup=e.warmup, device=e.device,
+               dtype=e.dtype, seed=cfg.train.seed)
 
 
 def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: list[tuple[int, int]],

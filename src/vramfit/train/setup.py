@@ -7,6 +7,7 @@ read again from the source when a checkpoint is written.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import torch
 
 from vramfit import __version__
 from vramfit.config.load import ConfigError, default_cache_root, dump_config
-from vramfit.config.schema import RunConfig
+from vramfit.config.schema import LoraSettings, RunConfig
 from vramfit.data.cache import DiskCache
 from vramfit.data.datasets import combined, scan_datasets
 from vramfit.data.scan import ScanResult
@@ -404,9 +405,30 @@ def save_lora_files(bundle, cfg: RunConfig, name: str, formats: list[str], meta:
         tensors.update(lora_formats.text_encoder_lora(text_encoder_states(bundle), te_alpha,
                                                       kohya=fmt == "lora_kohya"))
         scale = lora_formats.lora_scale_metadata(cfg.lora.rank, alpha, "kohya" if fmt == "lora_kohya" else "diffusers")
+        if fmt == "lora_kohya":
+            scale.update(network_metadata(cfg.lora))
         lora_formats.save_lora(path, tensors, {**meta, **scale})
         paths.append(path)
     return paths
+
+
+def network_metadata(lora: LoraSettings) -> dict[str, str]:
+    """ss_network_module and ss_network_args as kohya's trainer writes them for this adapter: LoKr,
+    LoHa and DoRA train through LyCORIS there ("lycoris.kohya" with algo=..., DoRA as algo=lora
+    with dora_wd), LoRA through networks.lora; the args' values are the strings of its command line."""
+    args: dict[str, str] = {}
+    module = "networks.lora"
+    if lora.type != "lora":
+        module = "lycoris.kohya"
+        args["algo"] = "lora" if lora.type == "dora" else lora.type
+    if lora.type == "dora":
+        args["dora_wd"] = "True"
+    if lora.type == "lokr":
+        args["factor"] = str(lora.lokr_factor)
+    if lora.conv_rank:
+        args["conv_dim"] = str(lora.conv_rank)
+        args["conv_alpha"] = str(lora.conv_alpha or lora.conv_rank)
+    return {"ss_network_module": module, **({"ss_network_args": json.dumps(args)} if args else {})}
 
 
 def save_on_main(ranks: distributed.DataParallel, family, bundle, cfg: RunConfig,
