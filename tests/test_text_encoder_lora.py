@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import train_args
 from vramfit.cli import main
+from vramfit.fit.resolve import Environment, with_automatic_values
 from vramfit.config.load import ConfigError, load_config
 from vramfit.config.rules import process_problems
 from vramfit.fit.model_facts import facts_for_layout
@@ -153,7 +154,10 @@ def test_lr_without_rank_and_other_families_are_refused():
         with pytest.raises(ConfigError, match=key.split("=")[0] + ": given without lora.text_encoder_rank"):
             load_config(None, ["train.mode=lora", key], need_data=False)
     cfg = load_config(None, ["train.mode=lora", "lora.text_encoder_rank=4"], need_data=False)
-    assert cfg.cache.text is False  # turned off, not refused, where it was left at its default
+    # turned off when the run is resolved, not refused, where it was left at its default
+    resolved = with_automatic_values(cfg, Environment(torch.device("cpu")))
+    assert cfg.cache.text is True and resolved.cache.text is False
+    assert "text" not in resolved.cache.model_fields_set
     for name in ("sd3", "flux"):
         problems = FAMILIES[name].config_problems(cfg)
         assert any(p.startswith("lora.text_encoder_rank:") for p in problems)

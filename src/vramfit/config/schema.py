@@ -818,13 +818,11 @@ class RunConfig(_Section):
                       f"leave {key} out") for key, value in unused.items()
                      if value is not None and not self.lora.text_encoder_rank]
         _raise_any(problems)
-        if self.lora.text_encoder_rank and self.cache.text:
-            if "text" in self.cache.model_fields_set:
-                _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained "
-                             "text encoders change every caption's embedding each step, so none can be "
-                             "cached; set it to false or leave it out (it is then turned off)")])
-            # trained text encoders encode every caption anew; left at its default, the cache is off
-            object.__setattr__(self, "cache", self.cache.model_copy(update={"text": False}))
+        if self.lora.text_encoder_rank and self.cache.text and "text" in self.cache.model_fields_set:
+            _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained "
+                         "text encoders change every caption's embedding each step, so none can be "
+                         "cached; set it to false or leave it out (it is then turned off)")])
+            # (left at its default it is turned off when the run is resolved: fit/resolve.py)
         return self
 
     @property

@@ -47,14 +47,23 @@ def graphs_by_default(cfg: RunConfig, env: Environment) -> bool:
     return env.device.type == "cuda" and env.world <= 1 and not graph_clashes(cfg)
 
 
+def _automatic(section, update: dict):
+    """`section` with `update` applied, the updated keys left out of those the user set
+    (model_fields_set): the planner stays free to choose them."""
+    out = section.model_copy(update=update)
+    object.__setattr__(out, "__pydantic_fields_set__", section.model_fields_set - set(update))
+    return out
+
+
 def with_automatic_values(cfg: RunConfig, env: Environment) -> RunConfig:
-    """`cfg` with train.cuda_graphs "auto" decided for `env`. It stays out of the keys the user set
-    (model_fields_set), so the planner is free to choose it and config.toml writes it as "auto"."""
+    """`cfg` with its automatic values decided: train.cuda_graphs "auto" for `env`, and cache.text
+    off where the text encoders train (lora.text_encoder_rank: every caption is encoded anew each
+    step; an explicit cache.text = true is refused by the schema)."""
+    if cfg.lora.text_encoder_rank and cfg.cache.text:
+        cfg = cfg.model_copy(update={"cache": _automatic(cfg.cache, {"text": False})})
     if cfg.train.cuda_graphs != "auto":
         return cfg
-    train = cfg.train.model_copy(update={"cuda_graphs": graphs_by_default(cfg, env)})
-    object.__setattr__(train, "__pydantic_fields_set__", cfg.train.model_fields_set - {"cuda_graphs"})
-    return cfg.model_copy(update={"train": train})
+    return cfg.model_copy(update={"train": _automatic(cfg.train, {"cuda_graphs": graphs_by_default(cfg, env)})})
 
 
 def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
