@@ -249,6 +249,18 @@ def test_graphed_flux_lora_equals_training_without(images, tmp_path, cache_root,
     _assert_same(graphed, plain)
 
 
+@pytest.mark.parametrize("adapter", ["dora", "lokr"])
+def test_graphed_adapters_equal_training_without(images, tmp_path, cache_root, recorded, adapter):
+    """DoRA and LoKr form their adapted weight each call (peft): recorded, they train as without graphs."""
+    cache = cache_root / "graphs-adapters"
+    sets = ["train.mode=lora", f"lora.type={adapter}", "train.lr=1e-2", "train.steps=3", "train.precision=fp32",
+            "save.formats=['lora_kohya']"]
+    plain = _train(images, tmp_path / "plain", cache, *sets, model="tiny:sdxl")
+    graphed = _train(images, tmp_path / "graphed", cache, *sets, "train.cuda_graphs=true", model="tiny:sdxl")
+    assert recorded
+    _assert_same(graphed, plain)
+
+
 def test_the_step_inside_backward_records_with_one_micro_batch_only():
     graphed = ["train.cuda_graphs=true", "train.optimizer_in_backward=true"]
     load_config(None, [*graphed, "train.grad_accum=1"], need_data=False)

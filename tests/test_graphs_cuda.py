@@ -94,6 +94,9 @@ CASES = {
     "flux-lora-nf4-samples": ("tiny:flux", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4",
                                             *SAMPLES]),
     "flux-full-streamed-inbwd": ("tiny:flux", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),
+    # adapters that form their weight each call (peft's DoRA and LoKr), recorded
+    "sdxl-dora": ("tiny:sdxl", ["train.mode=lora", "lora.type=dora", "train.lr=1e-4", "save.formats=['lora_kohya']"]),
+    "sdxl-lokr-conv": ("tiny:sdxl", ["train.mode=lora", "lora.type=lokr", "lora.conv_rank=2", "train.lr=1e-4"]),
 }
 
 
