@@ -135,3 +135,21 @@ def test_trained_lora_files_carry_the_metadata_a1111_reads(images, tmp_path, cac
     assert tags[images.name]["sks"] == 4 and tags[images.name]["photo"] == 4
     assert sum(tags[images.name].values()) == 4 * 3
     assert read_header(out / "m-diffusers.safetensors")[1]["ss_tag_frequency"] == kohya["ss_tag_frequency"]
+
+
+def test_resize_rewrites_the_rank_metadata_of_linears_and_convolutions(images, tmp_path, cache_root):
+    """A LoRA with convolutions (kohya's conv_dim) resized below both ranks says the new rank everywhere."""
+    import json
+
+    from vramfit.formats.safetensors_io import read_header
+
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", "train.mode=lora", "lora.rank=4", "lora.conv_rank=4",
+                           "save.name=m", model="tiny:sdxl")) == 0
+    small = tmp_path / "r2.safetensors"
+    assert main(["lora", "resize", str(out / "m.safetensors"), "--rank", "2", "--out", str(small)]) == 0
+    before, meta = read_header(out / "m.safetensors")[1], read_header(small)[1]
+    assert json.loads(before["ss_network_args"])["conv_dim"] == "4"
+    assert json.loads(meta["ss_network_args"])["conv_dim"] == "2" and meta["ss_network_dim"] == "2"
+    assert meta["vramfit.lora_rank"] == "2"
+    assert all(t.shape[0] == 2 for k, t in load_file(str(small)).items() if k.endswith("lora_down.weight"))

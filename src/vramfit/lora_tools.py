@@ -250,5 +250,21 @@ def resize(path: Path, rank: int, out: Path, device: str = "auto") -> dict:
     meta.update({"ss_network_dim": str(rank), "ss_network_alpha": repr(float(rank)),
                  "vramfit.lora.rank": str(rank), "vramfit.lora.alpha": repr(float(rank)),
                  "vramfit.resized_from": str(path)})
+    for key in ("vramfit.lora_rank", "vramfit.lora_alpha"):  # what a training run wrote
+        if key in meta:
+            meta[key] = str(rank)
+    args = _network_args(meta.get("ss_network_args"))
+    if args and "conv_dim" in args and int(float(args["conv_dim"])) > rank:  # convolutions resized too
+        args.update(conv_dim=str(rank), conv_alpha=str(rank))
+        meta["ss_network_args"] = json.dumps(args)
     save_lora(out, result, meta)
     return {"file": str(out), "layers": layers, "resized_layers": shrunk, "least_kept_energy": worst}
+
+
+def _network_args(text: Optional[str]) -> Optional[dict]:
+    """kohya's ss_network_args (a JSON object) as a dict; None where absent or not an object."""
+    try:
+        args = json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return None
+    return args if isinstance(args, dict) else None
