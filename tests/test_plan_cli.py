@@ -177,3 +177,12 @@ def test_a_samples_phase_over_budget_names_the_sample_grids(capsys):
     rc, _, err = _plan(capsys, SD3M, "--model", "sd3-medium", "--vram", "6GiB", *live, "--set",
                        "sample.every_steps=0", "--set", "sample.prompts=[]")
     assert rc == 0, err
+
+
+def test_the_flux_example_plans_for_the_released_architecture(capsys):
+    """examples/flux1_dev_lora_8gb.toml names its part files (model.vae, clip_l, t5): with --model they
+    stand with model.path for the shipped architecture, so the plan needs none of them."""
+    flux = Path(__file__).resolve().parents[1] / "examples" / "flux1_dev_lora_8gb.toml"
+    rc, out, err = _plan(capsys, flux, "--model", "flux1-dev", "--vram", "8GiB")
+    assert rc == 0, err
+    assert "flux1-dev (flux family, from its shipped config)" in out and "stream unit" in out

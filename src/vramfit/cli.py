@@ -206,6 +206,7 @@ def cmd_plan(args) -> int:
     from vramfit.fit.planner import budget_of, plan_report
     from vramfit.fit.resolve import Environment, with_automatic_values
     from vramfit.models.registry import FAMILIES
+    from vramfit.models.sources import ENCODER_PARTS
     from vramfit.train.setup import cache_root
 
     # --model NAME: the architecture from its shipped config; model.path is not read, nor needed
@@ -224,6 +225,8 @@ def cmd_plan(args) -> int:
     if args.vram is not None and budget < MIN_VRAM:
         raise ValueError(f"--vram {args.vram} is below the smallest GPU vramfit plans for "
                          f"({MIN_VRAM // 2**20} MiB); give the GPU memory to plan for, e.g. 8GiB")
+    if args.model:  # the shipped architecture stands for model.path and the part files beside it
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=dict.fromkeys(ENCODER_PARTS))})
     facts = facts_for_layout(args.model) if args.model else read_facts(cfg, cache_root(cfg))
     problems = FAMILIES[facts.family].config_problems(cfg)  # what `train` would refuse for this model
     if cfg.model.family not in ("auto", facts.family):
