@@ -173,3 +173,66 @@ def test_plan_counts_the_trained_encoders():
     assert after.parts["text encoders trained"] > 0 and after.parts["text encoder lora"] > 0
     assert after.parts["text encoder activations"] > 0
     assert "lora.text_encoder_rank" in plan_report(te, facts, None)
+
+
+# SD3 trains CLIP-L and CLIP-G, Flux.1 CLIP-L; their T5 is never trained. Each family's LoRA files
+# with the keys its loaders read: {file: [(key prefix of an encoder's module, encoder index)]}
+FLOW_FILES = {
+    "sd3": {"model.safetensors": [("text_encoder.text_model.", 0), ("text_encoder_2.text_model.", 1)]},
+    "flux": {"model.safetensors": [("text_encoder.text_model.", 0)],
+             "model-kohya.safetensors": [("lora_te1_text_model_encoder_layers_0_", 0)]},
+}
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_root):
+    """SD3 and Flux.1 through the CLI: 4 steps, and 2 then 2 more resumed, give identical LoRA weights
+    of the transformer and the CLIP encoders (and none of T5); the encoders' LoRA moved and their
+    output changed; each exported file loaded by diffusers gives the trained encoders' output."""
+    model = f"tiny:{name}"
+    sets = (*TE, "train.steps=4", "save.state_every_steps=2", "save.keep_last=10")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(train_args(images, whole, cache_root, *sets, model=model)) == 0
+    shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
+    (part / "state" / "latest").write_text("step-000002\n")
+    assert main([*train_args(images, part, cache_root, *sets, model=model), "--resume", "latest"]) == 0
+    a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    files = FLOW_FILES[name]
+    count = 1 + max(i for keys in files.values() for _, i in keys)
+    assert {k.split(".")[0] for k in a if k.startswith("text_encoder_")} == {f"text_encoder_{i}"
+                                                                             for i in range(count)}
+    start = load_file(str(whole / "state" / "step-000002" / "weights.safetensors"))
+    ups = [k for k in a if k.startswith("text_encoder_") and "lora_B" in k]
+    assert all(any(not torch.equal(a[k], start[k]) for k in ups if k.startswith(f"text_encoder_{i}."))
+               for i in range(count))  # each encoder's LoRA moved
+
+    from vramfit.generate import build_pipeline, load_loras
+    from vramfit.train.lora import apply_text_encoder_lora
+    from vramfit.config.schema import LoraSettings
+
+    family = FAMILIES[name]
+    source = resolve_source(load_config(None, [f"model.path={model}"], need_data=False).model, cache_root)
+    bundle = family.load(source)
+    assert len(bundle.text_encoders) == count + 1  # and T5, left alone
+    ids = bundle.tokenizers[0](["a red cube"], padding="max_length", max_length=77,
+                               return_tensors="pt").input_ids
+    trained = []
+    for i, enc in enumerate(bundle.text_encoders[:count]):
+        with torch.no_grad():
+            frozen = enc(ids, output_hidden_states=True).hidden_states[-2]
+        apply_text_encoder_lora(enc, LoraSettings(text_encoder_rank=4, text_encoder_alpha=2))
+        ours = {k[len(f"text_encoder_{i}."):]: v for k, v in a.items() if k.startswith(f"text_encoder_{i}.")}
+        assert not enc.load_state_dict(ours, strict=False).unexpected_keys
+        with torch.no_grad():
+            trained.append(enc(ids, output_hidden_states=True).hidden_states[-2])
+        assert not torch.allclose(trained[i], frozen, atol=1e-5)  # the encoder's output changed
+    for file, keys in files.items():
+        tensors = load_file(str(whole / file))
+        assert all(any(k.startswith(prefix) for k in tensors) for prefix, _ in keys), file
+        pipe = build_pipeline(family.load(source))
+        assert load_loras(pipe, [(whole / file, 1.0)])  # what `vramfit generate --lora` does
+        for i, enc in enumerate((pipe.text_encoder, getattr(pipe, "text_encoder_2", None))[:count]):
+            with torch.no_grad():
+                got = enc(ids, output_hidden_states=True).hidden_states[-2]
+            assert torch.allclose(got, trained[i], atol=1e-5), (file, i)
