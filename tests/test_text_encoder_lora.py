@@ -149,7 +149,7 @@ def test_several_processes_refuse_it():
     assert not process_problems(cfg, 1)
 
 
-def test_lr_without_rank_and_other_families_are_refused():
+def test_lr_without_rank_is_refused():
     for key in ("train.text_encoder_lr=1e-4", "lora.text_encoder_alpha=8"):
         with pytest.raises(ConfigError, match=key.split("=")[0] + ": given without lora.text_encoder_rank"):
             load_config(None, ["train.mode=lora", key], need_data=False)
@@ -158,20 +158,25 @@ def test_lr_without_rank_and_other_families_are_refused():
     resolved = with_automatic_values(cfg, Environment(torch.device("cpu")))
     assert cfg.cache.text is True and resolved.cache.text is False
     assert "text" not in resolved.cache.model_fields_set
-    for name in ("sd3", "flux"):
-        problems = FAMILIES[name].config_problems(cfg)
-        assert any(p.startswith("lora.text_encoder_rank:") for p in problems)
+    for name in ("sdxl", "sd3", "flux"):  # every family trains its CLIP encoders
+        assert not any(p.startswith("lora.text_encoder_rank") for p in FAMILIES[name].config_problems(cfg))
 
 
-def test_plan_counts_the_trained_encoders():
-    """The train phase grows by the encoders (weights, LoRA, activations); the plan says so."""
-    facts = facts_for_layout("sdxl")
+@pytest.mark.parametrize("layout", ["sdxl", "sd3m", "flux1-dev"])
+def test_plan_counts_the_trained_encoders(layout):
+    """The train phase grows by the CLIP encoders (weights, LoRA, activations); a frozen T5 (SD3,
+    Flux.1) still comes to the device to encode each step; the plan says so."""
+    facts = facts_for_layout(layout)
     plain = load_config(None, ["train.mode=lora", "cache.text=false"], need_data=False)
     te = with_values(plain, {"lora.text_encoder_rank": 16})
     before, after = (next(p for p in predict(facts, c).phases if p.name == "train") for c in (plain, te))
     assert after.peak > before.peak
     assert after.parts["text encoders trained"] > 0 and after.parts["text encoder lora"] > 0
     assert after.parts["text encoder activations"] > 0
+    t5 = [e for e in facts.encoders if e.kind == "t5"]
+    assert (after.parts.get("text encoder", 0) > 0) == bool(t5)  # T5's weights while it encodes
+    if t5:
+        assert after.parts["text encoder"] == before.parts["text encoder"]  # the largest, T5, either way
     assert "lora.text_encoder_rank" in plan_report(te, facts, None)
 
 
@@ -188,11 +193,14 @@ FLOW_FILES = {
 def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_root):
     """SD3 and Flux.1 through the CLI: 4 steps, and 2 then 2 more resumed, give identical LoRA weights
     of the transformer and the CLIP encoders (and none of T5); the encoders' LoRA moved and their
-    output changed; each exported file loaded by diffusers gives the trained encoders' output."""
+    output changed; the final sample grid renders; each exported file loaded by diffusers gives the
+    trained encoders' output."""
     model = f"tiny:{name}"
     sets = (*TE, "train.steps=4", "save.state_every_steps=2", "save.keep_last=10")
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert main(train_args(images, whole, cache_root, *sets, model=model)) == 0
+    grid = ("sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")  # the final grid only
+    assert main(train_args(images, whole, cache_root, *sets, *grid, model=model)) == 0
+    assert (whole / "samples" / "step-000004.png").is_file()  # rendered with the trained encoders merged
     shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
     (part / "state" / "latest").write_text("step-000002\n")
     assert main([*train_args(images, part, cache_root, *sets, model=model), "--resume", "latest"]) == 0
