@@ -190,7 +190,7 @@ FLOW_FILES = {
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux"])
-def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_root):
+def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_root, caplog):
     """SD3 and Flux.1 through the CLI: 4 steps, and 2 then 2 more resumed, give identical LoRA weights
     of the transformer and the CLIP encoders (and none of T5); the encoders' LoRA moved and their
     output changed; the final sample grid renders; each exported file loaded by diffusers gives the
@@ -239,7 +239,9 @@ def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_r
         tensors = load_file(str(whole / file))
         assert all(any(k.startswith(prefix) for k in tensors) for prefix, _ in keys), file
         pipe = build_pipeline(family.load(source))
+        caplog.clear()
         assert load_loras(pipe, [(whole / file, 1.0)])  # what `vramfit generate --lora` does
+        assert "left out" not in caplog.text  # every layer of the file, the encoders' too, found
         for i, enc in enumerate((pipe.text_encoder, getattr(pipe, "text_encoder_2", None))[:count]):
             with torch.no_grad():
                 got = enc(ids, output_hidden_states=True).hidden_states[-2]
