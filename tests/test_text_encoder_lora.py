@@ -149,7 +149,7 @@ def test_several_processes_refuse_it():
     assert not process_problems(cfg, 1)
 
 
-def test_lr_without_rank_and_other_families_are_refused():
+def test_lr_without_rank_is_refused():
     for key in ("train.text_encoder_lr=1e-4", "lora.text_encoder_alpha=8"):
         with pytest.raises(ConfigError, match=key.split("=")[0] + ": given without lora.text_encoder_rank"):
             load_config(None, ["train.mode=lora", key], need_data=False)
@@ -158,18 +158,91 @@ def test_lr_without_rank_and_other_families_are_refused():
     resolved = with_automatic_values(cfg, Environment(torch.device("cpu")))
     assert cfg.cache.text is True and resolved.cache.text is False
     assert "text" not in resolved.cache.model_fields_set
-    for name in ("sd3", "flux"):
-        problems = FAMILIES[name].config_problems(cfg)
-        assert any(p.startswith("lora.text_encoder_rank:") for p in problems)
+    for name in ("sdxl", "sd3", "flux"):  # every family trains its CLIP encoders
+        assert not any(p.startswith("lora.text_encoder_rank") for p in FAMILIES[name].config_problems(cfg))
 
 
-def test_plan_counts_the_trained_encoders():
-    """The train phase grows by the encoders (weights, LoRA, activations); the plan says so."""
-    facts = facts_for_layout("sdxl")
+@pytest.mark.parametrize("layout", ["sdxl", "sd3m", "flux1-dev"])
+def test_plan_counts_the_trained_encoders(layout):
+    """The train phase grows by the CLIP encoders (weights, LoRA, activations); a frozen T5 (SD3,
+    Flux.1) still comes to the device to encode each step; the plan says so."""
+    facts = facts_for_layout(layout)
     plain = load_config(None, ["train.mode=lora", "cache.text=false"], need_data=False)
     te = with_values(plain, {"lora.text_encoder_rank": 16})
     before, after = (next(p for p in predict(facts, c).phases if p.name == "train") for c in (plain, te))
     assert after.peak > before.peak
     assert after.parts["text encoders trained"] > 0 and after.parts["text encoder lora"] > 0
     assert after.parts["text encoder activations"] > 0
+    t5 = [e for e in facts.encoders if e.kind == "t5"]
+    assert (after.parts.get("text encoder", 0) > 0) == bool(t5)  # T5's weights while it encodes
+    if t5:
+        assert after.parts["text encoder"] == before.parts["text encoder"]  # the largest, T5, either way
     assert "lora.text_encoder_rank" in plan_report(te, facts, None)
+
+
+# SD3 trains CLIP-L and CLIP-G, Flux.1 CLIP-L; their T5 is never trained. Each family's LoRA files
+# with the keys its loaders read: {file: [(key prefix of an encoder's module, encoder index)]}
+FLOW_FILES = {
+    "sd3": {"model.safetensors": [("text_encoder.text_model.", 0), ("text_encoder_2.text_model.", 1)]},
+    "flux": {"model.safetensors": [("text_encoder.text_model.", 0)],
+             "model-kohya.safetensors": [("lora_te1_text_model_encoder_layers_0_", 0)]},
+}
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_root, caplog):
+    """SD3 and Flux.1 through the CLI: 4 steps, and 2 then 2 more resumed, give identical LoRA weights
+    of the transformer and the CLIP encoders (and none of T5); the encoders' LoRA moved and their
+    output changed; the final sample grid renders; each exported file loaded by diffusers gives the
+    trained encoders' output."""
+    model = f"tiny:{name}"
+    sets = (*TE, "train.steps=4", "save.state_every_steps=2", "save.keep_last=10")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    grid = ("sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")  # the final grid only
+    assert main(train_args(images, whole, cache_root, *sets, *grid, model=model)) == 0
+    assert (whole / "samples" / "step-000004.png").is_file()  # rendered with the trained encoders merged
+    shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
+    (part / "state" / "latest").write_text("step-000002\n")
+    assert main([*train_args(images, part, cache_root, *sets, model=model), "--resume", "latest"]) == 0
+    a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    files = FLOW_FILES[name]
+    count = 1 + max(i for keys in files.values() for _, i in keys)
+    assert {k.split(".")[0] for k in a if k.startswith("text_encoder_")} == {f"text_encoder_{i}"
+                                                                             for i in range(count)}
+    start = load_file(str(whole / "state" / "step-000002" / "weights.safetensors"))
+    ups = [k for k in a if k.startswith("text_encoder_") and "lora_B" in k]
+    assert all(any(not torch.equal(a[k], start[k]) for k in ups if k.startswith(f"text_encoder_{i}."))
+               for i in range(count))  # each encoder's LoRA moved
+
+    from vramfit.generate import build_pipeline, load_loras
+    from vramfit.train.lora import apply_text_encoder_lora
+    from vramfit.config.schema import LoraSettings
+
+    family = FAMILIES[name]
+    source = resolve_source(load_config(None, [f"model.path={model}"], need_data=False).model, cache_root)
+    bundle = family.load(source)
+    assert len(bundle.text_encoders) == count + 1  # and T5, left alone
+    ids = bundle.tokenizers[0](["a red cube"], padding="max_length", max_length=77,
+                               return_tensors="pt").input_ids
+    trained = []
+    for i, enc in enumerate(bundle.text_encoders[:count]):
+        with torch.no_grad():
+            frozen = enc(ids, output_hidden_states=True).hidden_states[-2]
+        apply_text_encoder_lora(enc, LoraSettings(text_encoder_rank=4, text_encoder_alpha=2))
+        ours = {k[len(f"text_encoder_{i}."):]: v for k, v in a.items() if k.startswith(f"text_encoder_{i}.")}
+        assert not enc.load_state_dict(ours, strict=False).unexpected_keys
+        with torch.no_grad():
+            trained.append(enc(ids, output_hidden_states=True).hidden_states[-2])
+        assert not torch.allclose(trained[i], frozen, atol=1e-5)  # the encoder's output changed
+    for file, keys in files.items():
+        tensors = load_file(str(whole / file))
+        assert all(any(k.startswith(prefix) for k in tensors) for prefix, _ in keys), file
+        pipe = build_pipeline(family.load(source))
+        caplog.clear()
+        assert load_loras(pipe, [(whole / file, 1.0)])  # what `vramfit generate --lora` does
+        assert "left out" not in caplog.text  # every layer of the file, the encoders' too, found
+        for i, enc in enumerate((pipe.text_encoder, getattr(pipe, "text_encoder_2", None))[:count]):
+            with torch.no_grad():
+                got = enc(ids, output_hidden_states=True).hidden_states[-2]
+            assert torch.allclose(got, trained[i], atol=1e-5), (file, i)

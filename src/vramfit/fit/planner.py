@@ -458,7 +458,9 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     if t.mode == "lora" and cfg.lora.text_encoder_rank:
         base.update(_trained_encoders(facts, cfg))
-        base.pop("text encoder", None)
+        # a frozen T5 (SD3, Flux.1) still comes to the device each step to encode, without gradients
+        base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders
+                                    if e.kind != "clip" and cfg.model.t5_precision != "none"), default=0)
     base["workspace"] = WORKSPACE
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
     if t.cuda_graphs is True and not t.optimizer_in_backward:

@@ -359,6 +359,24 @@ def _kohya_te_module(name: str, prefix: str) -> str:
     raise ValueError(f"kohya text-encoder module {name!r} is not a CLIP attention or MLP layer")
 
 
+def kohya_text_encoders_to_diffusers(tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """The kohya text-encoder modules of a LoRA file (`lora_te1_...`) as diffusers keys
+    (`text_encoder.<module>.lora_A/B.weight`) with each module's alpha / rank folded into lora_B,
+    for a pipeline whose own kohya reader takes the denoiser's keys only."""
+    out = {}
+    for pre, comp in KOHYA_TE.items():
+        part = {k: v for k, v in tensors.items() if k.startswith(pre)}
+        if not part:
+            continue
+        state, alphas = from_kohya(kohya_modules(part, what), lambda n, pre=pre: _kohya_te_module(n, pre), what)
+        for key, t in state.items():
+            if key.endswith(".lora_B.weight"):
+                module = key[:-len(".lora_B.weight")]
+                t = (t.to(torch.float32) * (alphas[module] / t.shape[1])).to(t.dtype)
+            out[f"{comp}.{key}"] = t
+    return out
+
+
 # ----------------------------------------------------------------------------- files
 def lora_scale_metadata(rank: int, alpha: float, fmt: str = "kohya") -> dict[str, str]:
     """safetensors metadata for a saved LoRA. Informational only: no loader needs it for the scale

@@ -162,35 +162,54 @@ def apply_text_encoder_lora(encoder: torch.nn.Module, settings: LoraSettings) ->
 
 
 def place_text_encoders(bundle, settings: LoraSettings, device: torch.device) -> list[torch.nn.Parameter]:
-    """With lora.text_encoder_rank: adapt every text encoder of `bundle`, put it on `device` for the
-    whole run (encode_text then neither moves it nor turns gradients off: bundle.extra
-    "text_encoders_trained") and return the adapters' parameters; [] without."""
+    """With lora.text_encoder_rank: adapt the CLIP text encoders of `bundle` (the leading ones; a T5
+    after them is never trained), put them on `device` for the whole run (encode_text then neither
+    moves them nor turns gradients off: bundle.extra "text_encoders_trained", their number) and
+    return the adapters' parameters; [] without."""
     if not settings.text_encoder_rank:
         return []
+    clips = _clip_encoders(bundle)
+    if not clips:
+        raise ValueError("lora.text_encoder_rank: this model has no CLIP text encoder to train; leave it out")
     modules = 0
-    for encoder in bundle.text_encoders:
+    for encoder in clips:
         modules += apply_text_encoder_lora(encoder, settings)
         encoder.to(device)
-    bundle.extra["text_encoders_trained"] = True
-    params = [p for e in bundle.text_encoders for p in e.parameters() if p.requires_grad]
+    bundle.extra["text_encoders_trained"] = len(clips)
+    params = [p for e in clips for p in e.parameters() if p.requires_grad]
+    frozen = len(bundle.text_encoders) - len(clips)
     log.info("text encoders: LoRA rank %d on %d modules of %d encoders (%.2f M parameters); captions are "
-             "encoded each step (cache.text is off)", settings.text_encoder_rank, modules,
-             len(bundle.text_encoders), sum(p.numel() for p in params) / 1e6)
+             "encoded each step (cache.text is off)%s", settings.text_encoder_rank, modules, len(clips),
+             sum(p.numel() for p in params) / 1e6,
+             "; T5 stays frozen and encodes each step too, without gradients" if frozen else "")
     return params
+
+
+def _clip_encoders(bundle) -> list[torch.nn.Module]:
+    """The leading CLIP encoders of bundle.text_encoders: what lora.text_encoder_rank trains."""
+    clips = []
+    for encoder in bundle.text_encoders:
+        if not str(getattr(getattr(encoder, "config", None), "model_type", "")).startswith("clip"):
+            break
+        clips.append(encoder)
+    return clips
+
+
+def trained_encoders(bundle) -> list[torch.nn.Module]:
+    """The text encoders that train (bundle.extra "text_encoders_trained" of them, the leading ones)."""
+    return list(bundle.text_encoders[:int(bundle.extra.get("text_encoders_trained") or 0)])
 
 
 def trained_weights(bundle) -> torch.nn.Module:
     """What a training state holds: the denoiser, with the trained text encoders beside it."""
     if not bundle.extra.get("text_encoders_trained"):
         return bundle.denoiser
-    return TrainedWeights(bundle.denoiser, list(bundle.text_encoders))
+    return TrainedWeights(bundle.denoiser, trained_encoders(bundle))
 
 
 def text_encoder_states(bundle) -> list[dict[str, torch.Tensor]]:
     """Each trained text encoder's adapter tensors in peft naming (lora_state); [] when none trains."""
-    if not bundle.extra.get("text_encoders_trained"):
-        return []
-    return [lora_state(e) for e in bundle.text_encoders]
+    return [lora_state(e) for e in trained_encoders(bundle)]
 
 
 @torch.no_grad()

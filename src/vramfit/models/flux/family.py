@@ -9,6 +9,7 @@ A guidance-distilled (dev) transformer is given train.guidance as its guidance w
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -261,9 +262,6 @@ class FluxFamily:
         problems += [f"{where}.negative_prompt: Flux.1 takes no negative prompt (its guidance is distilled "
                      "into the model); leave it out" for where in ("sample", "prior")
                      if getattr(getattr(cfg, where), "negative_prompt", None)]
-        if cfg.lora.text_encoder_rank:
-            problems.append("lora.text_encoder_rank: text-encoder LoRA trains the SDXL family's CLIP "
-                            "encoders only, not yet Flux.1's (whose T5 is never trained); leave it out")
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
@@ -319,24 +317,27 @@ class FluxFamily:
         return int(requested or bundle.extra.get("max_sequence_length")
                    or default_t5_tokens(bundle.denoiser.config))
 
-    @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
                     dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, max_sequence_length, joint_attention_dim] (T5's last hidden states, or
-        zeros without T5) and pooled [B, CLIP-L width] (CLIP-L's pooled output)."""
+        zeros without T5) and pooled [B, CLIP-L width] (CLIP-L's pooled output). A CLIP-L that trains
+        (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stays where it was placed and
+        encodes with gradients where they are enabled; T5 never trains."""
         stream = bundle.extra.get("stream_encoders", False)
+        trained = bool(bundle.extra.get("text_encoders_trained"))
         n_t5 = self._max_len(bundle, max_sequence_length)
         clip, tokenizer = bundle.text_encoders[0], bundle.tokenizers[0]
         ids = tokenizer(captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
                         return_tensors="pt").input_ids
-        with encoder_on(clip, device, stream):
+        placed = nullcontext() if trained else encoder_on(clip, device, stream)
+        with placed, torch.set_grad_enabled(trained and torch.is_grad_enabled()):
             pooled = clip(ids.to(device), output_hidden_states=False).pooler_output.float().cpu()
         joint = bundle.denoiser.config.joint_attention_dim
         if len(bundle.text_encoders) > 1:
             t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]
             ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
                             return_tensors="pt").input_ids
-            with encoder_on(t5, device, stream):
+            with encoder_on(t5, device, stream), torch.no_grad():
                 text = t5(ids.to(device))[0].float().cpu()
         else:
             text = torch.zeros(len(captions), n_t5, joint)

@@ -15,6 +15,7 @@ from pathlib import Path
 from diffusers import FluxPipeline
 from safetensors.torch import load_file
 
+from vramfit.formats.lora import KOHYA_UNET, kohya_text_encoders_to_diffusers
 from vramfit.models.flux.kohya import from_kohya_flux
 from vramfit.models.flux.objective import pack
 
@@ -60,6 +61,8 @@ class VramfitFluxPipeline(FluxPipeline):
         """diffusers' loader, with kohya's BFL names converted first (its own kohya reader assumes
         the released 3072 width)."""
         state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
-        if isinstance(state, dict) and any(k.startswith("lora_unet_") for k in state):
-            weights = from_kohya_flux(state, self.transformer.config)
+        if isinstance(state, dict) and any(k.startswith(KOHYA_UNET) for k in state):
+            unet = {k: v for k, v in state.items() if k.startswith(KOHYA_UNET)}  # CLIP-L's: lora_te1_
+            weights = {**from_kohya_flux(unet, self.transformer.config),
+                       **kohya_text_encoders_to_diffusers(state, "the kohya LoRA")}
         return super().load_lora_weights(weights, adapter_name=adapter_name, **kwargs)

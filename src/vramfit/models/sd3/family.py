@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -350,22 +351,25 @@ class SD3Family:
     def _max_len(bundle: ModelBundle, requested: Optional[int]) -> int:
         return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
 
-    @torch.no_grad()
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
                     dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, 77 + max_sequence_length, joint_attention_dim] and pooled [B, 2 x proj].
 
         One encoder is on the device at a time and goes back to the CPU after; with
         memory.stream_encoders (bundle.extra) only its embedding and a layer or two are there.
+        CLIP encoders that train (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stay
+        where they were placed and encode with gradients where they are enabled; T5 never trains.
         """
         stream = bundle.extra.get("stream_encoders", False)
+        trained = bool(bundle.extra.get("text_encoders_trained"))
         n_t5 = self._max_len(bundle, max_sequence_length)
         joint = bundle.denoiser.config.joint_attention_dim
         hidden, pooled = [], []
         for tokenizer, encoder in zip(bundle.tokenizers[:2], bundle.text_encoders[:2]):
             ids = tokenizer(captions, padding="max_length", max_length=CLIP_MAX_LENGTH,
                             truncation=True, return_tensors="pt").input_ids
-            with encoder_on(encoder, device, stream):
+            placed = nullcontext() if trained else encoder_on(encoder, device, stream)
+            with placed, torch.set_grad_enabled(trained and torch.is_grad_enabled()):
                 out = encoder(ids.to(device), output_hidden_states=True)
                 hidden.append(out.hidden_states[-2].float().cpu())
                 pooled.append(out.text_embeds.float().cpu())
@@ -378,7 +382,7 @@ class SD3Family:
             t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
             ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
                             add_special_tokens=True, return_tensors="pt").input_ids
-            with encoder_on(t5, device, stream):
+            with encoder_on(t5, device, stream), torch.no_grad():
                 t5_out = t5(ids.to(device))[0].float().cpu()
         else:
             t5_out = torch.zeros(len(captions), n_t5, joint)
@@ -434,9 +438,6 @@ class SD3Family:
         if "lora_kohya" in (cfg.save.formats or ()):  # the default is each family's own formats
             problems.append("save.formats: lora_kohya is for SDXL-family UNets; SD3 LoRAs are saved as "
                             "'lora' (diffusers/PEFT keys, which ComfyUI also loads)")
-        if cfg.lora.text_encoder_rank:
-            problems.append("lora.text_encoder_rank: text-encoder LoRA trains the SDXL family's CLIP "
-                            "encoders only, not yet SD3's (whose T5 is never trained); leave it out")
         if cfg.train.mode == "lora" and cfg.lora.type in ("lokr", "loha"):
             problems.append(f"lora.type: {cfg.lora.type!r} is written in kohya/LyCORIS keys for SDXL-family "
                             "UNets only; SD3 adapters train as 'lora' or 'dora'")
