@@ -186,3 +186,30 @@ def test_cpu_threads_reach_torch_and_auto_follows_omp_num_threads(images, tmp_pa
     assert setup.cpu_threads("auto") == 2 and setup.cpu_threads(5) == 5
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert 1 <= setup.cpu_threads("auto") <= 4
+
+
+def test_a_stop_landing_where_python_ignores_exceptions_is_delivered_again():
+    """A signal that arrives inside the import machinery's module-lock callback (where an exception
+    is printed as "Exception ignored" and dropped, as a SIGINT during loading once was) is not
+    raised there: the same signal comes again a moment later, where it stops the command."""
+    from vramfit import cli
+
+    scope: dict = {}
+    exec(compile("import sys\ndef cb():\n    return sys._getframe()\n", "<frozen importlib._bootstrap>", "exec"),
+         scope)
+    inside_callback = scope["cb"]()
+    received = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.set())
+    try:
+        try:
+            cli._raise_stop(signal.SIGUSR1, inside_callback)  # no KeyboardInterrupt here...
+        except KeyboardInterrupt:
+            pytest.fail("the stop was raised inside the callback, where Python would drop it")
+        deadline = time.time() + 5
+        while not received.is_set() and time.time() < deadline:
+            time.sleep(0.01)
+        assert received.is_set()  # ...but the signal again, a moment later
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):  # anywhere else: raised at once
+        cli._raise_stop(signal.SIGINT, sys._getframe())

@@ -397,7 +397,18 @@ def exit_code(signal_name: str) -> int:
     return 128 + signal.Signals[signal_name].value
 
 
+# Frames in which Python ignores an exception ("Exception ignored in ..."): a stop raised there would
+# be lost, so the signal is delivered again a moment later, outside them. The import machinery's
+# module-lock callback is where a signal during loading lands.
+_SWALLOWING = {("<frozen importlib._bootstrap>", "cb"), ("<frozen importlib._bootstrap>", "_get_module_lock")}
+REDELIVER_S = 0.05
+
+
 def _raise_stop(signum, frame) -> None:
+    code = frame.f_code if frame is not None else None
+    if code is not None and ((code.co_filename, code.co_name) in _SWALLOWING or code.co_name == "__del__"):
+        threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum)).start()
+        return
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
