@@ -184,6 +184,7 @@ class TrainingData:
         self.cache_cfg, self.cache, self.device = cache_cfg, cache, device
         self.stats = {"latents_cached": 0, "latents_reused": 0, "text_cached": 0, "text_reused": 0}
         self.to_cache = {"latents": 0, "text": 0}  # entries the cache stage writes (stats: those written)
+        self.pending: dict[str, list[str]] = {"latents": [], "text": []}  # their keys
         self.empty_key = ""  # the empty caption's text entry, where a dataset drops captions
         self._skipped_in_a_row = 0
         self._named: set[str] = set()  # items whose unusable entry was warned about
@@ -264,6 +265,7 @@ class TrainingData:
         self.stats["latents_reused"] = len(entries) - len(missing)
         todo = self.share(missing) if missing else missing
         self.to_cache["latents"], self.stats["latents_cached"] = len(todo), 0
+        self.pending["latents"] = [key for _, _, key in todo]
         if not todo:
             return
         self.bundle.vae.to(self.device)
@@ -280,6 +282,7 @@ class TrainingData:
         self.stats["text_reused"] = len(entries) - len(pending)
         keys = self.share(list(pending)) if pending else []
         self.to_cache["text"], self.stats["text_cached"] = len(keys), 0
+        self.pending["text"] = list(keys)
         for start in _bar(range(0, len(keys), TEXT_CHUNK), "cache text", progress):
             chunk = keys[start:start + TEXT_CHUNK]
             out = self.family.encode_text(self.bundle, [pending[k] for k in chunk], self.device,
@@ -287,6 +290,11 @@ class TrainingData:
             for i, key in enumerate(chunk):
                 self.cache.put("text", key, {k: v[i] for k, v in out.items()}, {})
                 self.stats["text_cached"] += 1
+
+    def written(self, kind: str) -> int:
+        """How many of the cache stage's entries of `kind` are in the cache now: counted on disk, so a
+        stop between an entry's write and its count still reports it."""
+        return sum(self.cache.path(kind, key).is_file() for key in self.pending[kind])  # written whole or not
 
     def cache_size(self) -> dict[str, int]:
         """Entries and bytes of the run's text and latent cache entries (what the cache holds for it)."""
