@@ -116,6 +116,9 @@ def test_lora_tools_refuse_bad_input_with_the_file_named(trained, tmp_path, caps
     assert main(["lora", "resize", str(trained / "m.safetensors"), "--rank", "0", "--out",
                  str(tmp_path / "x.safetensors")]) == 2
     assert "--rank 0" in capsys.readouterr().err
+    assert main(["lora", "resize", str(trained / "m.safetensors"), "--rank", "2", "--device", "tpu", "--out",
+                 str(tmp_path / "x.safetensors")]) == 2
+    assert "--device 'tpu'" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
 
 
 def test_trained_lora_files_carry_the_metadata_a1111_reads(images, tmp_path, cache_root):

@@ -27,6 +27,7 @@ from vramfit.formats.lora import (
     DIFFUSERS_METADATA_KEY, LORA_FILE_SUFFIXES, load_lora, lora_scale_metadata, save_lora,
 )
 from vramfit.formats.safetensors_io import read_header
+from vramfit.generate import generate_device
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source, write_tokenizers
 
@@ -44,12 +45,6 @@ def load_model(path: str, tokenizers: Optional[str] = None):
     source = resolve_source(ModelConfig(path=path, tokenizers=tokenizers))
     family = detect_family(source)
     return family, family.load(source)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _refuse_non_lora(path, keys, tool: str) -> None:
@@ -161,12 +156,13 @@ def extract(base_path: str, tuned_path: str, rank: int, out: Path, formats: Sequ
             device: str = "auto", dtype: str = "bf16", min_change: float = 0.0,
             tokenizers: Optional[str] = None) -> dict:
     """Write the LoRA of rank `rank` that takes `base_path` closest to `tuned_path` (per layer)."""
+    dev = generate_device(device)  # a device this machine lacks is named before anything loads
     family, base = load_model(base_path, tokenizers)
     tuned_family, tuned = load_model(tuned_path, tokenizers)
     if tuned_family.name != family.name:
         raise ValueError(f"{tuned_path} is a {tuned_family.display_name} checkpoint and {base_path} a "
                          f"{family.display_name} one: extract needs two checkpoints of the same model")
-    got = extract_state(base.denoiser, tuned.denoiser, rank, _device(device), min_change)
+    got = extract_state(base.denoiser, tuned.denoiser, rank, dev, min_change)
     if not got.state:
         raise ValueError(f"{tuned_path}: no linear layer of the denoiser differs from {base_path}; nothing to "
                          "extract")
@@ -211,13 +207,14 @@ def _scale(raw: dict, meta: dict, down_key: str, suffix: str, rank: int) -> floa
 def resize(path: Path, rank: int, out: Path, device: str = "auto") -> dict:
     """Every layer of the LoRA at `path` re-factored at rank `rank` (layers already at or below it
     are kept), keys and format unchanged; the scale is folded in (alpha = the new rank)."""
+    dev = generate_device(device)  # named before anything is read
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise ValueError(f"{out}: the output would overwrite the input LoRA; give another path")
     _, meta = read_header(path)
     raw = load_file(str(path))
     _refuse_non_lora(path, raw, "resize")
-    dev, result, layers, shrunk, worst = _device(device), {}, 0, 0, 1.0
+    result, layers, shrunk, worst = {}, 0, 0, 1.0
     for key in sorted(raw):
         pair = next(((d, u) for d, u in _PAIRS if key.endswith(d)), None)
         if pair is None:
