@@ -26,7 +26,7 @@ from vramfit.formats.safetensors_io import meta_tensors, read_header
 from vramfit.memory.encoder_stream import WINDOW
 from vramfit.memory.quantize import NF4_BLOCK
 from vramfit.memory.vae_tiling import vae_tile
-from vramfit.models.parts import ENCODER_ROOTS, shipped_config
+from vramfit.models.parts import encoder_file_prefix, shipped_config
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.optim.adamw import BLOCK as ADAM8_BLOCK, QUANTIZED_MIN_NUMEL as ADAM8_MIN_NUMEL
@@ -105,13 +105,10 @@ def _headers(folder: Path) -> dict:
 
 
 def _own_file_facts(name: str, kind: str, path: Path, prefix: str) -> Optional[EncoderFacts]:
-    """An encoder's sizes from a file of its own (HF keys, bare or under the single file's prefix or
-    `transformer.`, as models/parts.py encoder_file_state reads it)."""
+    """An encoder's sizes from a file of its own, read as models/parts.py reads it."""
     header = read_header(path)[0]
-    for candidate in (prefix, "transformer.", ""):
-        if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
-            return encoder_facts(name, kind, header, candidate)
-    return None
+    found = encoder_file_prefix(header, prefix)
+    return None if found is None else encoder_facts(name, kind, header, found)
 
 
 def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:

@@ -257,15 +257,23 @@ def merge_counts(counts: list[dict]) -> dict:
     return out
 
 
-def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """A text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files: HF keys), with
-    whichever wrapper prefix it carries (the single file's own, or `transformer.`) removed."""
-    header, _ = read_header(path)
+def encoder_file_prefix(header: Mapping, prefix: str) -> Optional[str]:
+    """The wrapper prefix of a text encoder stored on its own (ComfyUI's clip_l / clip_g / t5xxl files:
+    HF keys), from its header: the single file's own `prefix`, `transformer.` or none; None when the
+    keys are no text encoder's."""
     for candidate in (prefix, "transformer.", ""):
         if any(k.startswith(candidate) and k[len(candidate):].split(".")[0] in ENCODER_ROOTS for k in header):
-            return load_prefixed(path, candidate)
-    raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
-                          "shared.* keys)")
+            return candidate
+    return None
+
+
+def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """A text encoder stored on its own, its wrapper prefix (`encoder_file_prefix`) removed."""
+    found = encoder_file_prefix(read_header(path)[0], prefix)
+    if found is None:
+        raise CheckpointError(f"{path}: not a CLIP or T5 text encoder file (no text_model.*, encoder.* or "
+                              "shared.* keys)")
+    return load_prefixed(path, found)
 
 
 ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}
