@@ -123,3 +123,8 @@ def shifted(u: torch.Tensor, mu: float) -> torch.Tensor:
 def flow_snr(sigmas: torch.Tensor) -> torch.Tensor:
     """Signal-to-noise ratio ((1 - sigma) / sigma)^2 of rectified-flow samples."""
     return ((1 - sigmas) / sigmas) ** 2
+
+
+def decoder_input(latents: torch.Tensor, vae_config) -> torch.Tensor:
+    """Latents as the flow families' VAE decodes them: scaled back by its factor and shifted back."""
+    return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)

@@ -183,8 +183,8 @@ class TrainingData:
         self.identities = identities or {}  # encoder_identity by part, when taken before quantizing
         self.cache_cfg, self.cache, self.device = cache_cfg, cache, device
         self.stats = {"latents_cached": 0, "latents_reused": 0, "text_cached": 0, "text_reused": 0}
-        self.to_cache = {"latents": 0, "text": 0}  # entries the cache stage writes (stats: those written)
-        self.pending: dict[str, list[str]] = {"latents": [], "text": []}  # their keys
+        # the keys of the entries the cache stage writes (stats: how many were written)
+        self.pending: dict[str, list[str]] = {"latents": [], "text": []}
         self.empty_key = ""  # the empty caption's text entry, where a dataset drops captions
         self._skipped_in_a_row = 0
         self._named: set[str] = set()  # items whose unusable entry was warned about
@@ -264,8 +264,7 @@ class TrainingData:
         missing = [e for e in entries if not self.cache.has("latents", e[2])]
         self.stats["latents_reused"] = len(entries) - len(missing)
         todo = self.share(missing) if missing else missing
-        self.to_cache["latents"], self.stats["latents_cached"] = len(todo), 0
-        self.pending["latents"] = [key for _, _, key in todo]
+        self.pending["latents"], self.stats["latents_cached"] = [key for _, _, key in todo], 0
         if not todo:
             return
         self.bundle.vae.to(self.device)
@@ -281,8 +280,7 @@ class TrainingData:
         pending = {k: c for k, c in entries.items() if not self.cache.has("text", k)}
         self.stats["text_reused"] = len(entries) - len(pending)
         keys = self.share(list(pending)) if pending else []
-        self.to_cache["text"], self.stats["text_cached"] = len(keys), 0
-        self.pending["text"] = list(keys)
+        self.pending["text"], self.stats["text_cached"] = list(keys), 0
         for start in _bar(range(0, len(keys), TEXT_CHUNK), "cache text", progress):
             chunk = keys[start:start + TEXT_CHUNK]
             out = self.family.encode_text(self.bundle, [pending[k] for k in chunk], self.device,

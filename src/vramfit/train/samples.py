@@ -47,6 +47,7 @@ class SampleInputs:
 
 
 def grids_enabled(cfg: RunConfig) -> bool:
+    """Whether the run renders sample grids: prompts, and a step or epoch count to render at."""
     return bool((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.sample.prompts)
 
 
@@ -84,7 +85,7 @@ class SampleGrids:
 
     @property
     def enabled(self) -> bool:
-        return bool((self.cfg.sample.every_steps or self.epoch_ended) and self.cfg.sample.prompts)
+        return grids_enabled(self.cfg)
 
     def maybe(self, step: int, progress: Optional[Progress] = None) -> None:
         every = self.cfg.sample.every_steps

@@ -305,7 +305,7 @@ def _class_images_note(cfg: RunConfig) -> str:
 
 def _cache_note(data: TrainingData, kind: str) -> str:
     what = "latents" if kind == "latents" else "text embeddings"
-    return (f"while caching {what}: {data.written(kind)} of {data.to_cache[kind]} entries cached "
+    return (f"while caching {what}: {data.written(kind)} of {len(data.pending[kind])} entries cached "
             f"and kept ({data.stats[f'{kind}_reused']} were cached before); run the same command again "
             "to continue")
 

@@ -28,7 +28,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting
+from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting, decoder_input
 from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
 from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
@@ -514,7 +514,7 @@ class FluxFamily:
         return {"max_sequence_length": t5_tokens}
 
     def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
-        return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)
+        return decoder_input(latents, vae_config)
 
     # ---- memory profile ------------------------------------------------------------------------
     def denoiser_class(self) -> type:

@@ -35,7 +35,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.flow import DDPM_KEYS, flow_snr
+from vramfit.models.flow import DDPM_KEYS, flow_snr, decoder_input
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
@@ -594,8 +594,7 @@ class SD3Family:
         return {"prompt_3": None, "max_sequence_length": t5_tokens}
 
     def vae_input(self, latents: torch.Tensor, vae_config) -> torch.Tensor:
-        """Latents scaled back by the VAE's factor and shifted back."""
-        return latents / vae_config.scaling_factor + (getattr(vae_config, "shift_factor", None) or 0.0)
+        return decoder_input(latents, vae_config)
 
     # ---- memory profile ------------------------------------------------------------------------
     def denoiser_class(self) -> type:
