@@ -653,3 +653,14 @@ def test_plan_check_rewrites_the_errors_of_a_calibration_file_and_keeps_its_valu
     assert "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="missing.json"):
         plan_check.main([str(report), "--write-calibration", str(tmp_path / "missing.json")])
+
+
+def test_grids_every_n_epochs_are_a_samples_phase_too(ssd1b):
+    """sample.every_epochs renders grids as every_steps does: the planner predicts their phase."""
+    by_steps = predict(ssd1b, _cfg(**{**FULL_1024, "sample": {"every_steps": 10, "prompts": ["a cat"]}}))
+    by_epochs = predict(ssd1b, _cfg(**{**FULL_1024, "sample": {"every_epochs": 1, "prompts": ["a cat"]}}))
+    off = predict(ssd1b, _cfg(**FULL_1024))
+    assert "samples" not in {p.name for p in off.phases}
+    steps = {p.name: p for p in by_steps.phases}["samples"]
+    epochs = {p.name: p for p in by_epochs.phases}["samples"]
+    assert epochs.parts == steps.parts

@@ -704,6 +704,11 @@ class SampleConfig(_Section):
     width: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
     height: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
 
+    @property
+    def grids(self) -> bool:
+        """Whether the run renders sample grids: prompts, and a step or epoch count to render at."""
+        return bool((self.every_steps or self.every_epochs) and self.prompts)
+
     @model_validator(mode="after")
     def _prompts_when_on(self) -> "SampleConfig":
         problems = []

@@ -23,7 +23,7 @@ Each phase (bytes allocated; n = a tensor's element count):
   backward (W + S + G + T); with optimizer_in_backward instead backward with one tensor's gradient
   (all of G with accumulation) + A + IN_BACKWARD_TEMP_SHARE x T (Adafactor and AdamW step a tensor
   of more than 4 Mi values in chunks there: T of at most 4 Mi values).
-- samples (with sample.every_steps; train.cuda_graphs drops its recordings, their pool and its
+- samples (with sample.every_steps or every_epochs; train.cuda_graphs drops its recordings, their pool and its
   gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
   prompt), W + SAMPLE_WORK x the largest block's elements at the sample size for both halves of
@@ -556,7 +556,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     terms = device_terms(facts, cfg)
     parts = _train_phase(facts, cfg, side, terms)
     phases.append(PhaseEstimate("train", sum(parts.values()), parts))
-    if cfg.sample.every_steps and cfg.sample.prompts:
+    if cfg.sample.grids:
         samples = _samples_phase(facts, cfg, terms)  # (CUDA graphs drop their pool and buffers before a grid)
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
     parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state", "ema")}
@@ -702,7 +702,7 @@ def _group_of(knob: Knob, cfg: RunConfig) -> str:
     # Encoders that stay live during training put their settings into the training group.
     if knob.group == "cache_latents" and not cfg.cache.latents:
         return "train"
-    grids = bool(cfg.sample.every_steps and cfg.sample.prompts)
+    grids = cfg.sample.grids
     if knob.group == "cache_text" and (not cfg.cache.text or (grids and not cfg.cache.latents)):
         # the encoders run while the denoiser trains: live captions, or sample grids that encode their
         # prompts (with captions and latents cached they take them from the caption phase, train/samples.py)
@@ -836,10 +836,10 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         if blocking:
             lines.append(blocking)
         if phase == "samples":
-            lines.append("the samples phase renders the sample grids (sample.every_steps)"
+            lines.append("the samples phase renders the sample grids (sample.every_steps / every_epochs)"
                          + ("" if cfg.cache.text else " with the text encoders on the GPU for their prompts (cached "
                             "captions would encode them before training)")
-                         + ": sample.every_steps = 0 leaves the grids out (render them after training with "
+                         + ": sample.every_steps = 0 and sample.every_epochs = 0 leave the grids out (render them after training with "
                          "vramfit generate)")
         if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")

@@ -46,16 +46,11 @@ class SampleInputs:
     vae: torch.nn.Module
 
 
-def grids_enabled(cfg: RunConfig) -> bool:
-    """Whether the run renders sample grids: prompts, and a step or epoch count to render at."""
-    return bool((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.sample.prompts)
-
-
 def encode_sample_prompts(cfg: RunConfig, bundle, device: torch.device) -> Optional[SampleInputs]:
     """The sample prompts encoded by the bundle's text encoders (still loaded: the caption phase), and
     its VAE kept, when grids are on and captions and latents cached (else the VAE stays in the run's
     own use); else None (grids load their encoders)."""
-    if not (grids_enabled(cfg) and cfg.cache.text and cfg.cache.latents and bundle.vae is not None
+    if not (cfg.sample.grids and cfg.cache.text and cfg.cache.latents and bundle.vae is not None
             and bundle.text_encoders):
         return None
     s = cfg.sample
@@ -85,7 +80,7 @@ class SampleGrids:
 
     @property
     def enabled(self) -> bool:
-        return grids_enabled(self.cfg)
+        return self.cfg.sample.grids
 
     def maybe(self, step: int, progress: Optional[Progress] = None) -> None:
         every = self.cfg.sample.every_steps
