@@ -2,8 +2,9 @@
 
 The blocks of the denoiser (the modules in the attributes its family names as `block_containers`:
 SDXL family `down_blocks`, `mid_block`, `up_blocks`; SD3 each of `transformer_blocks`), split into
-their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. The planner
-(fit/planner.py) cuts the same units to predict the slots' sizes.
+their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. With
+memory.resident_blocks some of the blocks stay on the device instead (`resident_blocks`). The planner
+(fit/planner.py) cuts the same units and picks the same resident blocks to predict the slots' sizes.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class StreamStats(CopyCounters):
     stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
+    resident_blocks: int = 0  # blocks whose weights stay on the device (memory.resident_blocks)
+    streamed_blocks: int = 0  # blocks that hold a streamed unit
 
 
 @dataclass
@@ -78,6 +81,17 @@ def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[
         elif isinstance(module, nn.Module):
             found.append((attr, module))
     return found
+
+
+def resident_blocks(blocks: int, resident: int) -> list[bool]:
+    """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do: block i
+    where floor((i + 1) x r / n) > floor(i x r / n), spread evenly, the last one included. Spread,
+    not bunched: a streamed unit's copy starts when the streamed unit before it is used, so it
+    overlaps the compute of that unit and of every resident block between the two; resident blocks
+    side by side would leave the streamed ones back to back, each copy hidden by one unit only."""
+    if not 0 <= resident <= blocks:
+        raise ValueError(f"between 0 and {blocks} resident blocks, not {resident}")
+    return [(i + 1) * resident // blocks > i * resident // blocks for i in range(blocks)]
 
 
 def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:
