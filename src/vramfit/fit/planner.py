@@ -275,9 +275,9 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
         blocks = block_modules(facts.denoiser, FAMILIES[facts.family].block_containers)
         resident = cfg.memory.resident_blocks or 0
         if resident > len(blocks):
-            raise PlanError(f"memory.resident_blocks: {resident} is more than the {len(blocks)} blocks of this "
-                            f"denoiser; set at most {len(blocks)}, or leave it out to have memory.vram_budget "
-                            "choose")
+            raise PlanError(f"memory.resident_blocks: {resident} is more than the {len(blocks)} blocks of "
+                            f"this denoiser; set at most {len(blocks)}, or leave it out to have "
+                            "memory.vram_budget choose")
         for (block_name, block), kept in zip(blocks, resident_blocks(len(blocks), resident)):
             if kept:
                 continue
@@ -893,7 +893,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
 
 
-def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int, captions: int) -> tuple[int, str]:
+def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
+                   captions: int) -> tuple[int, str]:
     """The most blocks memory.resident_blocks may keep on the device beside `values` (streamed
     weights, every phase fitting with none resident) with every phase still fitting in `usable`, and
     the reason. Each resident block adds its weights (and a full fine-tune's gradients and state)
