@@ -898,14 +898,16 @@ def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
     """The most blocks memory.resident_blocks may keep on the device beside `values` (streamed
     weights, every phase fitting with none resident) with every phase still fitting in `usable`, and
     the reason. Each resident block adds its weights (and a full fine-tune's gradients and state)
-    and takes at most one unit from the slots, so the peaks grow with the count: a binary search."""
+    and takes at most one unit from the slots, so the peaks grow with the count: a binary search.
+    All of them resident is tried first: with no block streamed no slot and no gradient waiting
+    beside one is left, which may take less than one block streamed."""
     n = block_count(facts)
 
     def peak(count: int) -> PhaseEstimate:
         trial = with_values(cfg, {**values, "memory.resident_blocks": count})
         return max(predict(facts, trial, captions).phases, key=lambda p: p.peak)
 
-    low, high = 0, n  # peak(low) fits (the search's choice); find the largest count that does
+    low, high = (n, n) if peak(n).peak <= usable else (0, n - 1)  # peak(0) fits: the search's choice
     while low < high:
         mid = (low + high + 1) // 2
         if peak(mid).peak <= usable:
@@ -914,7 +916,7 @@ def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
             high = mid - 1
     if low == n:
         return low, f"memory.resident_blocks = {low} of {n}: every block fits on the device (none streams)"
-    over = peak(low + 1)
+    over = peak(low + 1) if low + 1 < n else peak(n)
     return low, (f"memory.resident_blocks = {low} of {n}: the most blocks kept on the device that fit; with "
                  f"{low + 1} the {over.name} phase is predicted at {over.peak / GIB:.2f} GiB, over the "
                  f"{usable / GIB:.2f} GiB usable")

@@ -84,14 +84,27 @@ def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[
 
 
 def resident_blocks(blocks: int, resident: int) -> list[bool]:
-    """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do: block i
-    where floor((i + 1) x r / n) > floor(i x r / n), spread evenly, the last one included. Spread,
-    not bunched: a streamed unit's copy starts when the streamed unit before it is used, so it
-    overlaps the compute of that unit and of every resident block between the two; resident blocks
-    side by side would leave the streamed ones back to back, each copy hidden by one unit only."""
+    """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do. Each
+    one more goes into the middle of the longest run of streamed blocks (the later of equal runs):
+    spread evenly, and the blocks of a count are among those of the next one, so memory grows
+    with the count (the planner's search relies on it). Spread, not bunched: a streamed unit's copy
+    starts when the streamed unit before it is used, so it overlaps the compute of that unit and of
+    every resident block between the two; resident blocks side by side would leave the streamed
+    ones back to back, each copy hidden by one unit's compute only."""
     if not 0 <= resident <= blocks:
         raise ValueError(f"between 0 and {blocks} resident blocks, not {resident}")
-    return [(i + 1) * resident // blocks > i * resident // blocks for i in range(blocks)]
+    kept = [False] * blocks
+    for _ in range(resident):
+        runs, start = [], None
+        for i, k in enumerate([*kept, True]):
+            if not k and start is None:
+                start = i
+            elif k and start is not None:
+                runs.append((start, i))
+                start = None
+        first, end = max(reversed(runs), key=lambda r: r[1] - r[0])  # the later of equal runs
+        kept[first + (end - first) // 2] = True
+    return kept
 
 
 def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:
