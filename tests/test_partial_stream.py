@@ -59,6 +59,8 @@ def test_partial_streaming_trains_as_resident_and_as_all_streamed(images, tmp_pa
     _same(partial, _run(images, tmp_path / "resident", cache, *sets))
     if case == "full-step-after-backward":
         _same(partial, _run(images, tmp_path / "streamed", cache, *sets, *STREAM))
+        # left out without a budget: resolved to every block streamed (fit/resolve.py)
+        assert "resident_blocks = 0" in (tmp_path / "streamed" / "config.toml").read_text()
     written = (tmp_path / "partial" / "config.toml").read_text()
     assert "resident_blocks = 3" in written and "stream_weights = true" in written
 
