@@ -51,11 +51,13 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_partial_streaming_trains_as_resident_and_as_all_streamed(images, tmp_path, cache_root, case):
+def test_partial_streaming_trains_as_resident_and_as_all_streamed(images, tmp_path, cache_root, caplog, case):
     """3 of tiny SSD-1B's 7 blocks resident: the losses and saved weights of the run with every
     block resident (and, for the full fine-tune stepping after backward, of the all-streamed one)."""
     sets, cache = CASES[case], cache_root / "partial"
-    partial = _run(images, tmp_path / "partial", cache, *sets, *STREAM, "memory.resident_blocks=3")
+    with caplog.at_level("INFO", logger="vramfit"):
+        partial = _run(images, tmp_path / "partial", cache, *sets, *STREAM, "memory.resident_blocks=3")
+    assert "3 of 7 blocks resident (memory.resident_blocks)" in caplog.text
     _same(partial, _run(images, tmp_path / "resident", cache, *sets))
     if case == "full-step-after-backward":
         _same(partial, _run(images, tmp_path / "streamed", cache, *sets, *STREAM))
