@@ -18,7 +18,7 @@ from conftest import SIZE, train_args
 from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import facts_for_layout, read_facts
-from vramfit.fit.planner import GIB, MARGIN, block_count, choose, device_terms, predict, with_values
+from vramfit.fit.planner import MARGIN, block_count, choose, device_terms, predict, with_values
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload import block_modules, resident_blocks
 from vramfit.models.registry import detect_family
@@ -195,8 +195,8 @@ def test_a_partially_streamed_step_records_with_cuda_graphs(images, tmp_path, ca
     """Streamed units between resident blocks, stepped on their copies in backward, recorded: the
     losses of the same run without graphs."""
     sets = ("train.device=cuda", "memory.fit_probe=false", "train.steps=4", "train.precision=full_bf16",
-            "train.optimizer=adafactor", "train.optimizer_in_backward=true", "train.gradient_checkpointing=0.5",
-            *STREAM, "memory.resident_blocks=3", "memory.stream_unit_mib=0.5", "save.dtype=fp32")
+            "train.optimizer=adafactor", "train.optimizer_in_backward=true",
+            "train.gradient_checkpointing=0.5", *STREAM, "memory.resident_blocks=3", "memory.stream_unit_mib=0.5", "save.dtype=fp32")
     cache = cache_root / "partial-cuda"
     plain, _ = _run(images, tmp_path / "plain", cache, *sets, "train.cuda_graphs=false")
     with caplog.at_level("INFO", logger="vramfit"):
