@@ -196,7 +196,8 @@ def test_a_partially_streamed_step_records_with_cuda_graphs(images, tmp_path, ca
     losses of the same run without graphs."""
     sets = ("train.device=cuda", "memory.fit_probe=false", "train.steps=4", "train.precision=full_bf16",
             "train.optimizer=adafactor", "train.optimizer_in_backward=true",
-            "train.gradient_checkpointing=0.5", "memory.resident_blocks=3", "memory.stream_unit_mib=0.5", "save.dtype=fp32", *STREAM)
+            "train.gradient_checkpointing=0.5", "memory.resident_blocks=3",
+            "memory.stream_unit_mib=0.5", "save.dtype=fp32", *STREAM)
     cache = cache_root / "partial-cuda"
     plain, _ = _run(images, tmp_path / "plain", cache, *sets, "train.cuda_graphs=false")
     with caplog.at_level("INFO", logger="vramfit"):
