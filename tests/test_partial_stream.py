@@ -19,6 +19,7 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import facts_for_layout, read_facts
 from vramfit.fit.planner import MARGIN, block_count, choose, device_terms, predict, with_values
+from vramfit.fit.resolve import Environment, resolve
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload import block_modules, resident_blocks
 from vramfit.models.registry import detect_family
@@ -132,6 +133,14 @@ def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
     units = sorted(u.nbytes for u in streamer.units)
     assert terms["weights"] == held - streamer.streamed_bytes()
     assert terms["stream unit"] == units[-1] + units[-2]
+
+
+def test_left_out_it_resolves_to_every_block_streamed_without_a_budget():
+    """As if written: the fit probe's suggestion keeps it rather than add blocks to a step too large."""
+    env = Environment(torch.device("cpu"))
+    run = resolve(RunConfig.model_validate({"memory": {"stream_weights": True}}), env)
+    assert run.memory.resident_blocks == 0 and "resident_blocks" in run.memory.model_fields_set
+    assert resolve(RunConfig(), env).memory.resident_blocks is None  # nothing streams: nothing to say
 
 
 @pytest.fixture(scope="module")

@@ -68,10 +68,11 @@ def with_automatic_values(cfg: RunConfig, env: Environment) -> RunConfig:
 
 def resident_by_default(cfg: RunConfig) -> RunConfig:
     """memory.resident_blocks left out beside memory.stream_weights, after the budget's plan (which
-    sets it when there is a budget): 0, every block streamed."""
+    sets it when there is a budget): 0, every block streamed, as if written (the fit probe's
+    suggestion, fit/probe.py, must not add resident blocks to a step it measured too large without)."""
     if not cfg.memory.stream_weights or cfg.memory.resident_blocks is not None:
         return cfg
-    return cfg.model_copy(update={"memory": _automatic(cfg.memory, {"resident_blocks": 0})})
+    return cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"resident_blocks": 0})})
 
 
 def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
