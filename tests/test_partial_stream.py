@@ -104,7 +104,8 @@ def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
     family, bundle, streamer = _placed(cfg, device)
     blocks = block_modules(bundle.denoiser, family.block_containers)
     kept = resident_blocks(len(blocks), 3)
-    assert (streamer.stats.resident_blocks, streamer.stats.streamed_blocks) == (3, len(blocks) - 3)
+    stats = streamer.stats
+    assert (stats.blocks, stats.resident_blocks, stats.streamed_blocks) == (len(blocks), 3, len(blocks) - 3)
     names = [name for name, _ in blocks]
 
     def block_of(unit: str) -> str:

@@ -341,7 +341,7 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         stats = streamer.stats
         log.info("streaming %.1f MiB of block weights in %d units; %d of %d blocks resident "
                  "(memory.resident_blocks)", streamer.streamed_bytes() / 2**20, len(streamer.units),
-                 stats.resident_blocks, stats.resident_blocks + stats.streamed_blocks)
+                 stats.resident_blocks, stats.blocks)
     return streamer
 
 

@@ -26,8 +26,9 @@ class StreamStats(CopyCounters):
     stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
-    resident_blocks: int = 0  # blocks whose weights stay on the device (memory.resident_blocks)
-    streamed_blocks: int = 0  # blocks that hold a streamed unit
+    blocks: int = 0  # the denoiser's blocks
+    resident_blocks: int = 0  # of those, the ones whose weights stay on the device (memory.resident_blocks)
+    streamed_blocks: int = 0  # of those, the ones that hold a streamed unit
 
 
 @dataclass

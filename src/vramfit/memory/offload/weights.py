@@ -96,7 +96,7 @@ class WeightStreamer:
             cut = [] if keep else split_units(block_name, block, max_unit_bytes, streamed)
             self.stats.streamed_blocks += bool(cut)
             named += cut
-        self.stats.resident_blocks = sum(kept)
+        self.stats.blocks, self.stats.resident_blocks = len(found), sum(kept)
         self.units: list[Unit] = []
         self._handles = []
         seen: set[int] = set()
@@ -444,11 +444,10 @@ class WeightStreamer:
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
                    blocks: Sequence[str], stream_trainable: bool) -> Optional[WeightStreamer]:
-    """Apply settings.stream_weights (all blocks but settings.resident_blocks of them) /
+    """Apply settings.stream_weights (every block but settings.resident_blocks of them) and
     offload_activations to `denoiser`, whose blocks are in its attributes `blocks` (see the package
-    docstring); None when both are off. Call after LoRA is
-    added and before the optimizer is built; the weights that are not streamed are moved to
-    `device` here."""
+    docstring); None when both are off. Call after LoRA is added and before the optimizer is built;
+    the weights that are not streamed are moved to `device` here."""
     if not (settings.stream_weights or settings.offload_activations):
         return None
     # None: a config that fit/resolve.py did not resolve streams every block, as the resolved default does
