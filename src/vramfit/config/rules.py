@@ -92,6 +92,13 @@ def _ema_device(cfg: Any) -> Optional[str]:
     return None
 
 
+def _resident_blocks(cfg: Any) -> Optional[str]:
+    if cfg.memory.resident_blocks is not None and not cfg.memory.stream_weights:
+        return ("applies to memory.stream_weights = true (how many blocks stay on the GPU while the rest "
+                "stream), which is off; set memory.stream_weights = true, or leave it out")
+    return None
+
+
 def _steps(cfg: Any) -> Optional[str]:
     if cfg.train.epochs is not None and "steps" in cfg.train.model_fields_set:
         return "given beside train.epochs, which derives it; use one of them"
@@ -225,6 +232,7 @@ RULES = (Rule("train.optimizer_in_backward", _whole_step),
          Rule("train.weighting_scheme", _snr_beside_cosmap), Rule("train.huber_c", _huber("huber_c")),
          Rule("train.huber_schedule", _huber("huber_schedule")), Rule("train.flow_shift", _shift),
          Rule("ema.device", _ema_device),
+         Rule("memory.resident_blocks", _resident_blocks),
          # lora.* settings that need another (adapter types, conv ranks)
          *(Rule(k, _adapter(k)) for k in ("lora.type", "lora.conv_alpha", "lora.lokr_factor", "lora.dropout")))
 

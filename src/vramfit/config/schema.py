@@ -623,6 +623,13 @@ class MemoryConfig(_Section):
         256.0, gt=0, le=2**20, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "
         "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
+    resident_blocks: Optional[int] = Field(
+        None, ge=0, le=10**4, description="With stream_weights: this many of the denoiser's blocks (in "
+        "the forward order, spread evenly through it) stay on the GPU like unstreamed weights (in a full "
+        "fine-tune with their gradients and optimizer state), and only the rest are streamed: between "
+        "all blocks streamed (0) and none (the block count). Each resident block costs its weights' GPU "
+        "memory and saves their copies. Default: chosen by vram_budget's plan (the most blocks that fit), "
+        "0 without a budget. At most the model's block count.")
     stream_encoders: bool = Field(
         False, description="While captions are encoded (the text cache, or live text encoding), keep "
         "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "

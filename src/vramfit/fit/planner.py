@@ -77,7 +77,7 @@ from vramfit.data.buckets import make_buckets
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
                                      read_facts, state_bytes)
-from vramfit.memory.offload import block_modules, split_units
+from vramfit.memory.offload import block_modules, resident_blocks, split_units
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
@@ -248,9 +248,16 @@ def adapter_temporaries(facts: ModelFacts, cfg: RunConfig) -> int:
     return int(kept) + (2 * largest if _checkpointed_share(cfg) else largest)
 
 
+def block_count(facts: ModelFacts) -> int:
+    """The denoiser's blocks that memory.stream_weights streams (memory.resident_blocks counts among them)."""
+    return len(block_modules(facts.denoiser, FAMILIES[facts.family].block_containers))
+
+
 def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
     """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
-    first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS)."""
+    first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS). The
+    blocks memory.resident_blocks keeps (the streamer's own pick, units.py `resident_blocks`; None
+    as 0) are resident."""
     dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
     lora = cfg.train.mode == "lora"
     method = cfg.lora.base_quantization if lora else "none"
@@ -265,7 +272,15 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
     unit_sizes: list[int] = []
     if cfg.memory.stream_weights:
         limit = int(cfg.memory.stream_unit_mib * MIB * 4 / dtype_bytes)  # meta tensors are fp32
-        for block_name, block in block_modules(facts.denoiser, FAMILIES[facts.family].block_containers):
+        blocks = block_modules(facts.denoiser, FAMILIES[facts.family].block_containers)
+        resident = cfg.memory.resident_blocks or 0
+        if resident > len(blocks):
+            raise PlanError(f"memory.resident_blocks: {resident} is more than the {len(blocks)} blocks of "
+                            f"this denoiser; set at most {len(blocks)}, or leave it out to have "
+                            "memory.vram_budget choose")
+        for (block_name, block), kept in zip(blocks, resident_blocks(len(blocks), resident)):
+            if kept:
+                continue
             for _, unit in split_units(block_name, block, limit, lambda p: id(p) not in quantized):
                 ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
                 streamed_ids.update(ids)
@@ -866,7 +881,45 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     for knob in ladder(cfg):
         if _applies(knob, cfg, facts) and knob not in knobs:
             reasons.append(f"{knob.key} = {json.dumps(setting(cfg, knob.key))}: set by you, kept")
+    if with_values(cfg, values).memory.stream_weights:
+        # after the reasons above, which compare the settings with every block streamed
+        if "resident_blocks" in cfg.memory.model_fields_set:
+            reasons.append(f"memory.resident_blocks = {cfg.memory.resident_blocks} of {block_count(facts)}: "
+                           "set by you, kept")
+        else:
+            values["memory.resident_blocks"], why = _most_resident(cfg, facts, values, usable, captions)
+            reasons.append(why)
+            pred = predict(facts, with_values(cfg, values), captions)
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
+
+
+def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
+                   captions: int) -> tuple[int, str]:
+    """The most blocks memory.resident_blocks may keep on the device beside `values` (streamed
+    weights, every phase fitting with none resident) with every phase still fitting in `usable`, and
+    the reason. Each resident block adds its weights (and a full fine-tune's gradients and state)
+    and takes at most one unit from the slots, so the peaks grow with the count: a binary search.
+    All of them resident is tried first: with no block streamed no slot and no gradient waiting
+    beside one is left, which may take less than one block streamed."""
+    n = block_count(facts)
+
+    def peak(count: int) -> PhaseEstimate:
+        trial = with_values(cfg, {**values, "memory.resident_blocks": count})
+        return max(predict(facts, trial, captions).phases, key=lambda p: p.peak)
+
+    low, high = (n, n) if peak(n).peak <= usable else (0, n - 1)  # peak(0) fits: the search's choice
+    while low < high:
+        mid = (low + high + 1) // 2
+        if peak(mid).peak <= usable:
+            low = mid
+        else:
+            high = mid - 1
+    if low == n:
+        return low, f"memory.resident_blocks = {low} of {n}: every block fits on the device (none streams)"
+    over = peak(low + 1) if low + 1 < n else peak(n)
+    return low, (f"memory.resident_blocks = {low} of {n}: the most blocks kept on the device that fit; with "
+                 f"{low + 1} the {over.name} phase is predicted at {over.peak / GIB:.2f} GiB, over the "
+                 f"{usable / GIB:.2f} GiB usable")
 
 
 def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:

@@ -66,10 +66,20 @@ def with_automatic_values(cfg: RunConfig, env: Environment) -> RunConfig:
     return cfg.model_copy(update={"train": _automatic(cfg.train, {"cuda_graphs": graphs_by_default(cfg, env)})})
 
 
+def resident_by_default(cfg: RunConfig) -> RunConfig:
+    """memory.resident_blocks left out beside memory.stream_weights, after the budget's plan (which
+    sets it when there is a budget): 0, every block streamed, as if written (the fit probe's
+    suggestion, fit/probe.py, must not add resident blocks to a step it measured too large without)."""
+    if not cfg.memory.stream_weights or cfg.memory.resident_blocks is not None:
+        return cfg
+    return cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"resident_blocks": 0})})
+
+
 def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
-    """The run's config for `env`: automatic values, the multi-process check, the budget's plan."""
+    """The run's config for `env`: automatic values, the multi-process check, the budget's plan
+    (which chooses memory.resident_blocks; without a budget it is 0)."""
     cfg = with_automatic_values(cfg, env)
     problems = process_problems(cfg, env.world)
     if problems:
         raise ConfigError(problems, f"config for {env.world} processes")
-    return fit_to_budget(cfg, cache_root)
+    return resident_by_default(fit_to_budget(cfg, cache_root))

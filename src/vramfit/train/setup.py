@@ -337,9 +337,11 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
                  "compiles them)", compile_blocks(unet, family.repeated_blocks))
     streamer = stream_weights(unet, device, cfg.memory, blocks=family.block_containers,
                               stream_trainable=cfg.train.mode == "full")
-    if streamer is not None and streamer.units:
-        log.info("streaming %.1f MiB of block weights in %d units", streamer.streamed_bytes() / 2**20,
-                 len(streamer.units))
+    if streamer is not None and cfg.memory.stream_weights:
+        stats = streamer.stats
+        log.info("streaming %.1f MiB of block weights in %d units; %d of %d blocks resident "
+                 "(memory.resident_blocks)", streamer.streamed_bytes() / 2**20, len(streamer.units),
+                 stats.resident_blocks, stats.blocks)
     return streamer
 
 

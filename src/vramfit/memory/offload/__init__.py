@@ -1,11 +1,15 @@
 """Streamed weights and offloaded activations: the denoiser's blocks live in CPU memory and visit
 the GPU only while used; tensors saved for backward may wait in CPU memory too.
 
+With memory.resident_blocks some of the blocks, spread through the forward order, stay on the GPU
+like any unstreamed weight and only the others stream: between all resident and all streamed.
+
 The parts, each testable alone and composed by `WeightStreamer` (weights.py), which the step
 engine (train/engine.py) takes:
-- units.py: what is streamed (the blocks cut into units of at most `max_unit_bytes`; with
-  `stream_trainable`, a full fine-tune, the trained weights too; LoRA matrices, embeddings,
-  conv_in/out and the final norms stay resident), a unit's state, the counters;
+- units.py: what is streamed (the blocks but the resident ones, cut into units of at most
+  `max_unit_bytes`; with `stream_trainable`, a full fine-tune, the trained weights too; LoRA
+  matrices, embeddings, conv_in/out and the final norms stay resident), a unit's state, the
+  counters;
 - slots.py: the slot pool, device buffers (one per dtype) that units are copied into, kept;
 - weights.py: the weights' homes in pinned CPU memory, the copies into slots ahead of use on a
   side stream, eviction, the forward and backward boundaries, CUDA graph recording;
@@ -27,7 +31,8 @@ without checkpointing the bf16 casts autocast makes of the weights are saved as 
 device); autocast's cache of them is cleared at each change of unit. On CPU-only runs every step
 still copies into separate compute tensors, so tests see the mechanism work.
 """
-from vramfit.memory.offload.units import StreamStats, block_modules, split_units
+from vramfit.memory.offload.units import StreamStats, block_modules, resident_blocks, split_units
 from vramfit.memory.offload.weights import WeightStreamer, stream_weights
 
-__all__ = ["StreamStats", "WeightStreamer", "block_modules", "split_units", "stream_weights"]
+__all__ = ["StreamStats", "WeightStreamer", "block_modules", "resident_blocks", "split_units",
+           "stream_weights"]

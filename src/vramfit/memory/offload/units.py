@@ -2,8 +2,9 @@
 
 The blocks of the denoiser (the modules in the attributes its family names as `block_containers`:
 SDXL family `down_blocks`, `mid_block`, `up_blocks`; SD3 each of `transformer_blocks`), split into
-their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. The planner
-(fit/planner.py) cuts the same units to predict the slots' sizes.
+their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. With
+memory.resident_blocks some of the blocks stay on the device instead (`resident_blocks`). The planner
+(fit/planner.py) cuts the same units and picks the same resident blocks to predict the slots' sizes.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class StreamStats(CopyCounters):
     stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
+    blocks: int = 0  # the denoiser's blocks
+    resident_blocks: int = 0  # of those, the ones whose weights stay on the device (memory.resident_blocks)
+    streamed_blocks: int = 0  # of those, the ones that hold a streamed unit
 
 
 @dataclass
@@ -78,6 +82,30 @@ def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[
         elif isinstance(module, nn.Module):
             found.append((attr, module))
     return found
+
+
+def resident_blocks(blocks: int, resident: int) -> list[bool]:
+    """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do. Each
+    one more goes into the middle of the longest run of streamed blocks (the later of equal runs):
+    spread evenly, and the blocks of a count are among those of the next one, so memory grows
+    with the count (the planner's search relies on it). Spread, not bunched: a streamed unit's copy
+    starts when the streamed unit before it is used, so it overlaps the compute of that unit and of
+    every resident block between the two; resident blocks side by side would leave the streamed
+    ones back to back, each copy hidden by one unit's compute only."""
+    if not 0 <= resident <= blocks:
+        raise ValueError(f"between 0 and {blocks} resident blocks, not {resident}")
+    kept = [False] * blocks
+    for _ in range(resident):
+        runs, start = [], None
+        for i, k in enumerate([*kept, True]):
+            if not k and start is None:
+                start = i
+            elif k and start is not None:
+                runs.append((start, i))
+                start = None
+        first, end = max(reversed(runs), key=lambda r: r[1] - r[0])  # the later of equal runs
+        kept[first + (end - first) // 2] = True
+    return kept
 
 
 def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:

@@ -32,12 +32,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from vramfit.config.load import ConfigError
 from vramfit.config.schema import MemoryConfig
 from vramfit.memory.accounting import concrete_device, tensor_bytes
 from vramfit.memory.offload.activations import ActivationOffload, HostBuffer
 from vramfit.memory.offload.grads import GradsHome
 from vramfit.memory.offload.slots import Slot, SlotPool, layout, use_count
-from vramfit.memory.offload.units import StreamStats, Unit, block_modules, split_units
+from vramfit.memory.offload.units import StreamStats, Unit, block_modules, resident_blocks, split_units
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,14 @@ def _is_plain(p: torch.Tensor) -> bool:
 
 class WeightStreamer:
     """Streams the weights of a denoiser's blocks (see the package docstring). Build it with
-    `stream_weights`; it lives as long as the hooks it puts on the model."""
+    `stream_weights`; it lives as long as the hooks it puts on the model. `resident` of the blocks,
+    spread through the forward order (units.py `resident_blocks`), are not streamed: their weights
+    go to the device with the other resident ones (gradients, optimizer step and saved tensors as
+    theirs)."""
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, blocks: Sequence[str], stream: bool,
-                 stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2):
+                 stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2,
+                 resident: int = 0):
         device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.model, self.device = denoiser, device
         self.cuda = device.type == "cuda"
@@ -85,8 +90,13 @@ class WeightStreamer:
             return stream and _is_plain(p) and (stream_trainable or not p.requires_grad)
 
         named = []
-        for block_name, block in block_modules(denoiser, blocks):
-            named += split_units(block_name, block, max_unit_bytes, streamed)
+        found = block_modules(denoiser, blocks)
+        kept = resident_blocks(len(found), resident if stream else 0)
+        for (block_name, block), keep in zip(found, kept):
+            cut = [] if keep else split_units(block_name, block, max_unit_bytes, streamed)
+            self.stats.streamed_blocks += bool(cut)
+            named += cut
+        self.stats.blocks, self.stats.resident_blocks = len(found), sum(kept)
         self.units: list[Unit] = []
         self._handles = []
         seen: set[int] = set()
@@ -434,13 +444,20 @@ class WeightStreamer:
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
                    blocks: Sequence[str], stream_trainable: bool) -> Optional[WeightStreamer]:
-    """Apply settings.stream_weights / offload_activations to `denoiser`, whose blocks are in its
-    attributes `blocks` (see the package docstring); None when both are off. Call after LoRA is
-    added and before the optimizer is built; the weights that are not streamed are moved to
-    `device` here."""
+    """Apply settings.stream_weights (every block but settings.resident_blocks of them) and
+    offload_activations to `denoiser`, whose blocks are in its attributes `blocks` (see the package
+    docstring); None when both are off. Call after LoRA is added and before the optimizer is built;
+    the weights that are not streamed are moved to `device` here."""
     if not (settings.stream_weights or settings.offload_activations):
         return None
+    # None: a config that fit/resolve.py did not resolve streams every block, as the resolved default does
+    resident = settings.resident_blocks or 0
+    count = len(block_modules(denoiser, blocks))
+    if settings.stream_weights and resident > count:
+        raise ConfigError([f"memory.resident_blocks: {resident} is more than the {count} blocks of this "
+                           f"denoiser ({', '.join(blocks)}); set at most {count}, or leave it out to have "
+                           "memory.vram_budget choose"])
     return WeightStreamer(denoiser, device, blocks=blocks, stream=settings.stream_weights,
                           stream_trainable=stream_trainable,
                           max_unit_bytes=int(settings.stream_unit_mib * 2**20),
-                          offload_activations=settings.offload_activations)
+                          offload_activations=settings.offload_activations, resident=resident)
