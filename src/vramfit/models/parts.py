@@ -277,3 +277,24 @@ def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}
+
+
+def trained_encoder_states(bundle: ModelBundle, dtype: torch.dtype) -> list[Optional[dict[str, torch.Tensor]]]:
+    """Per text encoder of `bundle`, in order: its transformers state dict on the CPU (floats in
+    `dtype`) where it trained whole (train.text_encoders = "full": bundle.extra says how many of the
+    leading ones and how), else None (a saved file carries the source's over)."""
+    trained = int(bundle.extra.get("text_encoders_trained") or 0)
+    if bundle.extra.get("text_encoder_training") != "full":
+        trained = 0
+    return [{k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
+             for k, v in enc.state_dict().items()} if i < trained else None
+            for i, enc in enumerate(bundle.text_encoders)]
+
+
+def save_encoder_folder(encoder, folder: Path, state: Optional[dict[str, torch.Tensor]]) -> None:
+    """A transformers text encoder's subfolder of a diffusers folder: `state` (trained_encoder_states)
+    where it trained, else the encoder as it is."""
+    if state is None:
+        encoder.save_pretrained(folder)
+    else:
+        encoder.save_pretrained(folder, state_dict=state)

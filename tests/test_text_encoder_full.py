@@ -1,0 +1,162 @@
+"""Full fine-tune of the CLIP text encoders (train.text_encoders = "full"): trained through the CLI on
+tiny:sdxl at their own learning rate, resumed exactly, written into the single file and the diffusers
+folder that vramfit's loader reads back, planned, and refused beside what cannot work with it."""
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config.load import ConfigError, load_config
+from vramfit.config.rules import process_problems
+from vramfit.fit.model_facts import facts_for_layout
+from vramfit.fit.planner import plan_report, predict
+from vramfit.fit.resolve import Environment, with_automatic_values
+from vramfit.models.registry import FAMILIES
+from vramfit.models.sources import resolve_source
+from vramfit.train.lora import place_text_encoders
+
+FULL = ("train.text_encoders=full", "train.optimizer=adamw", "train.lr=1e-3", "train.text_encoder_lr=1e-2")
+PROMPT = "a red cube"
+
+
+def _encoders(path, cache_root):
+    """The text encoders of the model at `path`, as vramfit's loader builds them."""
+    model = load_config(None, [f"model.path={path}"], need_data=False).model
+    source = resolve_source(model, cache_root)
+    return FAMILIES["sdxl"].load(source)
+
+
+def _hidden(bundle) -> list[torch.Tensor]:
+    ids = bundle.tokenizers[0]([PROMPT], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return [e.float()(ids, output_hidden_states=True).hidden_states[-2] for e in bundle.text_encoders]
+
+
+def _trained(state: dict, index: int) -> dict:
+    prefix = f"text_encoder_{index}."
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def test_full_encoders_train_resume_and_save(tmp_path, images, cache_root, caplog):
+    """4 steps, and 2 then 2 more resumed: identical weights of the UNet and both encoders (bf16, as
+    the UNet's). Every encoder weight trains; the single file and the diffusers folder carry the
+    trained encoders, which vramfit's loader reads back value for value, and whose output differs
+    from the base's."""
+    sets = (*FULL, "train.steps=4", "save.state_every_steps=1", "save.keep_last=10",
+            "save.formats=['single_file', 'diffusers']")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    caplog.set_level("INFO", logger="vramfit")
+    assert main(train_args(images, whole, cache_root, *sets, model="tiny:sdxl")) == 0
+    assert "text encoders: every weight (full_bf16) of 2 encoders" in caplog.text
+    assert "learning rate 0.01" in caplog.text and "cache.text is off" in caplog.text
+    assert tomllib.loads((whole / "config.toml").read_text())["cache"]["text"] is False
+    shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
+    (part / "state" / "latest").write_text("step-000002\n")
+    assert main([*train_args(images, part, cache_root, *sets, model="tiny:sdxl"), "--resume", "latest"]) == 0
+    a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    base = _encoders("tiny:sdxl", cache_root)
+    start = load_file(str(whole / "state" / "step-000001" / "weights.safetensors"))
+    for i, enc in enumerate(base.text_encoders):
+        names = {n for n, _ in enc.named_parameters()}
+        trained = _trained(a, i)
+        assert set(trained) == names  # every weight trains
+        assert all(v.dtype == torch.bfloat16 for v in trained.values())
+        moved = [n for n in names if not torch.equal(trained[n], _trained(start, i)[n])]
+        assert len(moved) > len(names) // 2, moved  # the step's update reached most of them
+    before = _hidden(base)
+    for saved in (whole / "model.safetensors", whole / "model-diffusers"):
+        loaded = _encoders(saved, cache_root)
+        for i, enc in enumerate(loaded.text_encoders):
+            trained = _trained(a, i)
+            for name, p in enc.named_parameters():
+                assert torch.equal(p.detach().to(torch.bfloat16), trained[name]), (saved.name, i, name)
+        after = _hidden(loaded)
+        assert all(not torch.allclose(x, y, atol=1e-4) for x, y in zip(before, after)), saved.name
+    index = json.loads((whole / "model-diffusers" / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+
+
+def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
+    """train.text_encoder_lr = 0: the encoders stay as loaded while the UNet moves (a second optimizer
+    group, which the schedule scales); the final sample grid renders with the trained encoders."""
+    out = tmp_path / "out"
+    sets = (*FULL, "train.text_encoder_lr=0", "save.state_every_steps=1", "save.keep_last=10",
+            "sample.every_steps=5", "sample.prompts=['a cat']", "sample.steps=2")
+    assert main(train_args(images, out, cache_root, *sets, model="tiny:sdxl")) == 0
+    assert (out / "samples" / "step-000002.png").is_file()
+    schedule = torch.load(out / "state" / "step-000002" / "schedule.pt", weights_only=True)
+    assert schedule["base_lrs"] == [1e-3, 0.0]
+    first, last = (load_file(str(out / "state" / f"step-00000{s}" / "weights.safetensors")) for s in (1, 2))
+    base = _encoders("tiny:sdxl", cache_root)
+    for i, enc in enumerate(base.text_encoders):
+        for name, p in enc.named_parameters():
+            want = p.detach().to(torch.bfloat16)
+            assert torch.equal(_trained(first, i)[name], want) and torch.equal(_trained(last, i)[name], want)
+    unet = [k for k in first if not k.startswith("text_encoder_")]
+    assert any(not torch.equal(first[k], last[k]) for k in unet)
+
+
+@pytest.mark.parametrize("sets, key, says", [
+    (("train.mode=lora",), "train.text_encoders", "lora.text_encoder_rank"),
+    (("train.optimizer_in_backward=true",), "train.text_encoders", "train.optimizer_in_backward"),
+    (("train.optimizer=prodigy",), "train.text_encoders", "train.text_encoder_lr"),
+    (("memory.stream_encoders=true",), "train.text_encoders", "memory.stream_encoders"),
+    (("ema.enabled=true",), "train.text_encoders", "ema.enabled"),
+    (("train.cuda_graphs=true",), "train.cuda_graphs", "train.text_encoders = 'full'"),
+    (("cache.text=true",), "cache.text", "train.text_encoders = 'full'"),
+])
+def test_refusals_name_the_key(sets, key, says):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["train.text_encoders=full", *sets], need_data=False)
+    problems = [p for p in exc.value.problems if p.startswith(key)]
+    assert problems and says in problems[0], exc.value.problems
+
+
+def test_lr_needs_trained_encoders_and_the_cache_is_turned_off():
+    with pytest.raises(ConfigError, match="train.text_encoder_lr: given without lora.text_encoder_rank .*"
+                                          "train.text_encoders = 'full'"):
+        load_config(None, ["train.text_encoder_lr=1e-5"], need_data=False)
+    cfg = load_config(None, ["train.text_encoders=full", "train.text_encoder_lr=1e-5"], need_data=False)
+    resolved = with_automatic_values(cfg, Environment(torch.device("cpu")))
+    assert cfg.cache.text is True and resolved.cache.text is False
+    assert [line.split(":")[0] for line in process_problems(cfg, 2)] == ["train.text_encoders"]
+    assert not process_problems(cfg, 1)
+
+
+def test_a_model_without_clip_encoders_is_refused():
+    """Only T5 among the text encoders: nothing to train, said with the key."""
+    from transformers import T5Config, T5EncoderModel
+
+    t5 = T5EncoderModel(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    bundle = SimpleNamespace(text_encoders=[t5], extra={})
+    cfg = load_config(None, ["train.text_encoders=full"], need_data=False)
+    with pytest.raises(ValueError, match="train.text_encoders: this model has no CLIP text encoder"):
+        place_text_encoders(bundle, cfg, torch.device("cpu"))
+    assert all(p.requires_grad is True for p in t5.parameters()) and not bundle.extra
+
+
+@pytest.mark.parametrize("layout", ["sdxl", "sd3m"])
+def test_plan_counts_the_trained_encoders(layout):
+    """The train phase grows by the CLIP encoders' weights, gradients, optimizer state and
+    activations; AdamW's state of them is larger than Adafactor's."""
+    facts = facts_for_layout(layout)
+    plain = load_config(None, ["cache.text=false"], need_data=False)
+    full = load_config(None, ["train.text_encoders=full"], need_data=False)
+    adamw = load_config(None, ["train.text_encoders=full", "train.optimizer=adamw"], need_data=False)
+    phases = [next(p for p in predict(facts, c).phases if p.name == "train") for c in (plain, full, adamw)]
+    assert phases[1].peak > phases[0].peak
+    clips = sum(e.params for e in facts.encoders if e.kind == "clip")
+    assert phases[1].parts["text encoders trained"] == 2 * clips  # bf16 under full_bf16
+    assert phases[1].parts["text encoder gradients"] == 2 * clips
+    assert phases[2].parts["text encoder optimizer state"] > phases[1].parts["text encoder optimizer state"] > 0
+    assert "train.text_encoders = 'full'" in plan_report(full, facts, None)
