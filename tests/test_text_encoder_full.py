@@ -27,11 +27,11 @@ FULL = ("train.text_encoders=full", "train.optimizer=adamw", "train.lr=1e-3", "t
 PROMPT = "a red cube"
 
 
-def _encoders(path, cache_root):
-    """The text encoders of the model at `path`, as vramfit's loader builds them."""
+def _encoders(path, cache_root, family: str = "sdxl"):
+    """The model at `path` as vramfit's loader builds it."""
     model = load_config(None, [f"model.path={path}"], need_data=False).model
     source = resolve_source(model, cache_root)
-    return FAMILIES["sdxl"].load(source)
+    return FAMILIES[family].load(source)
 
 
 def _hidden(bundle) -> list[torch.Tensor]:
@@ -104,6 +104,31 @@ def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
             assert torch.equal(_trained(first, i)[name], want) and torch.equal(_trained(last, i)[name], want)
     unet = [k for k in first if not k.startswith("text_encoder_")]
     assert any(not torch.equal(first[k], last[k]) for k in unet)
+
+
+@pytest.mark.parametrize("name, clips", [("sd3", 2), ("flux", 1)])
+def test_flow_families_save_their_trained_clip_encoders(name, clips, tmp_path, images, cache_root, caplog):
+    """SD3 trains CLIP-L and CLIP-G, Flux.1 CLIP-L (T5 stays frozen and out of the state); the single
+    file and the diffusers folder carry them as trained, read back by vramfit's loader."""
+    out = tmp_path / "out"
+    caplog.set_level("INFO", logger="vramfit")
+    sets = (*FULL, "train.steps=1", "save.formats=['single_file', 'diffusers']")
+    assert main(train_args(images, out, cache_root, *sets, model=f"tiny:{name}")) == 0
+    assert f"every weight (full_bf16) of {clips} encoders" in caplog.text and "T5 stays frozen" in caplog.text
+    state = load_file(str(out / "state" / "step-000001" / "weights.safetensors"))
+    assert {k.split(".")[0] for k in state if k.startswith("text_encoder_")} == {
+        f"text_encoder_{i}" for i in range(clips)}
+    base = _encoders(f"tiny:{name}", cache_root, name)
+    for saved in (out / "model.safetensors", out / "model-diffusers"):
+        loaded = _encoders(saved, cache_root, name)
+        assert len(loaded.text_encoders) == len(base.text_encoders)
+        for i in range(clips):
+            trained = _trained(state, i)
+            params = dict(loaded.text_encoders[i].named_parameters())
+            assert set(params) == set(trained)
+            assert all(torch.equal(p.detach().to(torch.bfloat16), trained[n]) for n, p in params.items()), saved
+            old = dict(base.text_encoders[i].named_parameters())
+            assert any(not torch.equal(old[n].detach().to(torch.bfloat16), trained[n]) for n in params)
 
 
 @pytest.mark.parametrize("sets, key, says", [

@@ -344,9 +344,9 @@ class SDXLFamily:
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
-        for sub, enc, trained in zip(("text_encoder", "text_encoder_2"), encoders,
-                                     trained_encoder_states(bundle, dtype)):
-            save_encoder_folder(enc, tmp / sub, trained)
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
+            save_encoder_folder(enc, tmp / sub, own)
         for sub, tok in zip(("tokenizer", "tokenizer_2"), bundle.tokenizers):
             tok.save_pretrained(tmp / sub)
         scheduler = EulerDiscreteScheduler.from_config(sampling_config(bundle.noise_scheduler))
