@@ -208,7 +208,8 @@ def _full_text_encoders(cfg: Any) -> Optional[str]:
         return None
     if cfg.train.mode != "full":
         return ("'full' is for a full fine-tune (train.mode = 'full'); a LoRA run trains the text encoders "
-                "with a LoRA of their own: set lora.text_encoder_rank instead, or train.text_encoders = 'frozen'")
+                "with a LoRA of their own: set lora.text_encoder_rank instead, or train.text_encoders = "
+                "'frozen'")
     return _trained_encoder_clashes(cfg)
 
 

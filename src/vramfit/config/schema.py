@@ -829,12 +829,12 @@ class RunConfig(_Section):
                      and getattr(self.ema, k) != getattr(EmaConfig(), k)]
         problems += config_problems(self)  # config/rules.py: which settings refuse which
         if self.train.text_encoder_lr is not None and not self.text_encoder_training:
-            problems.append(("train.text_encoder_lr", "given without lora.text_encoder_rank (a LoRA run) or "
-                             "train.text_encoders = 'full' (a full fine-tune), which train the text encoders; "
-                             "set one, or leave train.text_encoder_lr out"))
+            problems.append(("train.text_encoder_lr", "given without lora.text_encoder_rank (a LoRA run) "
+                             "or train.text_encoders = 'full' (a full fine-tune), which train the text "
+                             "encoders; set one, or leave train.text_encoder_lr out"))
         if self.lora.text_encoder_alpha is not None and not self.lora.text_encoder_rank:
-            problems.append(("lora.text_encoder_alpha", "given without lora.text_encoder_rank, which trains the "
-                             "text encoders; set it, or leave lora.text_encoder_alpha out"))
+            problems.append(("lora.text_encoder_alpha", "given without lora.text_encoder_rank, which trains "
+                             "the text encoders; set it, or leave lora.text_encoder_alpha out"))
         _raise_any(problems)
         trained = {"lora": "lora.text_encoder_rank", "full": "train.text_encoders = 'full'"}.get(
             self.text_encoder_training or "")

@@ -914,9 +914,9 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
                      "in the train phase (their weights, LoRA and activations); cache.text is off, captions "
                      "are encoded each step")
     elif cfg.text_encoder_training == "full":
-        lines.append("train.text_encoders = 'full': every weight of the CLIP text encoders trains in the train "
-                     "phase (their weights, gradients, optimizer state and activations); cache.text is off, "
-                     "captions are encoded each step")
+        lines.append("train.text_encoders = 'full': every weight of the CLIP text encoders trains in the "
+                     "train phase (their weights, gradients, optimizer state and activations); cache.text is "
+                     "off, captions are encoded each step")
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")

@@ -279,7 +279,8 @@ def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}
 
 
-def trained_encoder_states(bundle: ModelBundle, dtype: torch.dtype) -> list[Optional[dict[str, torch.Tensor]]]:
+def trained_encoder_states(bundle: ModelBundle,
+                           dtype: torch.dtype) -> list[Optional[dict[str, torch.Tensor]]]:
     """Per text encoder of `bundle`, in order: its transformers state dict on the CPU (floats in
     `dtype`) where it trained whole (train.text_encoders = "full": bundle.extra says how many of the
     leading ones and how), else None (a saved file carries the source's over)."""
