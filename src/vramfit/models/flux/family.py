@@ -426,7 +426,7 @@ class FluxFamily:
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
             if len(stored) > 1:
                 state.update({T5 + k: v for k, v in stored[1].items()})
-        clip_l = trained_encoder_states(bundle, dtype)[0]
+        clip_l = (trained_encoder_states(bundle, dtype) or [None])[0]  # none: the encoders were freed
         if clip_l is not None:  # train.text_encoders = "full": into the file, a transformer-only one too
             state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})

@@ -322,7 +322,8 @@ class SDXLFamily:
             bigg = clipfmt.hf_to_openclip(as_stored(enc2, src.path / "text_encoder_2"),
                                           logit_scale=torch.tensor(4.6052))
             state.update({CLIP_G + k: v for k, v in bigg.items()})
-        clip_l, clip_g = trained_encoder_states(bundle, dtype)  # train.text_encoders = "full": written
+        # train.text_encoders = "full": written (none where the encoders were freed after caching)
+        clip_l, clip_g = trained_encoder_states(bundle, dtype) or [None, None]
         if clip_l is not None:
             state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
