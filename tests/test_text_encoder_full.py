@@ -21,7 +21,7 @@ from vramfit.fit.planner import plan_report, predict
 from vramfit.fit.resolve import Environment, with_automatic_values
 from vramfit.models.registry import FAMILIES
 from vramfit.models.sources import resolve_source
-from vramfit.train.lora import place_text_encoders
+from vramfit.train.lora import merge_trained_encoders, place_text_encoders
 
 FULL = ("train.text_encoders=full", "train.optimizer=adamw", "train.lr=1e-3", "train.text_encoder_lr=1e-2")
 PROMPT = "a red cube"
@@ -183,6 +183,16 @@ def test_placed_encoders_train_in_the_run_precision(sets, dtype, checkpointed, c
     # SDXL reads CLIP-L's penultimate hidden state only: its last layer and final norm get no gradient
     assert unused and all(i == 0 and (".layers.2." in n or "final_layer_norm" in n)
                           for i, n in unused), unused
+    # a sample grid's fresh encoders take the trained weights (train/samples.py)
+    with torch.no_grad():
+        for enc in bundle.text_encoders:
+            for p in enc.parameters():
+                p.add_(0.5)
+    fresh = _encoders("tiny:sdxl", cache_root).text_encoders
+    merge_trained_encoders(fresh, bundle.text_encoders)
+    for copy, enc in zip(fresh, bundle.text_encoders):
+        ours = dict(enc.named_parameters())
+        assert all(torch.equal(p.to(ours[n].dtype), ours[n]) for n, p in copy.named_parameters())
 
 
 def test_a_model_without_clip_encoders_is_refused():
