@@ -84,6 +84,14 @@ def test_full_encoders_train_resume_and_save(tmp_path, images, cache_root, caplo
         assert all(not torch.allclose(x, y, atol=1e-4) for x, y in zip(before, after)), saved.name
     index = json.loads((whole / "model-diffusers" / "model_index.json").read_text())
     assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+    # the single file has the source's key set (SGM and OpenCLIP names, logit_scale, position ids)
+    assert set(load_file(str(whole / "model.safetensors"))) == set(load_file(str(base.source.path)))
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(whole / "model-diffusers", local_files_only=True)
+    for i, enc in enumerate((pipe.text_encoder, pipe.text_encoder_2)):
+        trained = _trained(a, i)
+        assert all(torch.equal(p.detach().to(torch.bfloat16), trained[n]) for n, p in enc.named_parameters())
 
 
 def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
