@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import train_args
 from vramfit.cli import main
@@ -19,6 +19,7 @@ from vramfit.config.rules import process_problems
 from vramfit.fit.model_facts import facts_for_layout
 from vramfit.fit.planner import plan_report, predict
 from vramfit.fit.resolve import Environment, with_automatic_values
+from vramfit.formats.safetensors_io import load_prefixed
 from vramfit.models.registry import FAMILIES
 from vramfit.models.sources import resolve_source
 from vramfit.train.lora import merge_trained_encoders, place_text_encoders
@@ -138,6 +139,16 @@ def test_flow_families_save_their_trained_clip_encoders(name, clips, tmp_path, i
                        for n, p in params.items()), saved
             old = dict(base.text_encoders[i].named_parameters())
             assert any(not torch.equal(old[n].detach().to(torch.bfloat16), trained[n]) for n in params)
+    # model.clip_l naming another file is obeyed, and the log says the file's own trained one is not used
+    clip_l = tmp_path / "clip_l.safetensors"
+    save_file(load_prefixed(base.source.path, "text_encoders.clip_l.transformer."), str(clip_l))
+    caplog.clear()
+    model = load_config(None, [f"model.path={out / 'model.safetensors'}", f"model.clip_l={clip_l}"],
+                        need_data=False).model
+    named = FAMILIES[name].load(resolve_source(model, cache_root)).text_encoders[0]
+    assert f"model.clip_l: {clip_l} is used, not the clip_l that model.safetensors holds" in caplog.text
+    old = dict(base.text_encoders[0].named_parameters())
+    assert all(torch.equal(p, old[n]) for n, p in named.named_parameters())
 
 
 @pytest.mark.parametrize("sets, key, says", [

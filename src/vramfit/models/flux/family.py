@@ -41,7 +41,7 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, merge_counts, require_tokenizers, save_encoder_folder, t5_encoder,
-    trained_encoder_states,
+    trained_encoder_states, warn_named_over_own,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -111,6 +111,7 @@ class FluxFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
+        warn_named_over_own(source, {"clip_l": CLIP_L})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source)
         else:

@@ -40,7 +40,7 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
-    shipped_config, t5_encoder, trained_encoder_states,
+    shipped_config, t5_encoder, trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -170,6 +170,7 @@ class SD3Family:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
+        warn_named_over_own(source, {"clip_l": CLIP_L, "clip_g": CLIP_G})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source.path, source)
             scheduler = self._scheduler(None)
