@@ -46,9 +46,9 @@ def _trained(state: dict, index: int) -> dict:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def test_full_encoders_train_resume_and_save(tmp_path, images, cache_root, caplog):
+def test_full_encoders_train_resume_and_save(tmp_path, images, cache_root, caplog, capsys):
     """2 steps, and 1 then 1 more resumed: identical weights of the UNet and both encoders (bf16, as
-    the UNet's). Every encoder weight trains; the single file and the diffusers folder carry the
+    the UNet's); a resume with the encoders frozen is refused. Every encoder weight trains; the single file and the diffusers folder carry the
     trained encoders, which vramfit's loader reads back value for value, and whose output differs
     from the base's."""
     sets = (*FULL, "save.state_every_steps=1", "save.keep_last=10")
@@ -64,6 +64,10 @@ def test_full_encoders_train_resume_and_save(tmp_path, images, cache_root, caplo
     assert main([*train_args(images, part, cache_root, *sets, model="tiny:sdxl"), "--resume", "latest"]) == 0
     a, b = (load_file(str(o / "state" / "step-000002" / "weights.safetensors")) for o in (whole, part))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    frozen = [*train_args(images, part, cache_root, "train.steps=3", model="tiny:sdxl"), "--resume", "latest"]
+    capsys.readouterr()
+    assert main(frozen) != 0  # refused before anything loads
+    assert "train.text_encoders: saved 'full', now 'frozen'" in capsys.readouterr().err
 
     base = _encoders("tiny:sdxl", cache_root)
     start = load_file(str(whole / "state" / "step-000001" / "weights.safetensors"))
