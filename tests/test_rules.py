@@ -35,6 +35,7 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "lora.dropout": {"lora": {"type": "lokr", "dropout": 0.1}},
         "lora.text_encoder_rank": {"train": {"mode": "lora", "optimizer_in_backward": True},
                                    "lora": {"text_encoder_rank": 4}},
+        "train.text_encoders": {"train": {"text_encoders": "full", "optimizer_in_backward": True}},
     }
     assert set(cases) == {r.key for r in RULES}  # every rule is tried
     for key, values in cases.items():
@@ -51,7 +52,7 @@ def test_several_processes_refuse_what_does_not_compose_and_one_process_nothing(
     assert [line.split(":")[0] for line in lines] == ["train.distributed", "train.optimizer",
                                                       "train.optimizer_in_backward"]
     assert "'adafactor' does not compose with 'fsdp' with 2 processes" in lines[1]
-    assert process_problems(cfg, 1) == [] and len(PROCESS_RULES) == 11
+    assert process_problems(cfg, 1) == [] and len(PROCESS_RULES) == 12
     ema = RunConfig.model_construct(train=TrainConfig(distributed="fsdp", optimizer="adamw"),
                                     ema=RunConfig().ema.model_copy(update={"enabled": True}))
     assert [line.split(":")[0] for line in process_problems(ema, 2)] == ["ema.enabled"]

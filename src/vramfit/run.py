@@ -132,7 +132,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     # preparation drew (class images), so the same config starts from the same adapter.
     torch.manual_seed(cfg.train.seed)
     streamer = place_denoiser(bundle, cfg, device)
-    encoder_params = place_text_encoders(bundle, cfg.lora, device)  # [] unless lora.text_encoder_rank
+    encoder_params = place_text_encoders(bundle, cfg, device)  # [] while the text encoders stay frozen
     for hint in start_hints(cfg):
         log.warning("%s", hint)
     ranks.wrap(bundle.denoiser)  # DDP, or FSDP sharding its parameters before the optimizer sees them

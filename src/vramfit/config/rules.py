@@ -55,7 +55,9 @@ def graph_clashes(cfg: Any) -> list[str]:
          cfg.train.optimizer_in_backward and cfg.train.grad_accum > 1),
         ("lora.dropout", cfg.train.mode == "lora" and cfg.lora.dropout > 0),
         ("lora.text_encoder_rank (the trained text encoders run before the recorded denoiser, with the "
-         "host's tokenizing between)", cfg.train.mode == "lora" and cfg.lora.text_encoder_rank > 0)) if on]
+         "host's tokenizing between)", cfg.train.mode == "lora" and cfg.lora.text_encoder_rank > 0),
+        ("train.text_encoders = 'full' (the trained text encoders run before the recorded denoiser, with the "
+         "host's tokenizing between)", cfg.train.mode == "full" and cfg.train.text_encoders == "full")) if on]
 
 
 def _compile(cfg: Any) -> Optional[str]:
@@ -204,6 +206,22 @@ def _text_encoders(cfg: Any) -> Optional[str]:
     """What lora.text_encoder_rank (a LoRA trained on the text encoders) cannot be used with."""
     if not cfg.lora.text_encoder_rank:
         return None
+    return _trained_encoder_clashes(cfg)
+
+
+def _full_text_encoders(cfg: Any) -> Optional[str]:
+    """What train.text_encoders = "full" (every weight of the CLIP encoders trained) cannot be used with."""
+    if cfg.train.text_encoders != "full":
+        return None
+    if cfg.train.mode != "full":
+        return ("'full' is for a full fine-tune (train.mode = 'full'); a LoRA run trains the text encoders "
+                "with a LoRA of their own: set lora.text_encoder_rank instead, or train.text_encoders = "
+                "'frozen'")
+    return _trained_encoder_clashes(cfg)
+
+
+def _trained_encoder_clashes(cfg: Any) -> Optional[str]:
+    """What trained text encoders (a LoRA on them or all their weights) cannot be used with."""
     t = cfg.train
     why = WHOLE_STEP_OPTIMIZERS.get(t.optimizer)
     clash = [(key, reason) for key, reason, on in (
@@ -222,7 +240,7 @@ def _text_encoders(cfg: Any) -> Optional[str]:
 
 
 RULES = (Rule("train.optimizer_in_backward", _whole_step),
-         Rule("lora.text_encoder_rank", _text_encoders),
+         Rule("lora.text_encoder_rank", _text_encoders), Rule("train.text_encoders", _full_text_encoders),
          Rule("memory.stream_weights", _whole_step_streamed),
          Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
          Rule("sample.every_steps", _samples), Rule("train.steps", _steps),
@@ -285,6 +303,10 @@ PROCESS_RULES = (
     Rule("lora.text_encoder_rank", lambda cfg, where: None if not cfg.lora.text_encoder_rank else (
         f"not {where} yet: DDP averages the denoiser's gradients only, so each rank's text encoders would "
         "drift apart; train on one GPU, or leave it out")),
+    Rule("train.text_encoders", lambda cfg, where: None if not (
+        cfg.train.mode == "full" and cfg.train.text_encoders == "full") else (
+        f"'full' not {where} yet: DDP averages the denoiser's gradients only, so each rank's text encoders "
+        "would drift apart; train on one GPU, or set it to 'frozen'")),
     _fsdp("train.distributed", lambda c: c.train.mode == "lora",
           "'fsdp' shards a full fine-tune; a LoRA's trainable weights are small, so train it with 'ddp'"),
     _fsdp("train.optimizer", lambda c: c.train.optimizer != "adamw",

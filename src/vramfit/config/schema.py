@@ -353,10 +353,16 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, le=10**6, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-5, gt=0, le=1.0, description="Learning rate: its value after train.warmup_steps, "
                       "which train.lr_scheduler keeps or lowers from there.")
-    text_encoder_lr: Optional[float] = Field(None, ge=0, le=1.0, description="Learning rate of the text "
-                                             "encoders' LoRA (lora.text_encoder_rank), scaled by "
-                                             "train.lr_scheduler as train.lr is; 0 keeps them as they are. "
-                                             "Default: train.lr.")
+    text_encoder_lr: Optional[float] = Field(None, ge=0, le=1.0, description="Learning rate of the trained "
+                                             "text encoders (lora.text_encoder_rank's LoRA, or "
+                                             "train.text_encoders = 'full'), scaled by train.lr_scheduler as "
+                                             "train.lr is; 0 keeps them as they are. Default: train.lr.")
+    text_encoders: Literal["frozen", "full"] = Field(
+        "frozen", description="full: a full fine-tune (train.mode = 'full') also trains every weight of the "
+        "CLIP text encoders (SDXL family and SD3: CLIP-L and CLIP-G; Flux.1: CLIP-L; T5 stays frozen), in "
+        "the training precision, at train.text_encoder_lr; the captions are then encoded anew each step "
+        "(cache.text is turned off) and the saved files carry the trained encoders. A LoRA run trains "
+        "them with lora.text_encoder_rank instead.")
     optimizer: Literal["adafactor", "adamw", "adamw8bit", "lion", "prodigy", "schedulefree_adamw", "came",
                        "custom"] = Field(
         "adafactor", description="adamw8bit: torchao's AdamW with 8-bit block-quantized moments "
@@ -803,6 +809,16 @@ class RunConfig(_Section):
         return self
 
     @property
+    def text_encoder_training(self) -> Optional[str]:
+        """How the CLIP text encoders train: "lora" (lora.text_encoder_rank in a LoRA run), "full"
+        (train.text_encoders = "full" in a full fine-tune), or None (frozen)."""
+        if self.train.mode == "lora" and self.lora.text_encoder_rank:
+            return "lora"
+        if self.train.mode == "full" and self.train.text_encoders == "full":
+            return "full"
+        return None
+
+    @property
     def step_batch(self) -> int:
         """Images in one forward pass: the batch, doubled by class images (DreamBooth's generated
         ones, or a regularization dataset's)."""
@@ -824,14 +840,18 @@ class RunConfig(_Section):
                      for k in EmaConfig.model_fields if k != "enabled" and not self.ema.enabled
                      and getattr(self.ema, k) != getattr(EmaConfig(), k)]
         problems += config_problems(self)  # config/rules.py: which settings refuse which
-        unused = {"train.text_encoder_lr": self.train.text_encoder_lr,
-                  "lora.text_encoder_alpha": self.lora.text_encoder_alpha}
-        problems += [(key, "given without lora.text_encoder_rank, which trains the text encoders; set it, or "
-                      f"leave {key} out") for key, value in unused.items()
-                     if value is not None and not self.lora.text_encoder_rank]
+        if self.train.text_encoder_lr is not None and not self.text_encoder_training:
+            problems.append(("train.text_encoder_lr", "given without lora.text_encoder_rank (a LoRA run) "
+                             "or train.text_encoders = 'full' (a full fine-tune), which train the text "
+                             "encoders; set one, or leave train.text_encoder_lr out"))
+        if self.lora.text_encoder_alpha is not None and not self.lora.text_encoder_rank:
+            problems.append(("lora.text_encoder_alpha", "given without lora.text_encoder_rank, which trains "
+                             "the text encoders; set it, or leave lora.text_encoder_alpha out"))
         _raise_any(problems)
-        if self.lora.text_encoder_rank and self.cache.text and "text" in self.cache.model_fields_set:
-            _raise_any([("cache.text", "true cannot be used with lora.text_encoder_rank: the trained "
+        trained = {"lora": "lora.text_encoder_rank", "full": "train.text_encoders = 'full'"}.get(
+            self.text_encoder_training or "")
+        if trained and self.cache.text and "text" in self.cache.model_fields_set:
+            _raise_any([("cache.text", f"true cannot be used with {trained}: the trained "
                          "text encoders change every caption's embedding each step, so none can be "
                          "cached; set it to false or leave it out (it is then turned off)")])
             # (left at its default it is turned off when the run is resolved: fit/resolve.py)

@@ -471,7 +471,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
-    if t.mode == "lora" and cfg.lora.text_encoder_rank:
+    if cfg.text_encoder_training:
         base.update(_trained_encoders(facts, cfg))
         # a frozen T5 (SD3, Flux.1) still comes to the device each step to encode, without gradients
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders
@@ -504,16 +504,33 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
 
 
 def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
-    """lora.text_encoder_rank: the CLIP encoders stay on the GPU through the step (T5 never trains),
-    with their fp32 LoRA (weights, gradients, two optimizer moments at most: 16 bytes a value, by
-    the q/k/v/out and fc1/fc2 linears of each layer: 18 * rank * hidden) and the activations their
-    backward keeps (about 20 values of each token's width a layer: attention, MLP, norms)."""
+    """Trained CLIP encoders stay on the GPU through the step (T5 never trains), with the activations
+    their backward keeps (about 20 values of each token's width a layer: attention, MLP, norms).
+    lora.text_encoder_rank: their weights as stored, and their fp32 LoRA (weights, gradients, two
+    optimizer moments at most: 16 bytes a value, by the q/k/v/out and fc1/fc2 linears of each layer:
+    18 * rank * hidden). train.text_encoders = "full": their weights and gradients in the training
+    precision (bf16 under full_bf16, else fp32) and the optimizer's state of them (the linears as one
+    matrix of their rows, the token table as a matrix, the rest as vectors)."""
     clips = [e for e in facts.encoders if e.kind == "clip"]
-    rank, batch = cfg.lora.text_encoder_rank, cfg.step_batch
+    batch = cfg.step_batch
     item = 4 if cfg.train.precision == "fp32" else 2
+    act = {"text encoder activations": sum(20 * item * batch * 77 * e.hidden * e.layers for e in clips)}
+    if cfg.text_encoder_training == "full":
+        weight = 2 if cfg.train.precision == "full_bf16" else 4
+        state, name = 0, cfg.train.optimizer
+        for e in clips:
+            rows, hidden = max(e.linear_rows, 1), max(e.hidden, 1)
+            rest = e.params - e.linear_numel - e.embedding_numel
+            for numel, shape in ((e.linear_numel, (rows, e.linear_numel // rows)),
+                                 (e.embedding_numel, (e.embedding_numel // hidden, hidden)), (rest, (rest,))):
+                other = other_state_bytes(name, numel, shape, weight)
+                state += state_bytes(name, numel, shape, weight) if other is None else other
+        return {"text encoders trained": sum(weight * e.params for e in clips),
+                "text encoder gradients": sum(weight * e.params for e in clips),
+                "text encoder optimizer state": state, **act}
+    rank = cfg.lora.text_encoder_rank
     return {"text encoders trained": sum(encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in clips),
-            "text encoder lora": sum(16 * 18 * rank * e.hidden * e.layers for e in clips),
-            "text encoder activations": sum(20 * item * batch * 77 * e.hidden * e.layers for e in clips)}
+            "text encoder lora": sum(16 * 18 * rank * e.hidden * e.layers for e in clips), **act}
 
 
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
@@ -945,10 +962,14 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     lines = [f"{model}, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
-    if cfg.train.mode == "lora" and cfg.lora.text_encoder_rank:
+    if cfg.text_encoder_training == "lora":
         lines.append(f"lora.text_encoder_rank = {cfg.lora.text_encoder_rank}: the CLIP text encoders train "
                      "in the train phase (their weights, LoRA and activations); cache.text is off, captions "
                      "are encoded each step")
+    elif cfg.text_encoder_training == "full":
+        lines.append("train.text_encoders = 'full': every weight of the CLIP text encoders trains in the "
+                     "train phase (their weights, gradients, optimizer state and activations); cache.text is "
+                     "off, captions are encoded each step")
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")

@@ -57,9 +57,9 @@ def _automatic(section, update: dict):
 
 def with_automatic_values(cfg: RunConfig, env: Environment) -> RunConfig:
     """`cfg` with its automatic values decided: train.cuda_graphs "auto" for `env`, and cache.text
-    off where the text encoders train (lora.text_encoder_rank: every caption is encoded anew each
-    step; an explicit cache.text = true is refused by the schema)."""
-    if cfg.lora.text_encoder_rank and cfg.cache.text:
+    off where the text encoders train (lora.text_encoder_rank, train.text_encoders = "full": every
+    caption is encoded anew each step; an explicit cache.text = true is refused by the schema)."""
+    if cfg.text_encoder_training and cfg.cache.text:
         cfg = cfg.model_copy(update={"cache": _automatic(cfg.cache, {"text": False})})
     if cfg.train.cuda_graphs != "auto":
         return cfg

@@ -9,6 +9,7 @@ family's folder.
 from __future__ import annotations
 
 import json
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -20,6 +21,8 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats.safetensors_io import CheckpointError, load_prefixed, meta_tensors, read_header
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
+
+log = logging.getLogger("vramfit")
 
 
 def shipped_config(name: str) -> dict:
@@ -277,3 +280,40 @@ def encoder_file_state(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 ENCODER_ROOTS = {"text_model", "text_projection", "encoder", "shared", "embeddings", "final_layer_norm"}
+
+
+def trained_encoder_states(bundle: ModelBundle,
+                           dtype: torch.dtype) -> list[Optional[dict[str, torch.Tensor]]]:
+    """Per text encoder of `bundle`, in order: its transformers state dict on the CPU (floats in
+    `dtype`) where it trained whole (train.text_encoders = "full": bundle.extra says how many of the
+    leading ones and how), else None (a saved file carries the source's over)."""
+    trained = int(bundle.extra.get("text_encoders_trained") or 0)
+    if bundle.extra.get("text_encoder_training") != "full":
+        trained = 0
+    return [{k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
+             for k, v in enc.state_dict().items()} if i < trained else None
+            for i, enc in enumerate(bundle.text_encoders)]
+
+
+def save_encoder_folder(encoder, folder: Path, state: Optional[dict[str, torch.Tensor]]) -> None:
+    """A transformers text encoder's subfolder of a diffusers folder: `state` (trained_encoder_states)
+    where it trained, else the encoder as it is."""
+    if state is None:
+        encoder.save_pretrained(folder)
+    else:
+        encoder.save_pretrained(folder, state_dict=state)
+
+
+def warn_named_over_own(source: Source, prefixes: Mapping[str, str]) -> None:
+    """A single file that holds a text encoder of its own ({part: key prefix}; vramfit writes the
+    trained ones there under train.text_encoders = "full"), loaded with model.<part> naming another
+    file: that file is used, as asked; say that the file's own encoder is not."""
+    if source.kind != "single_file":
+        return
+    header, _ = read_header(source.path)
+    for part, prefix in prefixes.items():
+        named = source.encoder_file(part)
+        if named and any(k.startswith(prefix) for k in header):
+            log.warning("model.%s: %s is used, not the %s that %s holds itself (%s*; a run with "
+                        "train.text_encoders = \"full\" writes the trained one there); leave model.%s out to "
+                        "use that one", part, named, part, source.path.name, prefix, part)

@@ -69,7 +69,7 @@ class StepEngine:
         self.denoiser, self.streamer = bundle.denoiser, streamer
         self.dtype = training_dtype(bundle, cfg)
         self.params = [p for p in bundle.denoiser.parameters() if p.requires_grad]
-        # the optimizer's further groups (lora.text_encoder_rank): clipped and checked with the denoiser's
+        # the optimizer's further groups (trained text encoders): clipped and checked with the denoiser's
         self.params += [p for group in optimizer.param_groups[1:] for p in group["params"]]
         self.loss_bundle = self.ranks.forward_bundle(bundle)
         self.hooks = optional_steps(self.params, optimizer, in_backward=cfg.optimizer_in_backward,

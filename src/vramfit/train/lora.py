@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from vramfit.config.schema import LoraSettings
+from vramfit.config.schema import LoraSettings, RunConfig, TrainConfig
 from vramfit.memory.quantize import quantize_base
 
 log = logging.getLogger("vramfit")
@@ -161,28 +161,53 @@ def apply_text_encoder_lora(encoder: torch.nn.Module, settings: LoraSettings) ->
     return len(names)
 
 
-def place_text_encoders(bundle, settings: LoraSettings, device: torch.device) -> list[torch.nn.Parameter]:
-    """With lora.text_encoder_rank: adapt the CLIP text encoders of `bundle` (the leading ones; a T5
-    after them is never trained), put them on `device` for the whole run (encode_text then neither
-    moves them nor turns gradients off: bundle.extra "text_encoders_trained", their number) and
-    return the adapters' parameters; [] without."""
-    if not settings.text_encoder_rank:
+def place_text_encoders(bundle, cfg: RunConfig, device: torch.device) -> list[torch.nn.Parameter]:
+    """Where the CLIP text encoders of `bundle` train (the leading ones; a T5 after them is never
+    trained): with lora.text_encoder_rank adapt them, with train.text_encoders = "full" make every
+    weight trainable in the training precision (checkpointed where the denoiser is); put them on
+    `device` for the whole run (encode_text then neither moves them nor turns gradients off:
+    bundle.extra "text_encoders_trained", their number, and "text_encoder_training", how) and
+    return the trained parameters; [] when they stay frozen."""
+    how = cfg.text_encoder_training
+    if how is None:
         return []
+    key = "lora.text_encoder_rank" if how == "lora" else "train.text_encoders"
     clips = _clip_encoders(bundle)
     if not clips:
-        raise ValueError("lora.text_encoder_rank: this model has no CLIP text encoder to train; leave it out")
+        raise ValueError(f"{key}: this model has no CLIP text encoder to train; leave it out")
     modules = 0
     for encoder in clips:
-        modules += apply_text_encoder_lora(encoder, settings)
+        if how == "lora":
+            modules += apply_text_encoder_lora(encoder, cfg.lora)
+        else:
+            _train_whole_encoder(encoder, cfg.train)
         encoder.to(device)
     bundle.extra["text_encoders_trained"] = len(clips)
+    bundle.extra["text_encoder_training"] = how
     params = [p for e in clips for p in e.parameters() if p.requires_grad]
+    what = (f"LoRA rank {cfg.lora.text_encoder_rank} on {modules} modules of" if how == "lora" else
+            f"every weight ({cfg.train.precision}) of")
     frozen = len(bundle.text_encoders) - len(clips)
-    log.info("text encoders: LoRA rank %d on %d modules of %d encoders (%.2f M parameters); captions are "
-             "encoded each step (cache.text is off)%s", settings.text_encoder_rank, modules, len(clips),
-             sum(p.numel() for p in params) / 1e6,
+    log.info("text encoders: %s %d encoders (%.2f M parameters); captions are encoded each step (cache.text "
+             "is off)%s", what, len(clips), sum(p.numel() for p in params) / 1e6,
              "; T5 stays frozen and encodes each step too, without gradients" if frozen else "")
     return params
+
+
+def _train_whole_encoder(encoder: torch.nn.Module, train: TrainConfig) -> None:
+    """train.text_encoders = "full": every weight of `encoder` trainable, in bf16 under full_bf16
+    (the optimizer writes it back with stochastic rounding, as the denoiser's) and fp32 otherwise;
+    each layer recomputed in backward where the denoiser's blocks are (any share of them)."""
+    encoder.to(torch.bfloat16 if train.precision == "full_bf16" else torch.float32)
+    encoder.requires_grad_(True)
+    encoder.train()  # transformers checkpoints only in training mode (CLIP's dropout is 0)
+    if train.gradient_checkpointing is not False:
+        # transformers >= 5 names it activation checkpointing; both take torch.utils.checkpoint's kwargs
+        enable = getattr(encoder, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            encoder.gradient_checkpointing_enable({"use_reentrant": False})
 
 
 def _clip_encoders(bundle) -> list[torch.nn.Module]:
@@ -214,12 +239,18 @@ def text_encoder_states(bundle) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def merge_trained_encoders(fresh: list[torch.nn.Module], trained: list[torch.nn.Module]) -> None:
-    """Merge each trained text encoder's LoRA update into its fresh copy's weights (a sample grid
-    then encodes with what the encoders learned, while the trained ones stay in place)."""
+    """Merge each trained text encoder's LoRA update into its fresh copy's weights, or copy a wholly
+    trained encoder's weights into it (a sample grid then encodes with what the encoders learned,
+    while the trained ones stay in place)."""
     # heavy: peft (~1.7 s, pulls transformers); `vramfit plan` imports this module
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for copy, encoder in zip(fresh, trained):
+        if not any(isinstance(m, BaseTunerLayer) for m in encoder.modules()):  # train.text_encoders = "full"
+            own = copy.state_dict()
+            for name, value in encoder.state_dict().items():
+                own[name].copy_(value)
+            continue
         modules = dict(copy.named_modules())
         for name, layer in encoder.named_modules():
             if isinstance(layer, BaseTunerLayer) and ADAPTER in getattr(layer, "scaling", {}):

@@ -37,8 +37,8 @@ _MUST_MATCH = [("model", "path"), ("data", "resolution"), ("data", "bucket_step"
                ("train", "batch_size"), ("train", "grad_accum"), ("train", "optimizer"),
                ("train", "precision"), ("train", "seed"), ("train", "lr_scheduler"),
                ("train", "optimizer_class"), ("train", "lr_cycles"), ("train", "lr_power"),
-               ("lora", "base_quantization"), ("lora", "targets"), ("lora", "text_encoder_rank"),
-               ("prior", "class_prompt")]
+               ("train", "text_encoders"), ("lora", "base_quantization"), ("lora", "targets"),
+               ("lora", "text_encoder_rank"), ("prior", "class_prompt")]
 
 
 class ResumeError(ValueError):

@@ -40,7 +40,8 @@ from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, va
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, merge_counts, require_tokenizers, t5_encoder,
+    encoder_file_state, merge_counts, require_tokenizers, save_encoder_folder, t5_encoder,
+    trained_encoder_states, warn_named_over_own,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -110,6 +111,7 @@ class FluxFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
+        warn_named_over_own(source, {"clip_l": CLIP_L})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source)
         else:
@@ -425,6 +427,10 @@ class FluxFamily:
             state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
             if len(stored) > 1:
                 state.update({T5 + k: v for k, v in stored[1].items()})
+        clip_l = (trained_encoder_states(bundle, dtype) or [None])[0]  # none: the encoders were freed
+        if clip_l is not None:  # train.text_encoders = "full": into the file, a transformer-only one too
+            state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
+            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
         meta = dict(metadata)
         meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "flux-1")
         save_atomic(state, path, meta)
@@ -436,8 +442,9 @@ class FluxFamily:
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
-        for sub, enc in zip(("text_encoder", "text_encoder_2"), encoders):
-            enc.save_pretrained(tmp / sub)
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
+            save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \
             self.load_tokenizers(require_tokenizers(bundle.source), t5=len(encoders) == 2)
         for sub, tok in zip(("tokenizer", "tokenizer_2"), tokenizers[:len(encoders)]):

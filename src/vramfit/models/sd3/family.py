@@ -39,7 +39,8 @@ from vramfit.models.flow import DDPM_KEYS, flow_snr, decoder_input
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config, t5_encoder,
+    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
+    shipped_config, t5_encoder, trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
@@ -169,6 +170,7 @@ class SD3Family:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source) -> ModelBundle:
+        warn_named_over_own(source, {"clip_l": CLIP_L, "clip_g": CLIP_G})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source.path, source)
             scheduler = self._scheduler(None)
@@ -517,6 +519,17 @@ class SD3Family:
             state.update({CLIP_G + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[1]).items()})
             if len(encoders) > 2:
                 state.update({T5 + k: v for k, v in stored[2].items() if k != T5_EMBED})
+        # train.text_encoders = "full": the trained CLIP encoders are written into the file, where the
+        # loader takes them before any file of their own (unless model.clip_l / clip_g name one)
+        named = json.loads(meta.get(ENCODER_FILES_META) or "{}")
+        for part, prefix, trained in zip(("clip_l", "clip_g"), (CLIP_L, CLIP_G),
+                                         trained_encoder_states(bundle, dtype)):
+            if trained is not None:
+                state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+                state.update({prefix + k: v for k, v in clipfmt.to_sgm_clip_keys(trained).items()})
+                named.pop(part, None)
+        if ENCODER_FILES_META in meta:
+            meta[ENCODER_FILES_META] = json.dumps(named)
         if T5 + "shared.weight" in state and T5 + T5_EMBED not in state:
             # Stability's files carry the tied embedding under both names; diffusers' single-file
             # loader does not tie it and would leave it unset (and A1111 looks for this name).
@@ -532,8 +545,9 @@ class SD3Family:
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
         subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        for sub, enc in zip(subs, encoders):
-            enc.save_pretrained(tmp / sub)
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        for sub, enc, own in zip(subs, encoders, trained):
+            save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \
             self.load_tokenizers(require_tokenizers(bundle.source), t5=len(encoders) == 3)
         for sub, tok in zip(("tokenizer", "tokenizer_2", "tokenizer_3"), tokenizers[:len(encoders)]):

@@ -29,7 +29,8 @@ from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Sou
 from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    load_clip_tokenizers, merge_counts, require_tokenizers, shipped_config,
+    load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder, shipped_config,
+    trained_encoder_states,
 )
 from vramfit.models.sdxl.sgm_unet import (
     check_text_time, diffusers_to_sgm_unet, sgm_to_diffusers_unet, unet_config_from_sgm, unet_key_map,
@@ -321,6 +322,16 @@ class SDXLFamily:
             bigg = clipfmt.hf_to_openclip(as_stored(enc2, src.path / "text_encoder_2"),
                                           logit_scale=torch.tensor(4.6052))
             state.update({CLIP_G + k: v for k, v in bigg.items()})
+        # train.text_encoders = "full": written (none where the encoders were freed after caching)
+        clip_l, clip_g = trained_encoder_states(bundle, dtype) or [None, None]
+        if clip_l is not None:
+            state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
+            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
+        if clip_g is not None:
+            logit_scale = state.get(CLIP_G + "logit_scale", torch.tensor(4.6052))
+            state = {k: v for k, v in state.items() if not k.startswith(CLIP_G)}
+            bigg = clipfmt.hf_to_openclip(clip_g, logit_scale=logit_scale)
+            state.update({CLIP_G + k: v for k, v in bigg.items()})
         state.update(single_file_markers(bundle.noise_scheduler))
         save_atomic(state, path, metadata)
 
@@ -334,8 +345,9 @@ class SDXLFamily:
         vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
             self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
-        encoders[0].save_pretrained(tmp / "text_encoder")
-        encoders[1].save_pretrained(tmp / "text_encoder_2")
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
+            save_encoder_folder(enc, tmp / sub, own)
         for sub, tok in zip(("tokenizer", "tokenizer_2"), bundle.tokenizers):
             tok.save_pretrained(tmp / sub)
         scheduler = EulerDiscreteScheduler.from_config(sampling_config(bundle.noise_scheduler))
