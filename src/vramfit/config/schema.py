@@ -623,6 +623,15 @@ class MemoryConfig(_Section):
         256.0, gt=0, le=2**20, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "
         "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
+    streamed_grad_sums: Optional[Literal["home", "device"]] = Field(
+        None, description="With stream_weights in a full fine-tune whose streamed weights step on the "
+        "GPU (train.optimizer_in_backward with Adafactor) and train.grad_accum > 1: where the "
+        "gradients of the earlier micro-batches are summed until the last one steps. \"device\": in "
+        "sums kept on the GPU, added into as each gradient arrives (costs the streamed weights' "
+        "gradient bytes on the GPU, for the whole run); \"home\": copied to pinned CPU memory, summed "
+        "there and brought back for the step (costs a copy each way and the CPU's additions, "
+        "seconds a step for a large model). Unset: \"device\" where it applies and, with "
+        "vram_budget, the planner predicts it fits; else \"home\".")
     stream_encoders: bool = Field(
         False, description="While captions are encoded (the text cache, or live text encoding), keep "
         "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "
