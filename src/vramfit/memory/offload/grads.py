@@ -90,7 +90,7 @@ class GradsHome:
         for p in self.trainable:
             self._stash[p] = p.grad
             p.grad = None
-        if self.steps is not None and self.steps.discarded != self._discards_seen:
+        if self.sums_on_device and self.steps is not None and self.steps.discarded != self._discards_seen:
             self._discards_seen = self.steps.discarded  # a skipped step: its sums are not this one's
             self._zero_sums()
 
@@ -332,9 +332,13 @@ class GradsHome:
             self._stash[p] = total if self._stash.get(p) is None else self._stash[p].add_(total)
         self._zero_sums(left)
 
+    def sum_buffers(self) -> list[torch.Tensor]:
+        """The kept sums on the device (a buffer per dtype a unit)."""
+        return [b for buffers, _ in self._sums.values() for b in buffers.values()]
+
     def sum_bytes(self) -> int:
         """Bytes of the kept sums on the device."""
-        return sum(tensor_bytes(b) for buffers, _ in self._sums.values() for b in buffers.values())
+        return sum(tensor_bytes(b) for b in self.sum_buffers())
 
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""
