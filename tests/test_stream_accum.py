@@ -142,7 +142,8 @@ def test_a_skipped_steps_sums_do_not_reach_the_next_step():
 # ---- runs of the CLI on the smallest tiny model ---------------------------------------------------
 
 def _run(images, out, cache, *sets: str, args: tuple = ()) -> tuple[int, list[float], dict]:
-    code = main(train_args(images, out, cache, "save.name=m", "train.steps=3", *sets, model="tiny:sd3") + list(args))
+    code = main(train_args(images, out, cache, "save.name=m", "train.steps=3", *sets, model="tiny:sd3")
+                + list(args))
     if code:
         return code, [], {}
     return code, json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
@@ -159,7 +160,7 @@ def streamers(monkeypatch):
         made.append(self)
 
     def dropping(self):
-        kept.append(self.sum_bytes())
+        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}))
         drop(self)
 
     monkeypatch.setattr(WeightStreamer, "__init__", spy)
@@ -184,7 +185,7 @@ def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(ima
     assert all(torch.equal(got[k], ref[k]) and torch.equal(home[k], ref[k]) for k in ref)
     # unset, it was resolved to "device" (no budget, no GPU to fit), and the run's config.toml says so
     assert 'streamed_grad_sums = "device"' in (tmp_path / "device" / "config.toml").read_text()
-    sums = kept[-1]
+    sums = kept[-1][0]
     assert sums == sum(p.numel() * p.element_size() for p in made[-1].trainable) > 0
     cfg = load_config(None, train_args(images, tmp_path / "x", cache_root / "off", *STREAMED,
                                        "train.precision=fp32", model="tiny:sd3")[3::2])
@@ -238,12 +239,14 @@ def test_cli_a_stop_in_the_middle_of_accumulation_resumes_exactly(images, tmp_pa
         code, _, _ = _run(images, tmp_path / "part", cache_root / "off", *sets)
     assert code == 130 and len(calls) == 2 * ACCUM  # stopped after step 2
     assert made[-1].grads.sum_bytes() == 0  # closed: its sums went
-    code, losses, got = _run(images, tmp_path / "part", cache_root / "off", *sets, args=("--resume", "latest"))
+    code, losses, got = _run(images, tmp_path / "part", cache_root / "off", *sets,
+                             args=("--resume", "latest"))
     assert code == 0 and losses == ref_losses
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-def test_device_sums_where_nothing_steps_on_the_device_are_refused_naming_the_keys(images, tmp_path, cache_root):
+def test_device_sums_where_nothing_steps_on_the_device_are_refused_naming_the_keys(images, tmp_path,
+                                                                                   cache_root):
     args = train_args(images, tmp_path, cache_root, "memory.stream_weights=true", "train.grad_accum=2",
                       "memory.streamed_grad_sums=device", model="tiny:sd3")
     with pytest.raises(ConfigError) as caught:
@@ -267,7 +270,8 @@ def test_on_a_gpu_device_sums_match_home(images, tmp_path, cache_root, streamers
     assert made[-1].stats.grads_moved > 0
     _, losses, got = _run(images, tmp_path / "device", cache_root / "gpu", *sets,
                           "memory.streamed_grad_sums=device")
-    assert made[-1].stats.grads_moved == 0 and made[-1].stats.grads_summed > 0 and kept[-1] > 0
+    assert made[-1].stats.grads_moved == 0 and made[-1].stats.grads_summed > 0
+    assert kept[-1][0] > 0 and kept[-1][1] == {"cuda"}
     assert losses == pytest.approx(home_losses, rel=1e-3)
     for key in home:
         torch.testing.assert_close(got[key].float(), home[key].float(), rtol=1e-2, atol=1e-2, msg=key)
