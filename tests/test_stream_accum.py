@@ -6,6 +6,7 @@ no gradient is left behind; a skipped step's sums do not leak into the next; the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 
@@ -169,7 +170,7 @@ def streamers(monkeypatch):
 
 
 def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(images, tmp_path, cache_root,
-                                                                             streamers):
+                                                                             streamers, caplog):
     """fp32: losses and saved weights equal bit for bit; the planner's train phase grows by exactly
     the bytes of the sums the run kept."""
     made, kept = streamers
@@ -183,8 +184,12 @@ def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(ima
     assert losses == home_losses == ref_losses
     assert got.keys() == home.keys() == ref.keys()
     assert all(torch.equal(got[k], ref[k]) and torch.equal(home[k], ref[k]) for k in ref)
-    # unset, it was resolved to "device" (no budget, no GPU to fit), and the run's config.toml says so
-    assert 'streamed_grad_sums = "device"' in (tmp_path / "device" / "config.toml").read_text()
+    # unset, it was resolved to "device" (no budget, no GPU to fit); the run's config.toml says so and
+    # leaves it unset, to be decided afresh where the file is given again
+    written = tmp_path / "device" / "config.toml"
+    assert "# streamed_grad_sums: unset, resolved for this run: device\n" in written.read_text()
+    assert load_config(written, [], need_data=False).memory.streamed_grad_sums is None
+    assert 'streamed_grad_sums = "home"\n' in (tmp_path / "home" / "config.toml").read_text()  # as set
     sums = kept[-1][0]
     assert sums == sum(p.numel() * p.element_size() for p in made[-1].trainable) > 0
     cfg = load_config(None, train_args(images, tmp_path / "x", cache_root / "off", *STREAMED,
@@ -197,7 +202,13 @@ def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(ima
     usable = (train["home"].peak + train["device"].peak) // 2
     budgeted = with_values(cfg, {"memory.vram_budget": str(int(usable / (1 - MARGIN)))})
     env = Environment(torch.device("cpu"))
+    caplog.set_level(logging.INFO, logger="vramfit")
     assert with_grad_sums(budgeted, env, cache_root / "off").memory.streamed_grad_sums == "home"
+    limit = int(int(usable / (1 - MARGIN)) * (1 - MARGIN))
+    assert ("memory.streamed_grad_sums (unset): home, the streamed weights' gradient sums of earlier "
+            "micro-batches in CPU memory: the train phase with them is predicted at "
+            f"{train['device'].peak / 2**30:.2f} GiB, over the {limit / 2**30:.2f} GiB usable of "
+            "memory.vram_budget") in caplog.text
     assert with_grad_sums(cfg, env, cache_root / "off").memory.streamed_grad_sums == "device"
     single = with_values(cfg, {"train.grad_accum": 1})
     assert with_grad_sums(single, env, cache_root / "off").memory.streamed_grad_sums == "home"

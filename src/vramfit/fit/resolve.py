@@ -11,6 +11,7 @@ once before caching. Downstream code receives the resolved config and never reas
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -87,9 +88,17 @@ def with_grad_sums(cfg: RunConfig, env: Environment, cache_root: Optional[Path] 
     chosen = "home"
     on_device = with_values(cfg, {"memory.streamed_grad_sums": "device"})
     if streamed_sums_on_device(on_device):
-        limit = budget_of(cfg) or env.gpu_bytes
+        budget = budget_of(cfg)
+        limit = budget or env.gpu_bytes
         train = None if limit is None else next(
             p for p in predict(read_facts(on_device, cache_root), on_device).phases if p.name == "train")
-        if train is None or train.peak <= int(limit * (1 - MARGIN)):
-            chosen = "device"
+        usable = None if limit is None else int(limit * (1 - MARGIN))
+        chosen = "device" if train is None or train.peak <= usable else "home"
+        where = "" if train is None else (
+            f": the train phase with them is predicted at {train.peak / 2**30:.2f} GiB, "
+            f"{'within' if chosen == 'device' else 'over'} the {usable / 2**30:.2f} GiB usable of "
+            + ("memory.vram_budget" if budget else "the GPU"))
+        logging.getLogger("vramfit").info(
+            "memory.streamed_grad_sums (unset): %s, the streamed weights' gradient sums of earlier "
+            "micro-batches %s%s", chosen, "on the device" if chosen == "device" else "in CPU memory", where)
     return cfg.model_copy(update={"memory": _automatic(cfg.memory, {"streamed_grad_sums": chosen})})
