@@ -210,7 +210,8 @@ def _grad_sums(cfg: Any) -> Optional[str]:
         ("train.optimizer_in_backward = true", not t.optimizer_in_backward),
         ("train.optimizer = \"adafactor\"", t.optimizer not in COMPACT_STATE_OPTIMIZERS)) if off]
     return ("\"device\" sums the gradients of streamed weights that step on the GPU, which needs "
-            f"{' and '.join(missing)}; set those, or leave memory.streamed_grad_sums out")
+            f"{' and '.join(missing)}; set {'it' if len(missing) == 1 else 'them'}, or leave "
+            "memory.streamed_grad_sums out")
 
 
 def _text_encoders(cfg: Any) -> Optional[str]:
