@@ -630,8 +630,9 @@ class MemoryConfig(_Section):
         "sums kept on the GPU, added into as each gradient arrives (costs the streamed weights' "
         "gradient bytes on the GPU, for the whole run); \"home\": copied to pinned CPU memory, summed "
         "there and brought back for the step (costs a copy each way and the CPU's additions, "
-        "seconds a step for a large model). Unset: \"device\" where it applies and, with "
-        "vram_budget, the planner predicts it fits; else \"home\".")
+        "seconds a step for a large model). Unset: \"device\" where it applies and the planner "
+        "predicts the train phase with the sums fits vram_budget (without one: the GPU's memory); "
+        "else \"home\". The run's config.toml leaves it unset, saying what it resolved to.")
     stream_encoders: bool = Field(
         False, description="While captions are encoded (the text cache, or live text encoding), keep "
         "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "
