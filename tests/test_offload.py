@@ -87,10 +87,12 @@ def test_resume_while_streamed(images, tmp_path, cache_root, inside):
 
 
 @pytest.mark.parametrize("model,steps,sets", [
-    # accumulation: the earlier micro-batch's sums come from the homes' buffers; clipping; chunks. One
-    # step: the tiny UNet's time-embedding weights get gradients of float noise, which Adafactor scales
-    # to full-size updates, so packs that round differently drift apart from the second step on
-    ("tiny:ssd1b", 1, ("train.grad_accum=2", "train.max_grad_norm=0.05", "memory.stream_unit_mib=0.05")),
+    # accumulation: the earlier micro-batch's sums come from the homes' buffers (sums on the device:
+    # test_stream_accum.py); clipping; chunks. One step: the tiny UNet's time-embedding weights get
+    # gradients of float noise, which Adafactor scales to full-size updates, so packs that round
+    # differently drift apart from the second step on
+    ("tiny:ssd1b", 1, ("train.grad_accum=2", "train.max_grad_norm=0.05", "memory.stream_unit_mib=0.05",
+                       "memory.streamed_grad_sums=home")),
     ("tiny:sd3", 2, ("train.precision=fp32",)),
     # autocast saves bf16 casts, not the weights: most gradients find their copy gone and fetch it
     # again alone, the backward's last one too

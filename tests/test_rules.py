@@ -29,6 +29,7 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
         "memory.stream_weights": {"train": {"optimizer": "came"}, "memory": {"stream_weights": True}},
         "ema.device": {"ema": {"enabled": True}, "memory": {"stream_weights": True}},
         "memory.resident_blocks": {"memory": {"resident_blocks": 3}},
+        "memory.streamed_grad_sums": {"memory": {"stream_weights": True, "streamed_grad_sums": "device"}},
         "lora.type": {"lora": {"type": "dora", "base_quantization": "int8"}},
         "lora.conv_alpha": {"lora": {"conv_alpha": 4}},
         "lora.lokr_factor": {"lora": {"lokr_factor": 4}},

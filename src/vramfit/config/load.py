@@ -314,14 +314,20 @@ def _read(path: Path, source: str) -> dict:
 
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as TOML, written into every output folder. train.cuda_graphs left to
-    its default is written as "auto" with what it resolved to beside it, so the file, given
-    again (another machine, --gpus N), decides afresh; train.steps is left out where train.epochs
+    its default is written as "auto" with what it resolved to beside it, and an unset
+    memory.streamed_grad_sums as a comment saying what it resolved to, so the file, given again
+    (another machine, --gpus N), decides afresh; train.steps is left out where train.epochs
     derives it."""
     data = cfg.model_dump(mode="json")
     notes = {}
     if "cuda_graphs" not in cfg.train.model_fields_set:
         notes[("train", "cuda_graphs")] = f"resolved for this run: {'on' if cfg.train.cuda_graphs else 'off'}"
         data["train"]["cuda_graphs"] = "auto"
+    sums = cfg.memory.streamed_grad_sums
+    if "streamed_grad_sums" not in cfg.memory.model_fields_set and sums is not None:
+        # left unset, as cuda_graphs: decided afresh where the file is given again (fit/resolve.py)
+        notes[("memory", "streamed_grad_sums")] = f"unset, resolved for this run: {sums}"
+        data["memory"]["streamed_grad_sums"] = None
     if cfg.train.epochs is not None:
         del data["train"]["steps"]
     data["data"]["datasets"] = [{k: v for k, v in d.model_dump(mode="json").items() if k in d.model_fields_set}
@@ -340,6 +346,8 @@ def _to_toml(data: dict, notes: Optional[dict] = None) -> str:
             elif value is not None and value != []:
                 note = (notes or {}).get((section, key))
                 lines.append(f"{key} = {json.dumps(value)}" + (f"  # {note}" if note else ""))
+            elif (section, key) in (notes or {}):  # an unset key's note
+                lines.append(f"# {key}: {notes[(section, key)]}")
         lines.append("")
     for name, table in tables:
         lines.append(f"[[{name}]]")

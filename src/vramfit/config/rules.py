@@ -39,6 +39,13 @@ def streamed_step_on_device(cfg: Any) -> bool:
             and t.optimizer in COMPACT_STATE_OPTIMIZERS)
 
 
+def streamed_sums_on_device(cfg: Any) -> bool:
+    """Whether the gradients of earlier micro-batches of streamed weights that step on the device
+    are summed on the device (memory.streamed_grad_sums = "device", memory/offload/grads.py)."""
+    return (streamed_step_on_device(cfg) and cfg.train.grad_accum > 1
+            and cfg.memory.streamed_grad_sums == "device")
+
+
 def streamed_step_in_cpu_memory(cfg: Any) -> bool:
     """Whether the run is a full fine-tune whose streamed weights step in CPU memory (after backward:
     a step CUDA graphs cannot record, bound by the host's optimizer pass)."""
@@ -202,6 +209,20 @@ def _whole_step_streamed(cfg: Any) -> Optional[str]:
     return None
 
 
+def _grad_sums(cfg: Any) -> Optional[str]:
+    if cfg.memory.streamed_grad_sums != "device" or streamed_step_on_device(cfg):
+        return None
+    t = cfg.train
+    missing = [what for what, off in (
+        ("memory.stream_weights = true", not cfg.memory.stream_weights),
+        ("train.mode = \"full\"", t.mode != "full"),
+        ("train.optimizer_in_backward = true", not t.optimizer_in_backward),
+        ("train.optimizer = \"adafactor\"", t.optimizer not in COMPACT_STATE_OPTIMIZERS)) if off]
+    return ("\"device\" sums the gradients of streamed weights that step on the GPU, which needs "
+            f"{' and '.join(missing)}; set {'it' if len(missing) == 1 else 'them'}, or leave "
+            "memory.streamed_grad_sums out")
+
+
 def _text_encoders(cfg: Any) -> Optional[str]:
     """What lora.text_encoder_rank (a LoRA trained on the text encoders) cannot be used with."""
     if not cfg.lora.text_encoder_rank:
@@ -242,6 +263,7 @@ def _trained_encoder_clashes(cfg: Any) -> Optional[str]:
 RULES = (Rule("train.optimizer_in_backward", _whole_step),
          Rule("lora.text_encoder_rank", _text_encoders), Rule("train.text_encoders", _full_text_encoders),
          Rule("memory.stream_weights", _whole_step_streamed),
+         Rule("memory.streamed_grad_sums", _grad_sums),
          Rule("train.compile", _compile), Rule("train.cuda_graphs", _graphs),
          Rule("sample.every_steps", _samples), Rule("train.steps", _steps),
          Rule("save.every_epochs", _every("save")), Rule("sample.every_epochs", _every("sample")),

@@ -636,6 +636,16 @@ class MemoryConfig(_Section):
         "all blocks streamed (0) and none (the block count). Each resident block costs its weights' GPU "
         "memory and saves their copies. Default: chosen by vram_budget's plan (the most blocks that fit), "
         "0 without a budget. At most the model's block count.")
+    streamed_grad_sums: Optional[Literal["home", "device"]] = Field(
+        None, description="With stream_weights in a full fine-tune whose streamed weights step on the "
+        "GPU (train.optimizer_in_backward with Adafactor) and train.grad_accum > 1: where the "
+        "gradients of the earlier micro-batches are summed until the last one steps. \"device\": in "
+        "sums kept on the GPU, added into as each gradient arrives (costs the streamed weights' "
+        "gradient bytes on the GPU, for the whole run); \"home\": copied to pinned CPU memory, summed "
+        "there and brought back for the step (costs a copy each way and the CPU's additions, "
+        "seconds a step for a large model). Unset: \"device\" where it applies and the planner "
+        "predicts the train phase with the sums fits vram_budget (without one: the GPU's memory); "
+        "else \"home\". The run's config.toml leaves it unset, saying what it resolved to.")
     stream_encoders: bool = Field(
         False, description="While captions are encoded (the text cache, or live text encoding), keep "
         "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "

@@ -13,7 +13,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   large as the STREAM_SLOTS largest units), optimizer state S and gradients G (exact per trained
   tensor; a streamed full fine-tune stepping in backward with Adafactor steps its streamed weights
   on the device: their state counts in S, STREAM_GRAD_SHARE of a unit of their gradients beside
-  the unit, and they count for T), step temporaries T (STEP_TEMP_BYTES x the values of one
+  the unit, and they count for T; with accumulation and memory.streamed_grad_sums = "device" their
+  gradient sums too, all phase long), step temporaries T (STEP_TEMP_BYTES x the values of one
   optimizer pack: the largest trained tensor, or 4 Mi values, at most all trained values),
   activations A (saved + work; with DoRA, LoKr and LoHa the adapted weights they form each step,
   `adapter_temporaries`) and WORKSPACE. A LoRA's trained tensors are those peft builds for
@@ -71,7 +72,7 @@ from typing import Optional
 
 import torch
 
-from vramfit.config.rules import WHOLE_STEP_OPTIMIZERS, streamed_step_on_device
+from vramfit.config.rules import WHOLE_STEP_OPTIMIZERS, streamed_step_on_device, streamed_sums_on_device
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
 from vramfit.memory.checkpointing import recomputed_blocks
@@ -432,6 +433,9 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             + (int(STREAM_GRAD_SHARE * unit) if stepped_here else 0),
             "optimizer state": sum(optimizer_state_bytes(cfg.train.optimizer, x) for x in trained),
             "gradients": sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
+            # memory.streamed_grad_sums = "device": the streamed weights' sums, kept through the phase
+            "gradient sums": sum(x.numel * x.dtype_bytes for x in trained if x.streamed)
+            if streamed_sums_on_device(cfg) else 0,
             "ema": sum(x.numel for x in trained if not x.streamed) * _ema_item(cfg)
             if cfg.ema.device == "gpu" else 0,
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
@@ -466,7 +470,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         temps += WrappedOptimizer.COPY_BYTES * terms["trained numel"]
     act = _activations(facts, cfg, side)
     act["adapter weights"] = adapter_temporaries(facts, cfg)  # with the activations: formed in forward
-    base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state", "ema")}
+    base = {k: terms[k] for k in ("weights", "stream unit", "optimizer state", "ema", "gradient sums")}
     if not cfg.cache.latents:
         base.update(_vae_phase(facts, cfg))
     if not cfg.cache.text:

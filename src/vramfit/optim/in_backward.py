@@ -100,6 +100,7 @@ class BackwardSteps:
         self._summed: set[int] = set()  # kept buffers added into since the last `finish`
         self._handed = False  # kept buffers hold sums `finish` handed to a step: zero before adding
         self.completed = 0  # steps finished in backward (`finish`)
+        self.discarded = 0  # `discard` calls
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     @staticmethod
@@ -173,16 +174,19 @@ class BackwardSteps:
         """Whether the backward now running is the one whose hooks step the parameters."""
         return self.in_backward and self._last
 
-    def step_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def step_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]]) -> None:
         """Step these parameters with their fresh gradients (and their accumulation buffers) now,
         where each parameter's values lie at this moment: memory/offload/grads.py's streamed weights,
         whose gradient hook hands them over while their compute copy is on the device (their
-        state moves there on the first such step; a tensor the optimizer chunks steps in chunks)."""
+        state moves there on the first such step; a tensor the optimizer chunks steps in chunks).
+        A gradient given as a list is the sum of its parts (added in fp32, as a buffer is; the fresh
+        gradient first, which the sum may be made in)."""
         for p, grad in pairs:
             self.optimizer.follow(p)
             buffer = self._buffers.pop(id(p), None)
             parts = [buffer.to(p.device, non_blocking=True)] if buffer is not None else []
-            self._step_parts(p, parts + [grad], chunked=self.optimizer.chunks(p))
+            fresh = list(grad) if isinstance(grad, list) else [grad]
+            self._step_parts(p, parts + fresh, chunked=self.optimizer.chunks(p))
         self._flush()
 
     def _take(self, p: torch.Tensor) -> None:
@@ -310,7 +314,9 @@ class BackwardSteps:
             count.zero_()
 
     def discard(self) -> None:
-        """Drop what was accumulated (a skipped step)."""
+        """Drop what was accumulated (a skipped step). `discarded` counts the calls: sums kept
+        elsewhere (streamed weights' sums on the device, memory/offload/grads.py) go when it moves."""
+        self.discarded += 1
         if self._kept:
             self._handed = bool(self._buffers)  # zeroed, not dropped: recordings add into them
         else:

@@ -14,7 +14,8 @@ engine (train/engine.py) takes:
 - weights.py: the weights' homes in pinned CPU memory, the copies into slots ahead of use on a
   side stream, eviction, the forward and backward boundaries, CUDA graph recording;
 - grads.py: gradients of streamed weights moved home to pinned CPU memory and handed to the home
-  parameters, or the weights stepped on the device in backward;
+  parameters, or the weights stepped on the device in backward (the earlier micro-batches'
+  gradients then summed on the device, or at home: memory.streamed_grad_sums);
 - activations.py: other saved-for-backward tensors offloaded into kept pinned buffers.
 
 Costs: per step the streamed weights cross PCIe about twice (forward, and backward's recompute
@@ -25,7 +26,7 @@ GPU; host memory holds the weights, their gradients and optimizer state, pinned.
 the slots (kept between steps: as many units as are held at once, two or three where a
 checkpointed block is one unit), the resident weights, and the streamed gradients only until
 their copy to the host is done. Stepping on the device costs the optimizer state and up to a unit
-of waiting gradients there, and no weight crosses PCIe more often than before (the ones fetched
+of waiting gradients there (with accumulation and sums on the device, their sums too, kept), and no weight crosses PCIe more often than before (the ones fetched
 again alone once more); the CPU step's seconds become milliseconds of GPU work. Under mixed_bf16
 without checkpointing the bf16 casts autocast makes of the weights are saved as they are (on the
 device); autocast's cache of them is cleared at each change of unit. On CPU-only runs every step

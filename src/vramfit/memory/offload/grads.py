@@ -22,8 +22,20 @@ kept (`linger`) until they have stepped, which costs nothing while autograd hold
 anyway (a kept copy autograd has let go of is dropped at the next eviction); a weight whose copy
 nothing kept (a projection whose input needs no gradient, such as cross-attention's keys and
 values of the text; under mixed_bf16 most weights, since autocast saves its bf16 casts instead)
-is fetched again alone, on the compute stream. Gradients of earlier micro-batches (accumulation)
-still go home and are brought back to be added when the last one steps.
+is fetched again alone, on the compute stream.
+
+Accumulation (several micro-batches a step) while stepping on the device. `sums_on_device` off
+(memory.streamed_grad_sums = "home"): the gradients of the earlier micro-batches go home as
+above, are summed on the CPU and brought back to be added when the last one steps. On ("device"):
+they stay on the device, added into kept sums (one buffer per dtype a unit, made at the first
+gradient of that unit and kept, as slots are, until `drop`) as each gradient arrives: bf16 with
+train.stochastic_rounding as optim/in_backward.py sums (fp32 add, stochastic rounding), else added
+in the gradient's dtype. The last micro-batch's gradient steps with its sum (bf16 sums: added in
+fp32 by the step, as a buffer is), and the sum is zeroed after the step. A weight whose gradient
+came only from earlier micro-batches has its sum handed home as `p.grad` when backward ends, where
+the step after it (`finish`) steps it. A skipped step (the hooks' `discard`) zeroes the sums at
+the next backward. Costs the streamed trained weights' gradient bytes on the device, kept; saves
+the copies home and back and the CPU's additions (in bf16 over a billion values: seconds).
 """
 from __future__ import annotations
 
@@ -34,7 +46,7 @@ import torch
 from torch import nn
 
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.offload.slots import SlotPool, use_count
+from vramfit.memory.offload.slots import SlotPool, layout, use_count
 from vramfit.memory.offload.units import StreamStats, Unit
 
 
@@ -46,7 +58,7 @@ class GradsHome:
 
     def __init__(self, units: list[Unit], device: torch.device, *, side, back, stats: StreamStats,
                  slots: SlotPool, expect_end_of_backward: Callable[[], None],
-                 in_backward: Callable[[], bool]):
+                 in_backward: Callable[[], bool], sums_on_device: bool = False):
         self.units, self.device, self.stats, self.slots = units, device, stats, slots
         self.cuda = device.type == "cuda"
         self.side, self.back = side, back  # the copy streams: to the device, and home
@@ -62,6 +74,13 @@ class GradsHome:
         self._stepped: set[int] = set()  # streamed weights stepped in the running backward
         self._lingering: list[Unit] = []
         self._gathering: Optional[Unit] = None  # the unit whose gradients arrive now
+        # accumulation on the device (`sums_on_device`): per unit index, its kept sums (buffers per
+        # dtype, a view per trained weight); the weights whose sum holds a gradient; the hooks'
+        # `discarded` count the sums are of
+        self.sums_on_device = sums_on_device
+        self._sums: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
+        self._summed: set[int] = set()
+        self._discards_seen = 0
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -71,6 +90,9 @@ class GradsHome:
         for p in self.trainable:
             self._stash[p] = p.grad
             p.grad = None
+        if self.sums_on_device and self.steps is not None and self.steps.discarded != self._discards_seen:
+            self._discards_seen = self.steps.discarded  # a skipped step: its sums are not this one's
+            self._zero_sums()
 
     def step_gathered(self) -> None:
         """At the end of a backward: step the unit whose gradients were arriving last."""
@@ -80,6 +102,8 @@ class GradsHome:
 
     def backward_done(self) -> None:
         """After the streamer let every unit go at the end of a backward: hand the gradients home."""
+        if self._stepped or (self.steps is not None and self.steps.stepping):
+            self._hand_sums_home()
         self._stepped.clear()
         self._deliver_grads()
 
@@ -90,12 +114,15 @@ class GradsHome:
             self.drop()
 
     def drop(self) -> None:
-        """Gradients gathered by a backward that did not finish (an error) are dropped, not stepped."""
+        """Gradients gathered by a backward that did not finish (an error) are dropped, not stepped;
+        the sums on the device go (made again at the next gradient)."""
         for unit in self.units:
             unit.to_step.clear()
         self._drop_lingering()
         self._stepped.clear()
         self._gathering = None
+        self._sums.clear()
+        self._summed.clear()
 
     def unbinding(self, unit: Unit) -> None:
         """`unit` stops being the compute copy: its gathered gradients step now."""
@@ -159,8 +186,11 @@ class GradsHome:
             if self._gathering is not None and self._gathering is not unit:
                 self._step_unit(self._gathering)
             self._gathering = unit
-            unit.to_step.append((p, grad))
+            unit.to_step.append((p, self._with_sum(p, grad)))
             self._stepped.add(id(p))
+            return
+        if self.sums_on_device and self.steps is not None:
+            self._add_to_sum(unit, p, grad)
             return
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
@@ -217,6 +247,7 @@ class GradsHome:
             p.data = views[i]  # already so while the unit is bound
         self.steps.step_now(pairs)
         self.stats.stepped_on_device += len(pairs)
+        self._zero_sums([p for p, _ in pairs])
         # A copy of one weight fetched alone is the allocator's memory, which the compute stream
         # reuses as soon as it is dropped: its copy home runs on the compute stream, so that no
         # later kernel overwrites it first (a small copy, for that weight only). A slot is not
@@ -239,6 +270,75 @@ class GradsHome:
             unit.owner.homed = unit.homed
         elif unit.linger is not None and not self._awaits_grads(unit):
             self.let_go(unit)
+
+    # ---- sums of earlier micro-batches on the device -----------------------------------------
+
+    def _sum_views(self, unit: Unit) -> dict[int, torch.Tensor]:
+        """The unit's kept sums, a view per trained weight (by id); made, zeroed, at first use."""
+        kept = self._sums.get(unit.index)
+        if kept is None:
+            trained = [p for p in unit.params if p.requires_grad]
+            buffers = {dtype: torch.zeros(n, dtype=dtype, device=self.device)
+                       for dtype, n in layout(trained).items()}
+            offsets = dict.fromkeys(buffers, 0)
+            views = {}
+            for p in trained:
+                views[id(p)] = buffers[p.dtype].narrow(0, offsets[p.dtype], p.numel()).view(p.shape)
+                offsets[p.dtype] += p.numel()
+            kept = self._sums[unit.index] = (buffers, views)
+        return kept[1]
+
+    def _add_to_sum(self, unit: Unit, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """An earlier micro-batch's gradient of `p` into its sum on the device, summed as the step's
+        hooks sum (optim/in_backward.py): bf16 with round_sums in fp32 with stochastic rounding.
+        Off the GPU the first gradient is copied in (no rounding pass, no draws), as the hooks do."""
+        total = self._sum_views(unit)[id(p)]
+        if id(p) not in self._summed and self.device.type not in self.steps.UNIFORM_ON:
+            total.copy_(grad)
+        elif self.steps.round_sums and grad.dtype == torch.bfloat16:
+            self.steps.add_to_sum(total, grad)
+        else:
+            total.add_(grad)
+        self._summed.add(id(p))
+        self.stats.grads_summed += 1
+
+    def _with_sum(self, p: nn.Parameter, grad: torch.Tensor):
+        """The last micro-batch's gradient of `p` with the sum of the earlier ones: added into it in
+        its dtype, or for a bf16 sum of round_sums the two as parts the step adds in fp32."""
+        if id(p) not in self._summed:
+            return grad
+        total = self._sum_of(id(p))
+        if self.steps.round_sums and grad.dtype == torch.bfloat16:
+            return [grad, total]
+        return grad.add_(total)
+
+    def _zero_sums(self, params: Optional[list[nn.Parameter]] = None) -> None:
+        """Zero the sums of `params` (all when None) that hold a gradient."""
+        ids = set(self._summed) if params is None else self._summed & {id(p) for p in params}
+        if ids:
+            torch._foreach_zero_([self._sum_of(key) for key in ids])
+            self._summed -= ids
+
+    def _sum_of(self, key: int) -> torch.Tensor:
+        """The kept sum of the weight whose id is `key`."""
+        return self._sums[self._unit_of[key].index][1][key]
+
+    def _hand_sums_home(self) -> None:
+        """After the backward that steps: a weight with a sum and no gradient in it (used in
+        earlier micro-batches only) gets its sum as `p.grad` in CPU memory, for the hooks' `finish`."""
+        left = [p for p in self.trainable if id(p) in self._summed and id(p) not in self._stepped]
+        for p in left:
+            total = self._sum_of(id(p)).to(p.device, copy=True)  # the sum is zeroed below
+            self._stash[p] = total if self._stash.get(p) is None else self._stash[p].add_(total)
+        self._zero_sums(left)
+
+    def sum_buffers(self) -> list[torch.Tensor]:
+        """The kept sums on the device (a buffer per dtype a unit)."""
+        return [b for buffers, _ in self._sums.values() for b in buffers.values()]
+
+    def sum_bytes(self) -> int:
+        """Bytes of the kept sums on the device."""
+        return sum(tensor_bytes(b) for b in self.sum_buffers())
 
     def _deliver_grads(self) -> None:
         """Hand the moved gradients to the home parameters through autograd's accumulation."""

@@ -23,6 +23,7 @@ class StreamStats(CopyCounters):
     """Counters of the compute-side copies (bytes in device buffers held by the streamer)."""
 
     grads_moved: int = 0
+    grads_summed: int = 0  # gradients of earlier micro-batches added into sums on the device
     stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)

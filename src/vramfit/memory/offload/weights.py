@@ -75,7 +75,7 @@ class WeightStreamer:
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, blocks: Sequence[str], stream: bool,
                  stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2,
-                 resident: int = 0):
+                 resident: int = 0, sums_on_device: bool = False):
         device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.model, self.device = denoiser, device
         self.cuda = device.type == "cuda"
@@ -124,7 +124,7 @@ class WeightStreamer:
         self.slots = SlotPool(device, self.capacity)
         self.grads = GradsHome(self.units, device, side=self.side, back=self.back, stats=self.stats,
                                slots=self.slots, expect_end_of_backward=self._expect_end_of_backward,
-                               in_backward=lambda: self._task is not None)
+                               in_backward=lambda: self._task is not None, sums_on_device=sums_on_device)
         self._recording = False  # inside a CUDA graph's recording (train/graphs.py): no host syncs
         self.trainable = self.grads.trainable
         for p in self.trainable:
@@ -460,4 +460,5 @@ def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryCo
     return WeightStreamer(denoiser, device, blocks=blocks, stream=settings.stream_weights,
                           stream_trainable=stream_trainable,
                           max_unit_bytes=int(settings.stream_unit_mib * 2**20),
-                          offload_activations=settings.offload_activations, resident=resident)
+                          offload_activations=settings.offload_activations, resident=resident,
+                          sums_on_device=settings.streamed_grad_sums == "device")

@@ -1,0 +1,288 @@
+"""Gradient accumulation of streamed weights that step on the device (memory/offload/grads.py):
+the sums of the earlier micro-batches kept on the device (memory.streamed_grad_sums = "device")
+or moved home ("home") give the resident run's result; the sums are zero after each step and
+no gradient is left behind; a skipped step's sums do not leak into the next; the config refuses
+"device" where nothing steps on the device; the planner counts the sums' bytes."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from conftest import train_args
+from vramfit.cli import main
+from vramfit.config import ConfigError
+from vramfit.config.load import load_config
+from vramfit.fit.model_facts import read_facts
+from vramfit.fit.planner import MARGIN, predict, with_values
+from vramfit.fit.resolve import Environment, with_grad_sums
+from vramfit.memory.offload import WeightStreamer
+from vramfit.memory.offload.grads import GradsHome
+from vramfit.optim.adafactor import Adafactor
+from vramfit.optim.base import RoundingGenerators
+from vramfit.optim.in_backward import BackwardSteps
+
+ACCUM = 3
+STREAMED = ("memory.stream_weights=true", "train.optimizer_in_backward=true", "train.optimizer=adafactor",
+            f"train.grad_accum={ACCUM}")
+CUDA = torch.cuda.is_available()
+
+
+# ---- the mechanism, on a toy model of four streamed blocks ---------------------------------------
+
+class _Toy(nn.Module):
+    """Four linear blocks; the last runs only while `extra` is set (a weight whose gradient comes
+    from earlier micro-batches only)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4)).to(dtype)
+        self.extra = True
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i < 3 or self.extra:
+                x = torch.tanh(block(x))
+        return x
+
+
+def _toy_inputs(steps: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randn(4, 32, generator=g).to(dtype) for _ in range(ACCUM)] for _ in range(steps)]
+
+
+def _toy_run(sums, dtype=torch.float32, round_sums=False, steps=2, after_step=None, skipped=None):
+    """Train the toy: resident (`sums` None) or streamed with its sums "home" or on the "device";
+    the last block runs in the earlier micro-batches only. `skipped`: inputs of micro-batches run
+    first as a step whose last backward is skipped (as train/engine.py does for a non-finite loss:
+    the hooks' `discard`, then zero_grad). Returns the weights, the streamer and the step hooks."""
+    model = _Toy(dtype)
+    streamer = None
+    if sums is not None:
+        streamer = WeightStreamer(model, torch.device("cpu"), blocks=("blocks",), stream=True,
+                                  stream_trainable=True, max_unit_bytes=2**20, offload_activations=False,
+                                  sums_on_device=sums == "device")
+    params = list(model.parameters())
+    opt = Adafactor(params, lr=1e-2, rounding=RoundingGenerators(0) if round_sums else None)
+    hooks = BackwardSteps(params, opt, in_backward=True, round_sums=round_sums, device=torch.device("cpu"))
+    if streamer is not None:
+        streamer.step_on_device(hooks)
+    if skipped is not None:
+        for x in skipped:
+            hooks.begin(last=False)
+            model(x).float().pow(2).mean().backward()
+        hooks.discard()
+        opt.zero_grad(set_to_none=True)
+    for batch in _toy_inputs(steps, dtype):
+        for i, x in enumerate(batch):
+            model.extra = i < ACCUM - 1
+            hooks.begin(last=i == ACCUM - 1)
+            (model(x).float().pow(2).mean() / ACCUM).backward()
+        hooks.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(model, streamer)
+    return [p.detach().clone() for p in params], streamer, hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_sums_give_the_home_and_resident_weights_bit_for_bit(dtype):
+    """Sums added in the order autograd adds them (fp32; bf16 rounded to nearest) give the same
+    bits on the device, at home and resident, the weight used only in earlier micro-batches too;
+    on the device no gradient goes home and every earlier one is summed there."""
+    resident, _, _ = _toy_run(None, dtype)
+    home, at_home, _ = _toy_run("home", dtype)
+    device, on_device, _ = _toy_run("device", dtype)
+    assert all(torch.equal(a, b) for a, b in zip(home, resident))
+    assert all(torch.equal(a, b) for a, b in zip(device, resident))
+    trained = len(on_device.trainable)
+    assert at_home.stats.grads_moved > 0 and at_home.stats.grads_summed == 0
+    # two steps: two earlier micro-batches of the 8 weights, of which the last block's 2 run
+    assert on_device.stats.grads_moved == 0 and on_device.stats.grads_summed == 2 * 2 * trained
+    assert on_device.stats.stepped_on_device == 2 * (trained - 2)  # the last block's step in `finish`
+
+
+def test_stochastically_rounded_sums_on_the_device_track_the_resident_run():
+    """bf16 sums with stochastic rounding: the same values up to the rounding's draws."""
+    resident, _, _ = _toy_run(None, torch.bfloat16, round_sums=True)
+    device, _, _ = _toy_run("device", torch.bfloat16, round_sums=True)
+    for a, b in zip(device, resident):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
+
+
+def test_after_each_step_the_sums_are_zero_and_no_gradient_is_left():
+    seen = []
+
+    def check(model, streamer):
+        buffers = streamer.grads.sum_buffers()
+        seen.append(len(buffers))
+        assert buffers and all(not b.any() for b in buffers)
+        assert all(p.grad is None for p in model.parameters())
+
+    _toy_run("device", after_step=check)
+    assert seen == [4, 4]  # a kept buffer per unit, the same ones each step
+
+
+def test_a_skipped_steps_sums_do_not_reach_the_next_step():
+    """The last backward of a step is skipped (a non-finite loss): the next step's sums are its own."""
+    reference, _, _ = _toy_run("device", steps=1)
+    skipped = [torch.full((4, 32), 3.0) for _ in range(ACCUM - 1)]
+    got, streamer, hooks = _toy_run("device", steps=1, skipped=skipped)
+    assert hooks.discarded == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+# ---- runs of the CLI on the smallest tiny model ---------------------------------------------------
+
+def _run(images, out, cache, *sets: str, args: tuple = ()) -> tuple[int, list[float], dict]:
+    code = main(train_args(images, out, cache, "save.name=m", "train.steps=3", *sets, model="tiny:sd3")
+                + list(args))
+    if code:
+        return code, [], {}
+    return code, json.loads((out / "run.json").read_text())["losses"], load_file(str(out / "m.safetensors"))
+
+
+@pytest.fixture
+def streamers(monkeypatch):
+    """The streamers the runs make, and the bytes of their kept sums when they are dropped."""
+    made, kept = [], []
+    init, drop = WeightStreamer.__init__, GradsHome.drop
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def dropping(self):
+        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}))
+        drop(self)
+
+    monkeypatch.setattr(WeightStreamer, "__init__", spy)
+    monkeypatch.setattr(GradsHome, "drop", dropping)
+    return made, kept
+
+
+def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(images, tmp_path, cache_root,
+                                                                             streamers, caplog):
+    """fp32: losses and saved weights equal bit for bit; the planner's train phase grows by exactly
+    the bytes of the sums the run kept."""
+    made, kept = streamers
+    both = (*STREAMED[1:], "train.precision=fp32")
+    _, ref_losses, ref = _run(images, tmp_path / "resident", cache_root / "off", *both)
+    _, home_losses, home = _run(images, tmp_path / "home", cache_root / "off", *STREAMED,
+                                "train.precision=fp32", "memory.streamed_grad_sums=home")
+    assert made[-1].stats.grads_summed == 0 and made[-1].grads.sum_bytes() == 0
+    _, losses, got = _run(images, tmp_path / "device", cache_root / "off", *STREAMED, "train.precision=fp32")
+    assert made[-1].stats.grads_moved == 0 and made[-1].stats.grads_summed > 0
+    assert losses == home_losses == ref_losses
+    assert got.keys() == home.keys() == ref.keys()
+    assert all(torch.equal(got[k], ref[k]) and torch.equal(home[k], ref[k]) for k in ref)
+    # unset, it was resolved to "device" (no budget, no GPU to fit); the run's config.toml says so and
+    # leaves it unset, to be decided afresh where the file is given again
+    written = tmp_path / "device" / "config.toml"
+    assert "# streamed_grad_sums: unset, resolved for this run: device\n" in written.read_text()
+    assert load_config(written, [], need_data=False).memory.streamed_grad_sums is None
+    assert 'streamed_grad_sums = "home"\n' in (tmp_path / "home" / "config.toml").read_text()  # as set
+    sums = kept[-1][0]
+    assert sums == sum(p.numel() * p.element_size() for p in made[-1].trainable) > 0
+    cfg = load_config(None, train_args(images, tmp_path / "x", cache_root / "off", *STREAMED,
+                                       "train.precision=fp32", model="tiny:sd3")[3::2])
+    facts = read_facts(cfg, cache_root / "off")
+    train = {s: next(p for p in predict(facts, with_values(cfg, {"memory.streamed_grad_sums": s})).phases
+                     if p.name == "train") for s in ("home", "device")}
+    assert train["device"].peak - train["home"].peak == sums == train["device"].parts["gradient sums"]
+    # with a budget that fits the run without the sums only, unset resolves to "home"
+    usable = (train["home"].peak + train["device"].peak) // 2
+    budgeted = with_values(cfg, {"memory.vram_budget": str(int(usable / (1 - MARGIN)))})
+    env = Environment(torch.device("cpu"))
+    caplog.set_level(logging.INFO, logger="vramfit")
+    assert with_grad_sums(budgeted, env, cache_root / "off").memory.streamed_grad_sums == "home"
+    limit = int(int(usable / (1 - MARGIN)) * (1 - MARGIN))
+    assert ("memory.streamed_grad_sums (unset): home, the streamed weights' gradient sums of earlier "
+            "micro-batches in CPU memory: the train phase with them is predicted at "
+            f"{train['device'].peak / 2**30:.2f} GiB, over the {limit / 2**30:.2f} GiB usable of "
+            "memory.vram_budget") in caplog.text
+    assert with_grad_sums(cfg, env, cache_root / "off").memory.streamed_grad_sums == "device"
+    single = with_values(cfg, {"train.grad_accum": 1})
+    assert with_grad_sums(single, env, cache_root / "off").memory.streamed_grad_sums == "home"
+
+
+def test_cli_bf16_device_sums_with_stochastic_rounding_track_home(images, tmp_path, cache_root):
+    """full_bf16 with stochastic_rounding (the default): the sums' draws come in another order at
+    home (summed after backward), so the weights agree to bf16's rounding, not bit for bit."""
+    _, home_losses, home = _run(images, tmp_path / "home", cache_root / "off", *STREAMED,
+                                "memory.streamed_grad_sums=home")
+    _, losses, got = _run(images, tmp_path / "device", cache_root / "off", *STREAMED,
+                          "memory.streamed_grad_sums=device")
+    assert losses == pytest.approx(home_losses, rel=1e-3)
+    for key in home:
+        torch.testing.assert_close(got[key].float(), home[key].float(), rtol=0.02, atol=0.02, msg=key)
+
+
+def test_cli_a_stop_in_the_middle_of_accumulation_resumes_exactly(images, tmp_path, cache_root, streamers):
+    """A real SIGINT during the second micro-batch of step 2: the step finishes with its sums, the
+    state is saved, and the resumed run ends where the uninterrupted one does, bit for bit."""
+    made, _ = streamers
+    sets = (*STREAMED, "train.precision=fp32", "memory.streamed_grad_sums=device")
+    _, ref_losses, ref = _run(images, tmp_path / "full", cache_root / "off", *sets)
+    calls = []
+    init = WeightStreamer.__init__
+
+    def stop_in_step_two(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+
+        def forward(module, inputs):
+            calls.append(1)
+            if len(calls) == ACCUM + 2:  # step 2, micro-batch 2: its sums hold micro-batch 1
+                os.kill(os.getpid(), signal.SIGINT)
+
+        self._handles.append(self.model.register_forward_pre_hook(forward))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WeightStreamer, "__init__", stop_in_step_two)
+        code, _, _ = _run(images, tmp_path / "part", cache_root / "off", *sets)
+    assert code == 130 and len(calls) == 2 * ACCUM  # stopped after step 2
+    assert made[-1].grads.sum_bytes() == 0  # closed: its sums went
+    code, losses, got = _run(images, tmp_path / "part", cache_root / "off", *sets,
+                             args=("--resume", "latest"))
+    assert code == 0 and losses == ref_losses
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_device_sums_where_nothing_steps_on_the_device_are_refused_naming_the_keys(images, tmp_path,
+                                                                                   cache_root):
+    args = train_args(images, tmp_path, cache_root, "memory.stream_weights=true", "train.grad_accum=2",
+                      "memory.streamed_grad_sums=device", model="tiny:sd3")
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, args[3::2])
+    text = str(caught.value)
+    assert "memory.streamed_grad_sums" in text and "train.optimizer_in_backward = true" in text
+    assert "memory.stream_weights" not in text.split("needs")[1]  # it is on: not asked for
+
+
+# ---- on a GPU: the sums on the device against the sums at home -----------------------------------
+
+@pytest.mark.gpu
+def test_on_a_gpu_device_sums_match_home(images, tmp_path, cache_root, streamers):
+    """CUDA: the sums stay on the GPU (no gradient copied home), rounded to nearest the result is
+    home's to an ulp of the backward kernels' order, and the kept sums sit on the GPU."""
+    made, kept = streamers
+    sets = (*STREAMED, "train.stochastic_rounding=false", "train.device=cuda", "memory.fit_probe=false",
+            "train.cuda_graphs=false")
+    _, home_losses, home = _run(images, tmp_path / "home", cache_root / "gpu", *sets,
+                                "memory.streamed_grad_sums=home")
+    assert made[-1].stats.grads_moved > 0
+    _, losses, got = _run(images, tmp_path / "device", cache_root / "gpu", *sets,
+                          "memory.streamed_grad_sums=device")
+    assert made[-1].stats.grads_moved == 0 and made[-1].stats.grads_summed > 0
+    assert kept[-1][0] > 0 and kept[-1][1] == {"cuda"}
+    assert losses == pytest.approx(home_losses, rel=1e-3)
+    for key in home:
+        torch.testing.assert_close(got[key].float(), home[key].float(), rtol=1e-2, atol=1e-2, msg=key)
