@@ -173,7 +173,7 @@ def test_a_samples_phase_over_budget_names_the_sample_grids(capsys):
         assert rc == 0, err
     live = ("--set", "cache.text=false")
     rc, _, err = _plan(capsys, SD3M, "--model", "sd3-medium", "--vram", "6GiB", *live)
-    assert rc == 2 and "in the samples phase" in err and "sample.every_steps = 0 leaves the grids out" in err
+    assert rc == 2 and "in the samples phase" in err and "sample.every_steps = 0 and sample.every_epochs = 0 leave the grids out" in err
     rc, _, err = _plan(capsys, SD3M, "--model", "sd3-medium", "--vram", "6GiB", *live, "--set",
                        "sample.every_steps=0", "--set", "sample.prompts=[]")
     assert rc == 0, err

@@ -664,3 +664,19 @@ def test_grids_every_n_epochs_are_a_samples_phase_too(ssd1b):
     steps = {p.name: p for p in by_steps.phases}["samples"]
     epochs = {p.name: p for p in by_epochs.phases}["samples"]
     assert epochs.parts == steps.parts
+
+
+def test_streamed_gradient_sums_go_on_the_device_before_any_block_stays(ssd1b):
+    """With accumulation, streamed weights that step on the GPU keep their sums there where they fit
+    (summed in CPU memory they cost seconds a micro-batch), before resident blocks take the room."""
+    accum = {**FULL_1024, "train": {"optimizer": "adafactor", "grad_accum": 8, "precision": "full_bf16"}}
+    roomy, choice = _choose(ssd1b, accum, 6)
+    assert roomy.memory.stream_weights and roomy.memory.streamed_grad_sums == "device"
+    assert any(r.startswith('memory.streamed_grad_sums = "device"') for r in choice.reasons)
+    sums = {p.name: p for p in choice.after.phases}["train"].parts["gradient sums"]
+    assert sums > 0
+    tight, choice = _choose(ssd1b, accum, 3.5)
+    assert tight.memory.stream_weights and tight.memory.streamed_grad_sums == "home"
+    assert {p.name: p for p in choice.after.phases}["train"].parts.get("gradient sums", 0) == 0
+    kept, _ = _choose(ssd1b, {**accum, "memory": {"streamed_grad_sums": "home"}}, 6)
+    assert kept.memory.streamed_grad_sums == "home" and kept.memory.resident_blocks > 0

@@ -881,21 +881,29 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
         raise PlanError("; ".join(lines))
     reasons = []
+    if "streamed_grad_sums" not in cfg.memory.model_fields_set:
+        summed = {**values, "memory.streamed_grad_sums": "device"}
+        if streamed_sums_on_device(with_values(cfg, summed)):
+            values, why = _grad_sums(cfg, facts, knobs, values, usable, captions)
+            reasons.append(why)
+            pred = predict(facts, with_values(cfg, values), captions)
     for knob in knobs:
         value = values[knob.key]
+        # the settings the sums on the device need are judged as if the sums were not there
+        other = {k: v for k, v in values.items() if k != "memory.streamed_grad_sums" or knob.key not in SUMS_NEED}
         if value == knob.options[0]:
             reasons.append(f"{knob.key} = {json.dumps(value)}: the fastest option fits")
             continue
-        if not _valid(cfg, {**values, knob.key: knob.options[0]}):
+        if not _valid(cfg, {**other, knob.key: knob.options[0]}):
             reasons.append(f"{knob.key} = {json.dumps(value)}: {json.dumps(knob.options[0])} does not go with "
                            "the other settings")
             continue
-        why = _never_tried(cfg, {**values, knob.key: knob.options[0]}) or _tried_last(
-            cfg, {**values, knob.key: knob.options[0]})
+        why = _never_tried(cfg, {**other, knob.key: knob.options[0]}) or _tried_last(
+            cfg, {**other, knob.key: knob.options[0]})
         if why:
             reasons.append(f"{knob.key} = {json.dumps(value)}: {why}")
             continue
-        fastest = with_values(cfg, {**values, knob.key: knob.options[0]})
+        fastest = with_values(cfg, {**other, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
         reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {over.name} "
                        f"phase is predicted at {over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
@@ -912,6 +920,32 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             reasons.append(why)
             pred = predict(facts, with_values(cfg, values), captions)
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
+
+
+# what memory.streamed_grad_sums = "device" needs beside it (with an optimizer of compact state: rules.py)
+SUMS_NEED = {"memory.stream_weights": True, "train.optimizer_in_backward": True}
+
+
+def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dict, usable: int,
+               captions: int) -> tuple[dict, str]:
+    """`values` (streamed weights stepping on the device, with accumulation) with
+    memory.streamed_grad_sums, and the reason. Summed in CPU memory the gradients of earlier
+    micro-batches cost seconds a micro-batch, more than any other setting saves, so the sums go on
+    the device with the fastest other settings that fit beside them (a search with them fixed), and
+    home only where nothing does; chosen before memory.resident_blocks, whose blocks save less."""
+    # what the sums need fixed (checked by the caller: the values have it), the rest searched again
+    fixed = {"memory.streamed_grad_sums": "device", **SUMS_NEED}
+    found, _ = _search(with_values(cfg, fixed), facts, [k for k in knobs if k.key not in fixed], usable, captions)
+    if found is not None:
+        return {**found, **{k: v for k, v in fixed.items() if k in values},
+                "memory.streamed_grad_sums": "device"}, (
+            "memory.streamed_grad_sums = \"device\": the gradient sums of earlier micro-batches fit on the "
+            "device (in CPU memory they cost seconds a micro-batch)")
+    over = max(predict(facts, with_values(cfg, {**values, "memory.streamed_grad_sums": "device"}), captions).phases,
+               key=lambda p: p.peak)
+    return {**values, "memory.streamed_grad_sums": "home"}, (
+        f"memory.streamed_grad_sums = \"home\": with \"device\" the {over.name} phase is predicted at "
+        f"{over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
 
 
 def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
