@@ -67,7 +67,8 @@ def test_the_host_budget_refuses_a_combination_and_names_the_key(cache_root):
     left free: a GPU budget that only streamed weights fit takes them where the host budget holds
     their homes, gradients and optimizer state, and is refused naming memory.host_budget where not."""
     cfg = _cfg(cache_root, "train.mode=full", "train.optimizer=adamw", "train.gradient_checkpointing=true",
-               "train.optimizer_in_backward=false", "memory.offload_activations=false", "train.cuda_graphs=false")
+               "train.optimizer_in_backward=false", "memory.offload_activations=false",
+               "train.cuda_graphs=false")
     cfg = with_values(cfg, {"train.device": "cuda"})
     facts = read_facts(cfg, cache_root)
     resident, streamed = (with_values(cfg, {"memory.stream_weights": s}) for s in (False, True))
@@ -78,8 +79,8 @@ def test_the_host_budget_refuses_a_combination_and_names_the_key(cache_root):
     picked = choose(with_values(cfg, {"memory.host_budget": str(host_need)}), gpu, facts)
     assert picked.chosen["memory.stream_weights"] is True
     short = with_values(cfg, {"memory.host_budget": str(host_need - 1)})
-    with pytest.raises(PlanError, match=r"nothing fits in host memory: memory\.host_budget .* the smallest host "
-                                        r"prediction is .* memory.stream_weights = true"):
+    with pytest.raises(PlanError, match=r"nothing fits in host memory: memory\.host_budget .* the smallest "
+                                        r"host prediction is .* memory.stream_weights = true"):
         choose(short, gpu, facts)
     # below what loading needs, nothing fits whatever the GPU budget: the error names the key
     with pytest.raises(PlanError, match=r"memory\.host_budget is 0\.29 GiB .* in the load phase"):
@@ -96,7 +97,8 @@ def test_the_default_host_budget_is_the_machines_memory_less_a_margin(cache_root
     assert host_budget_of(cfg)[0] == 32 * GIB - int(3.2 * GIB)
     monkeypatch.setattr(host.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * GIB))
     assert host_budget_of(cfg)[0] == 14 * GIB  # the margin is at least 2 GiB
-    assert host_budget_of(with_values(cfg, {"memory.host_budget": "12GiB"})) == (12 * GIB, "memory.host_budget")
+    given = with_values(cfg, {"memory.host_budget": "12GiB"})
+    assert host_budget_of(given) == (12 * GIB, "memory.host_budget")
     with pytest.raises(HostBudgetError, match="memory.host_budget: 'lots' is not a size"):
         host_budget_of(with_values(cfg, {"memory.host_budget": "lots"}))
 
@@ -138,8 +140,8 @@ def test_a_part_converted_while_it_loads_is_held_once(tmp_path):
     path = tmp_path / "part.safetensors"
     values = 300 * 10**6 // 2 // 24
     save_file({f"part.{i}": torch.full((values,), 0.5, dtype=torch.float16) for i in range(24)}, str(path))
-    done = subprocess.run([sys.executable, "-c", LOADER, str(path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-c", LOADER, str(path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     before, peak = json.loads(done.stdout.strip().splitlines()[-1])
     size = path.stat().st_size

@@ -72,8 +72,9 @@ def host_budget_of(cfg: RunConfig, total: Optional[int] = None) -> tuple[int, st
             raise HostBudgetError(f"memory.host_budget: {exc}") from None
     total = machine_memory() if total is None else total
     margin = max(int(total * HOST_MARGIN), HOST_MARGIN_MIN)
-    return max(total - margin, 0), (f"automatic: this machine's {total / GIB:.1f} GiB less "
-                                    f"{margin / GIB:.1f} GiB for the system; set memory.host_budget to change it")
+    why = (f"automatic: this machine's {total / GIB:.1f} GiB less {margin / GIB:.1f} GiB for the system; set "
+           "memory.host_budget to change it")
+    return max(total - margin, 0), why
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
             total += item * e.params
         elif cfg.model.t5_precision != "none":
             stored = encoder_bytes(e, cfg.model.t5_precision)[0]
-            total += stored if cfg.model.t5_precision == "bf16" else stored + (item - 2) * (e.params - e.linear_numel)
+            widened = 0 if cfg.model.t5_precision == "bf16" else (item - 2) * (e.params - e.linear_numel)
+            total += stored + widened
     return total
 
 
@@ -179,7 +181,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         add("cache_latents", {"denoiser": loaded, **encoders})
     if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home
         on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
-        add("cache_text", {"denoiser": loaded, "vae": vae, "text encoders": sum(encoders.values()) - on_device})
+        add("cache_text", {"denoiser": loaded, "vae": vae,
+                           "text encoders": sum(encoders.values()) - on_device})
     grids = bool(cfg.sample.every_steps and cfg.sample.prompts)
     models: dict[str, int] = {}
     if not cfg.cache.text:  # live captions: the encoders wait in CPU memory between uses

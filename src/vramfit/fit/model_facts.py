@@ -154,7 +154,8 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     with torch.device("meta"):
         denoiser = cls.from_config(config)
     loaded = loaded or 4 * sum(p.numel() for p in denoiser.parameters())
-    return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders, loaded_bytes=loaded)
+    return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders,
+                      loaded_bytes=loaded)
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------

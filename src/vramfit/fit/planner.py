@@ -832,7 +832,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     usable = int(budget * (1 - MARGIN))
     knobs = free_knobs(cfg, facts)
     host_budget, host_source = host_budget_of(cfg)
-    over: list[tuple[int, str, dict, str]] = []  # fits the GPU, not host memory: (host peak, phase, values, group)
+    over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: (peak, phase, values, group)
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
         phases = [p for p in host_prediction(facts, trial, captions).phases if _host_group(p.name) == group]
@@ -848,13 +848,14 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     host_note = None
     if host_over:
         peak, phase, tried, _ = min(host_over, key=lambda o: o[0])
-        host_note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the combinations that "
-                     f"fit {usable / GIB:.2f} GiB of GPU memory the smallest host prediction is {peak / GIB:.2f} GiB "
-                     f"in the {phase} phase, with {_describe(tried)} (the others do not fit the GPU)")
+        host_note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the "
+                     f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
+                     f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
+                     "(the others do not fit the GPU)")
         if cfg.memory.host_budget is not None:
-            raise PlanError(f"nothing fits in host memory: {host_note}; give memory.host_budget at least that where "
-                            "the machine has it, or leave out what holds host memory (streamed weights, offloaded "
-                            "activations, an EMA with ema.device = \"cpu\")")
+            raise PlanError(f"nothing fits in host memory: {host_note}; give memory.host_budget at least "
+                            "that where the machine has it, or leave out what holds host memory (streamed "
+                            "weights, offloaded activations, an EMA with ema.device = \"cpu\")")
         # the machine's own budget, not the user's: the GPU's choice stands and the host is warned of
         values, pred = _search(cfg, facts, knobs, usable, captions)
     if values is None:
@@ -894,9 +895,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
         if over.peak <= usable:  # it fits the GPU: refused for host memory
             worst = max(host_prediction(facts, fastest, captions).phases, key=lambda p: p.peak)
-            reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {worst.name} "
-                           f"phase is predicted at {worst.peak / GIB:.2f} GiB of host memory, over memory.host_budget "
-                           f"({host_budget / GIB:.2f} GiB)")
+            reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the "
+                           f"{worst.name} phase is predicted at {worst.peak / GIB:.2f} GiB of host memory, "
+                           f"over memory.host_budget ({host_budget / GIB:.2f} GiB)")
             continue
         reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {over.name} "
                        f"phase is predicted at {over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
@@ -904,8 +905,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         if _applies(knob, cfg, facts) and knob not in knobs:
             reasons.append(f"{knob.key} = {json.dumps(setting(cfg, knob.key))}: set by you, kept")
     if host_note:
-        reasons.append(f"host memory: over this machine's: {host_note}; the run may swap or be stopped by the "
-                       "system (set memory.host_budget to refuse such a choice)")
+        reasons.append(f"host memory: over this machine's: {host_note}; the run may swap or be stopped by "
+                       "the system (set memory.host_budget to refuse such a choice)")
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
 
 

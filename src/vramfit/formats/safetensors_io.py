@@ -154,7 +154,10 @@ def load_prefixed(path: Path, prefix: str, dtype: torch.dtype | None = None,
     resident memory until it is closed, a second copy of everything read beside the tensors
     (`read_tensors`)."""
     out = {}
-    for key, t in read_tensors(path, lambda k: k.startswith(prefix) and not (exclude and k.startswith(exclude))):
+    def wanted(key: str) -> bool:
+        return key.startswith(prefix) and not (exclude and key.startswith(exclude))
+
+    for key, t in read_tensors(path, wanted):
         out[key[len(prefix):]] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
 
