@@ -83,7 +83,7 @@ def test_the_host_budget_refuses_a_combination_and_names_the_key(cache_root):
                                         r"host prediction is .* memory.stream_weights = true"):
         choose(short, gpu, facts)
     # below what loading needs, nothing fits whatever the GPU budget: the error names the key
-    with pytest.raises(PlanError, match=r"memory\.host_budget is 0\.29 GiB .* in the load phase"):
+    with pytest.raises(PlanError, match=r"memory\.host_budget is 0\.29 GiB .*loading the models is "):
         choose(with_values(cfg, {"memory.host_budget": "300MiB"}), 64 * GIB, facts)
 
 
@@ -101,6 +101,11 @@ def test_the_default_host_budget_is_the_machines_memory_less_a_margin(cache_root
     assert host_budget_of(given) == (12 * GIB, "memory.host_budget")
     with pytest.raises(HostBudgetError, match="memory.host_budget: 'lots' is not a size"):
         host_budget_of(with_values(cfg, {"memory.host_budget": "lots"}))
+    # over the machine's own budget (not one the user set) the GPU's choice stands, with a warning
+    monkeypatch.setattr(host.psutil, "virtual_memory", lambda: SimpleNamespace(total=2 * GIB))
+    choice = choose(cfg, 64 * GIB, read_facts(cfg, cache_root))
+    warned = [r for r in choice.reasons if r.startswith("host memory: over this machine's")]
+    assert any("loading the models is predicted" in r for r in warned), choice.reasons
 
 
 def test_the_plan_prints_host_memory_by_phase_and_a_bad_budget_names_the_key(cache_root, capsys):

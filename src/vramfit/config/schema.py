@@ -645,8 +645,9 @@ class MemoryConfig(_Section):
         None, description="Host (CPU) memory the run may use, written as vram_budget is. With "
         "vram_budget the planner takes no combination whose predicted host peak (fit/host.py: the "
         "models loaded into CPU memory, streamed weights' and offloaded activations' pinned memory, an "
-        "EMA in CPU memory) exceeds it; `vramfit plan` prints the host peak of each phase. Default: "
-        "this machine's memory less 10% (at least 2 GiB) for the system.")
+        "EMA in CPU memory) exceeds it, and stops naming this key where none fits; `vramfit plan` prints "
+        "the host peak of each phase. Default: this machine's memory less 10% (at least 2 GiB) for the "
+        "system, which steers the choice the same way but only warns where nothing fits it.")
     fit_probe: bool = Field(
         True, description="On CUDA, before the cache is filled, run two training steps of a stand-in "
         "denoiser (same architecture and placement, throwaway weights) on a batch of the largest "

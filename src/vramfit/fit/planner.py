@@ -56,7 +56,8 @@ and how far today's predictions are from every measured bench phase that depends
 rewrites those errors).
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
-(the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
+(the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN)
+and whose predicted host peak (fit/host.py, `host_prediction`) fits memory.host_budget.
 Cost: building the denoiser on the meta device (about a second for SDXL), reading headers.
 """
 from __future__ import annotations
@@ -835,28 +836,37 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: (peak, phase, values, group)
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
-        phases = [p for p in host_prediction(facts, trial, captions).phases if _host_group(p.name) == group]
+        phases = [p for p in host_prediction(facts, trial, captions).phases
+                  if p.name != "load" and _phase_group(p.name) == group]  # no setting changes loading
         worst = max(phases, key=lambda p: p.peak, default=None)
         if worst is None or worst.peak <= host_budget:
             return True
         over.append((worst.peak, worst.name, tried, group))
         return False
 
+    host_notes = []  # over the machine's own budget: warned of, not refused
+    load = host_prediction(facts, cfg, captions).phase("load").peak
+    if load > host_budget:  # the models as loaded: no setting of the plan changes it
+        note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); loading the models is "
+                f"predicted at {load / GIB:.2f} GiB of host memory whatever the settings")
+        if cfg.memory.host_budget is not None:
+            raise PlanError(f"nothing fits in host memory: {note}; give memory.host_budget at least that "
+                            "where the machine has it")
+        host_notes.append(note)
     values, pred = _search(cfg, facts, knobs, usable, captions, host_fits)
     failed_group = (_phase_group(pred[1]) if pred is not None else over[-1][3]) if values is None else None
     host_over = [o for o in over if o[3] == failed_group]
-    host_note = None
     if host_over:
         peak, phase, tried, _ = min(host_over, key=lambda o: o[0])
-        host_note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the "
-                     f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
-                     f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
-                     "(the others do not fit the GPU)")
+        note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the "
+                f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
+                f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
+                "(the others do not fit the GPU)")
         if cfg.memory.host_budget is not None:
-            raise PlanError(f"nothing fits in host memory: {host_note}; give memory.host_budget at least "
+            raise PlanError(f"nothing fits in host memory: {note}; give memory.host_budget at least "
                             "that where the machine has it, or leave out what holds host memory (streamed "
                             "weights, offloaded activations, an EMA with ema.device = \"cpu\")")
-        # the machine's own budget, not the user's: the GPU's choice stands and the host is warned of
+        host_notes.append(note)  # the machine's own budget, not the user's: the GPU's choice stands
         values, pred = _search(cfg, facts, knobs, usable, captions)
     if values is None:
         peak, phase, tried = pred
@@ -904,9 +914,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     for knob in ladder(cfg):
         if _applies(knob, cfg, facts) and knob not in knobs:
             reasons.append(f"{knob.key} = {json.dumps(setting(cfg, knob.key))}: set by you, kept")
-    if host_note:
-        reasons.append(f"host memory: over this machine's: {host_note}; the run may swap or be stopped by "
-                       "the system (set memory.host_budget to refuse such a choice)")
+    for note in host_notes:
+        reasons.append(f"host memory: over this machine's: {note}; the run may swap or be stopped by the "
+                       "system (set memory.host_budget to refuse such a choice)")
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
 
 
@@ -922,11 +932,6 @@ def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
         return parse_size(text)
     except ValueError as exc:
         raise PlanError(f"{name}: {exc}") from None
-
-
-def _host_group(phase: str) -> str:
-    """The knob group whose search checks host `phase` (loading: the first group's)."""
-    return "cache_latents" if phase == "load" else _phase_group(phase)
 
 
 def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> HostPrediction:
