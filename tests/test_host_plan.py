@@ -122,6 +122,45 @@ def test_the_plan_prints_host_memory_by_phase_and_a_bad_budget_names_the_key(cac
     assert "memory.host_budget" in capsys.readouterr().err
 
 
+LOAD = """
+import json, sys, torch
+from pathlib import Path
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from vramfit.config.load import load_config
+from vramfit.fit.model_facts import read_facts
+from vramfit.fit.planner import host_prediction
+from vramfit.memory.accounting import MemoryTracker
+from vramfit.models.registry import detect_family
+from vramfit.models.sources import resolve_source
+root = Path(sys.argv[1])
+cfg = load_config(None, ["model.path=tiny:sdxl", f"cache.dir={root}", "train.device=cpu"], need_data=False)
+source = resolve_source(cfg.model, root)
+family = detect_family(source, "auto")
+facts = read_facts(cfg, root)
+tracker = MemoryTracker(torch.device("cpu"))
+with tracker.phase("before"):
+    pass
+with tracker.phase("load"):
+    bundle = family.load(source)
+before, load = tracker.report.phases
+pred = host_prediction(facts, cfg).phase("load")
+print(json.dumps([load.rss_peak - before.rss_peak, pred.peak - pred.parts["baseline"]]))
+"""
+
+
+def test_the_load_phase_grows_the_resident_memory_by_the_predicted_models(cache_root):
+    """A fresh process (the model file written before, the model classes imported): loading tiny:sdxl
+    grows the peak RSS by the predicted models' bytes (a 32 MiB UNet, the VAE and the CLIPs), plus
+    at most 16 MiB of Python objects and tokenizers; a second copy of the UNet would be 32 MiB more."""
+    read_facts(_cfg(cache_root), cache_root)  # the tiny file exists before the measured process starts
+    done = subprocess.run([sys.executable, "-c", LOAD, str(cache_root)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    growth, predicted = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0.9 * predicted <= growth <= predicted + 16 * 2**20, (growth, predicted)
+
+
 LOADER = """
 import json, sys, torch
 from vramfit.formats.safetensors_io import load_prefixed
