@@ -32,7 +32,7 @@ def _cfg(cache_root, *sets: str):
                               "data.bucket_step=32", "train.device=cpu", *sets], need_data=False)
 
 
-def test_the_denoiser_terms_are_the_bytes_the_run_holds(cache_root):
+def test_the_denoiser_terms_are_the_bytes_the_run_holds(cache_root, monkeypatch):
     """Loaded as the file stores it; streamed homes, their gradients and optimizer state (a streamed
     full fine-tune stepping in CPU memory) as place_denoiser and the optimizer allocate them."""
     cfg = _cfg(cache_root, "train.mode=full", "memory.stream_weights=true", "train.optimizer=adamw",
@@ -57,6 +57,10 @@ def test_the_denoiser_terms_are_the_bytes_the_run_holds(cache_root):
     state = sum(tensor_bytes(v) for p in streamed for v in optimizer.state[p].values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     assert train["streamed optimizer state"] == state
+    # two processes on this machine (torchrun's LOCAL_WORLD_SIZE) hold twice as much
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_prediction(facts, cfg).phase("train").peak == 2 * sum(train.values())
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     # the EMA in CPU memory is the planner's own term
     ema = host_prediction(facts, with_values(cfg, {"ema.enabled": True, "ema.device": "cpu"}))
     assert ema.phase("train").parts["ema"] > 0

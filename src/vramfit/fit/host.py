@@ -30,13 +30,15 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
   training state's copy of the trained weights (those not at home in CPU memory already) and the
   checkpoint's state: a full fine-tune's denoiser in save.dtype and the rest of a single file read
   as stored; a LoRA's adapter.
-On a CPU run the device is this memory: each phase adds the device prediction's peak.
+On a CPU run the device is this memory: each phase adds the device prediction's peak. Several
+processes on this machine (torchrun, accelerate launch: LOCAL_WORLD_SIZE) each hold all of it.
 
 Budget: memory.host_budget, or by default what the machine has (psutil) less 10%, at least 2 GiB,
 for the system and other programs (`host_budget_of`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +46,7 @@ import psutil
 
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.fit.model_facts import EncoderFacts, ModelFacts, encoder_bytes
+from vramfit.train.distributed import launched_world
 
 GIB = 2**30
 MIB = 2**20
@@ -54,6 +57,11 @@ HOST_MARGIN_MIN = 2 * GIB  # ... and at least this much
 
 class HostBudgetError(ValueError):
     """memory.host_budget does not parse; the message names the key."""
+
+
+def local_processes() -> int:
+    """Processes of this run on this machine (the launcher's LOCAL_WORLD_SIZE; else all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or launched_world())
 
 
 def machine_memory() -> int:
@@ -160,9 +168,10 @@ def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
 
 
 def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: bool = False,
-                 device: Optional[dict[str, int]] = None) -> HostPrediction:
+                 device: Optional[dict[str, int]] = None, processes: int = 1) -> HostPrediction:
     """Predicted peak host memory of each phase `cfg` runs (see the module docstring). `cpu`: the
-    run trains on the CPU, whose device peaks by phase (`device`) are added."""
+    run trains on the CPU, whose device peaks by phase (`device`) are added; `processes` of the run
+    on this machine each hold as much."""
     device = device or {}
     n = sum(p.numel() for p in facts.denoiser.parameters())
     loaded = facts.loaded_bytes or 2 * n
@@ -173,6 +182,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         parts = {"baseline": BASELINE, **parts}
         if cpu and name in device:
             parts["device (CPU run)"] = device[name]
+        if processes > 1:
+            parts[f"{processes - 1} more processes"] = (processes - 1) * sum(parts.values())
         phases.append(HostEstimate(name, sum(parts.values()), parts))
 
     add("load", {"denoiser": loaded, "vae": vae, **loaded_encoders(facts, cfg, cpu)})

@@ -79,7 +79,7 @@ from vramfit.memory.accounting import pick_device
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
                                      read_facts, state_bytes)
-from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, predict_host
+from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
 from vramfit.memory.offload import block_modules, split_units
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
@@ -960,7 +960,7 @@ def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUN
         adapter=sum(x.numel * x.dtype_bytes for x in trained) if cfg.train.mode == "lora" else 0)
     cpu = pick_device(cfg.train.device).type == "cpu"
     device = {p.name: p.peak for p in predict(facts, cfg, captions).phases} if cpu else None
-    return predict_host(facts, cfg, den, cpu=cpu, device=device)
+    return predict_host(facts, cfg, den, cpu=cpu, device=device, processes=local_processes())
 
 
 def _host_table(facts: ModelFacts, cfg: RunConfig, host_budget: int) -> str:
