@@ -833,7 +833,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     usable = int(budget * (1 - MARGIN))
     knobs = free_knobs(cfg, facts)
     host_budget, host_source = host_budget_of(cfg)
-    over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: (peak, phase, values, group)
+    host_over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: peak, phase, values, group
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
         phases = [p for p in host_prediction(facts, trial, captions).phases
@@ -841,7 +841,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         worst = max(phases, key=lambda p: p.peak, default=None)
         if worst is None or worst.peak <= host_budget:
             return True
-        over.append((worst.peak, worst.name, tried, group))
+        host_over.append((worst.peak, worst.name, tried, group))
         return False
 
     host_notes = []  # over the machine's own budget: warned of, not refused
@@ -854,10 +854,11 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
                             "where the machine has it")
         host_notes.append(note)
     values, pred = _search(cfg, facts, knobs, usable, captions, host_fits)
-    failed_group = (_phase_group(pred[1]) if pred is not None else over[-1][3]) if values is None else None
-    host_over = [o for o in over if o[3] == failed_group]
-    if host_over:
-        peak, phase, tried, _ = min(host_over, key=lambda o: o[0])
+    failed = None if values is not None else _phase_group(pred[1]) if pred is not None else \
+        host_over[-1][3] if host_over else None  # the group that did not fit
+    refused = [o for o in host_over if o[3] == failed]
+    if refused:
+        peak, phase, tried, _ = min(refused, key=lambda o: o[0])
         note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the "
                 f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
                 f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
