@@ -664,13 +664,20 @@ class MemoryConfig(_Section):
         "number of bytes. vramfit then predicts each phase's peak (fit/planner.py) and chooses the "
         "fastest combination of the memory settings you did not set yourself that fits with a margin; "
         "`vramfit plan` shows the choice. Settings you set are never changed.")
+    host_budget: Optional[str] = Field(
+        None, description="Host (CPU) memory the run may use, written as vram_budget is. With "
+        "vram_budget the planner takes no combination whose predicted host peak (fit/host.py: the "
+        "models loaded into CPU memory, streamed weights' and offloaded activations' pinned memory, an "
+        "EMA in CPU memory) exceeds it, and stops naming this key where none fits; `vramfit plan` prints "
+        "the host peak of each phase. Default: this machine's memory less 10% (at least 2 GiB) for the "
+        "system, which steers the choice the same way but only warns where nothing fits it.")
     fit_probe: bool = Field(
         True, description="On CUDA, before the cache is filled, run two training steps of a stand-in "
         "denoiser (same architecture and placement, throwaway weights) on a batch of the largest "
         "bucket and stop with a clear message when its measured peak exceeds vram_budget or the GPU. "
         "Costs a few seconds; skipped on CPU.")
 
-    @field_validator("vram_budget")
+    @field_validator("vram_budget", "host_budget")
     @classmethod
     def _budget_parses(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:

@@ -62,10 +62,14 @@ class ModelFacts:
     vae_tile: int  # the side in pixels of the tiles cache.vae_tiling encodes (memory/vae_tiling.py `vae_tile`)
     encoders: list[EncoderFacts] = field(default_factory=list)
     layout: str = ""  # the shipped layout the facts were built from, without a checkpoint; "" when read
+    # bytes of the denoiser as loaded into CPU memory (fit/host.py): a single file's as stored (float8
+    # widened to bf16), a diffusers folder's in fp32 (from_pretrained); 0 unknown (a shipped layout)
+    loaded_bytes: int = 0
 
 
 _ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 _NOT_LINEAR = ("embed", "shared", "relative_attention_bias", "position")
 
 
@@ -122,6 +126,8 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         # a denoiser-only file (BFL's flux1-dev) keeps its keys bare
         prefix = files.denoiser_prefix if any(k.startswith(files.denoiser_prefix) for k in header) else ""
         config = family.denoiser_config(meta_tensors(header, prefix))
+        loaded = sum(math.prod(v["shape"]) * max(_ELEMENT_SIZE.get(v["dtype"], 4), 2)
+                     for k, v in header.items() if k.startswith(prefix) and v["dtype"] in _FLOATS)
         own = family.encoder_files(source, header, meta)  # parts kept in files of their own
         found = [_own_file_facts(n, kind, own[part], prefix) if part in own
                  else encoder_facts(n, kind, header, prefix) for n, prefix, _, kind, part in files.encoders]
@@ -135,6 +141,7 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         tile = vae_tile(vae_config_from_ldm(vae_keys)["sample_size"] if vae_keys else 1024)
     else:
         config = json.loads((source.path / files.denoiser_folder / "config.json").read_text())
+        loaded = 0  # fp32, counted from the model below
         config = {k: v for k, v in config.items() if not k.startswith("_")}
         vae_params = sum(math.prod(v["shape"]) for v in _headers(source.path / "vae").values())
         vae_cfg = source.path / "vae" / "config.json"
@@ -146,7 +153,9 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
     cls = family.denoiser_class()
     with torch.device("meta"):
         denoiser = cls.from_config(config)
-    return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders)
+    loaded = loaded or 4 * sum(p.numel() for p in denoiser.parameters())
+    return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders,
+                      loaded_bytes=loaded)
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------

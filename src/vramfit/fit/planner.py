@@ -57,7 +57,8 @@ and how far today's predictions are from every measured bench phase that depends
 rewrites those errors).
 
 Budget: `choose` tries the combinations of the memory settings the user did not set, fastest first
-(the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN).
+(the ladder in `KNOBS`), and takes the first whose every phase fits in budget x (1 - MARGIN)
+and whose predicted host peak (fit/host.py, `host_prediction`) fits memory.host_budget.
 Cost: building the denoiser on the meta device (about a second for SDXL), reading headers.
 """
 from __future__ import annotations
@@ -68,16 +69,19 @@ import math
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from vramfit.config.rules import WHOLE_STEP_OPTIMIZERS, streamed_step_on_device, streamed_sums_on_device
+from vramfit.config.rules import (WHOLE_STEP_OPTIMIZERS, streamed_step_in_cpu_memory, streamed_step_on_device,
+                                  streamed_sums_on_device)
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
+from vramfit.memory.accounting import pick_device
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
                                      read_facts, state_bytes)
+from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
 from vramfit.memory.offload import block_modules, resident_blocks, split_units
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
@@ -772,10 +776,12 @@ def _tried_last(cfg: RunConfig, values: dict[str, object]) -> Optional[str]:
     return None
 
 
-def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int):
+def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, captions: int,
+            host: Optional[Callable[[RunConfig, str, dict], bool]] = None):
     """(values, prediction) of the fastest fitting assignment, or (None, (peak, phase, values)) of
     the smallest prediction of the first phase group that cannot fit. Groups are searched in
-    phase order: each phase's settings affect only that phase (live encoders join training)."""
+    phase order: each phase's settings affect only that phase (live encoders join training).
+    `host(trial, group, values)`: whether a combination that fits the GPU fits host memory too."""
     values: dict[str, object] = {}
     smallest: Optional[tuple[int, str, dict]] = None
     for group in ("cache_latents", "cache_text", "train"):
@@ -791,6 +797,8 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
             fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
             worst = max(fits, key=lambda p: p.peak, default=None)
             if worst is None or worst.peak <= usable:
+                if host is not None and not host(trial, group, {**values, **combo}):
+                    continue
                 if _tried_last(cfg, {**values, **combo}):
                     last = combo if last is None else last
                     continue
@@ -861,7 +869,45 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     to fit in budget x (1 - MARGIN); raises PlanError naming the smallest prediction otherwise."""
     usable = int(budget * (1 - MARGIN))
     knobs = free_knobs(cfg, facts)
-    values, pred = _search(cfg, facts, knobs, usable, captions)
+    host_budget, host_source = host_budget_of(cfg)
+    host_over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: peak, phase, values, group
+
+    def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
+        phases = [p for p in host_prediction(facts, trial, captions).phases
+                  if p.name != "load" and _phase_group(p.name) == group]  # no setting changes loading
+        worst = max(phases, key=lambda p: p.peak, default=None)
+        if worst is None or worst.peak <= host_budget:
+            return True
+        host_over.append((worst.peak, worst.name, tried, group))
+        return False
+
+    host_notes = []  # over the machine's own budget: warned of, not refused
+    load = host_prediction(facts, cfg, captions).phase("load").peak
+    if load > host_budget:  # the models as loaded: no setting of the plan changes it
+        note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); loading the models is "
+                f"predicted at {load / GIB:.2f} GiB of host memory whatever the settings")
+        if cfg.memory.host_budget is not None:
+            raise PlanError(f"nothing fits in host memory: {note}; give memory.host_budget at least that "
+                            "where the machine has it")
+        host_notes.append(note)
+    host_check: Optional[Callable] = host_fits
+    values, pred = _search(cfg, facts, knobs, usable, captions, host_check)
+    failed = None if values is not None else _phase_group(pred[1]) if pred is not None else \
+        host_over[-1][3] if host_over else None  # the group that did not fit
+    refused = [o for o in host_over if o[3] == failed]
+    if refused:
+        peak, phase, tried, _ = min(refused, key=lambda o: o[0])
+        note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); of the "
+                f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
+                f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
+                "(the others do not fit the GPU)")
+        if cfg.memory.host_budget is not None:
+            raise PlanError(f"nothing fits in host memory: {note}; give memory.host_budget at least "
+                            "that where the machine has it, or leave out what holds host memory (streamed "
+                            "weights, offloaded activations, an EMA with ema.device = \"cpu\")")
+        host_notes.append(note)  # the machine's own budget, not the user's: the GPU's choice stands
+        host_check = None
+        values, pred = _search(cfg, facts, knobs, usable, captions)
     if values is None:
         peak, phase, tried = pred
         need = peak / (1 - MARGIN)
@@ -884,7 +930,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     if "streamed_grad_sums" not in cfg.memory.model_fields_set:
         summed = {**values, "memory.streamed_grad_sums": "device"}
         if streamed_sums_on_device(with_values(cfg, summed)):
-            values, why = _grad_sums(cfg, facts, knobs, values, usable, captions)
+            values, why = _grad_sums(cfg, facts, knobs, values, usable, captions, host_check)
             reasons.append(why)
             pred = predict(facts, with_values(cfg, values), captions)
     for knob in knobs:
@@ -905,6 +951,12 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             continue
         fastest = with_values(cfg, {**other, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
+        if over.peak <= usable:  # it fits the GPU: refused for host memory
+            worst = max(host_prediction(facts, fastest, captions).phases, key=lambda p: p.peak)
+            reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the "
+                           f"{worst.name} phase is predicted at {worst.peak / GIB:.2f} GiB of host memory, "
+                           f"over memory.host_budget ({host_budget / GIB:.2f} GiB)")
+            continue
         reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the {over.name} "
                        f"phase is predicted at {over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
     for knob in ladder(cfg):
@@ -919,6 +971,9 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             values["memory.resident_blocks"], why = _most_resident(cfg, facts, values, usable, captions)
             reasons.append(why)
             pred = predict(facts, with_values(cfg, values), captions)
+    for note in host_notes:
+        reasons.append(f"host memory: over this machine's: {note}; the run may swap or be stopped by the "
+                       "system (set memory.host_budget to refuse such a choice)")
     return Choice(with_values(cfg, values), budget, values, reasons, predict(facts, cfg, captions), pred)
 
 
@@ -927,15 +982,16 @@ SUMS_NEED = {"memory.stream_weights": True, "train.optimizer_in_backward": True}
 
 
 def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dict, usable: int,
-               captions: int) -> tuple[dict, str]:
+               captions: int, host: Optional[Callable] = None) -> tuple[dict, str]:
     """`values` (streamed weights stepping on the device, with accumulation) with
     memory.streamed_grad_sums, and the reason. Summed in CPU memory the gradients of earlier
     micro-batches cost seconds a micro-batch, more than any other setting saves, so the sums go on
-    the device with the fastest other settings that fit beside them (a search with them fixed), and
-    home only where nothing does; chosen before memory.resident_blocks, whose blocks save less."""
+    the device with the fastest other settings that fit beside them (a search with them fixed, `host`
+    the host-memory check of `choose`'s), and home only where nothing does; chosen before memory.resident_blocks, whose blocks save less."""
     # what the sums need fixed (checked by the caller: the values have it), the rest searched again
     fixed = {"memory.streamed_grad_sums": "device", **SUMS_NEED}
-    found, _ = _search(with_values(cfg, fixed), facts, [k for k in knobs if k.key not in fixed], usable, captions)
+    found, _ = _search(with_values(cfg, fixed), facts, [k for k in knobs if k.key not in fixed], usable, captions,
+                       host)
     if found is not None:
         return {**found, **{k: v for k, v in fixed.items() if k in values},
                 "memory.streamed_grad_sums": "device"}, (
@@ -991,6 +1047,46 @@ def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
         raise PlanError(f"{name}: {exc}") from None
 
 
+def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> HostPrediction:
+    """Predicted peak host memory of each phase (fit/host.py), the denoiser's terms taken from this
+    module's tensor model; on a CPU run the device's peaks are added."""
+    tensors, units = _denoiser_tensors(facts, cfg)
+    streamed = [x for x in tensors if x.streamed]
+    stepped_here = [x for x in streamed if x.trained] if streamed_step_in_cpu_memory(cfg) else []
+    trained = [x for x in tensors if x.trained]
+    placed = 0
+    if cfg.memory.stream_weights or (cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"):
+        item = 2 if cfg.train.precision == "full_bf16" else 4  # cast in CPU memory before it is placed
+        placed = item * sum(t.numel() for t in [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
+                            if t.is_floating_point())
+    offloaded = 0
+    if cfg.memory.offload_activations:  # what the device would have saved
+        kept = with_values(cfg, {"memory.offload_activations": False})
+        offloaded = _activations(facts, kept, largest_bucket(kept))["saved"]
+    den = DenoiserHost(
+        placed=placed, largest_unit=units[0] if units and placed else 0,
+        streamed=sum(x.numel * x.dtype_bytes for x in streamed),
+        streamed_grads=sum(x.numel * x.dtype_bytes for x in stepped_here),
+        streamed_state=sum(optimizer_state_bytes(cfg.train.optimizer, x) for x in stepped_here),
+        offloaded=offloaded, ema=ema_host_bytes(facts, cfg),
+        trained_copy=sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
+        adapter=sum(x.numel * x.dtype_bytes for x in trained) if cfg.train.mode == "lora" else 0)
+    cpu = pick_device(cfg.train.device).type == "cpu"
+    device = {p.name: p.peak for p in predict(facts, cfg, captions).phases} if cpu else None
+    return predict_host(facts, cfg, den, cpu=cpu, device=device, processes=local_processes())
+
+
+def _host_table(facts: ModelFacts, cfg: RunConfig, host_budget: int) -> str:
+    """`host_prediction`'s table with the GPU peaks beside it, and a line where it exceeds `host_budget`."""
+    host = host_prediction(facts, cfg)
+    text = host.table({p.name: p.peak for p in predict(facts, cfg).phases})
+    worst = max(host.phases, key=lambda p: p.peak)
+    if worst.peak > host_budget:
+        text += (f"\nthe {worst.name} phase is predicted at {worst.peak / GIB:.2f} GiB of host memory, over "
+                 f"memory.host_budget's {host_budget / GIB:.2f} GiB")
+    return text
+
+
 def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str:
     """What `vramfit plan` prints: the predicted peaks as written, and with a budget the choice,
     why, and the peaks after it (raises PlanError when nothing fits)."""
@@ -1011,10 +1107,14 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")
+    host_budget, host_source = host_budget_of(cfg)
+    host_title = (f"predicted peak host memory (RSS) by phase{{}}, the device's beside it; host budget "
+                  f"{host_budget / GIB:.2f} GiB ({host_source}):")
     if budget is None:
-        return "\n".join(lines)
+        return "\n".join(lines + ["", host_title.format(""), _host_table(facts, cfg, host_budget)])
     choice = choose(cfg, budget, facts)
     changed = {k: v for k, v in choice.chosen.items() if v != setting(cfg, k)}
+    lines += ["", host_title.format(" with the choice below"), _host_table(facts, choice.config, host_budget)]
     lines += ["", f"budget {budget / GIB:.2f} GiB ({budget * (1 - MARGIN) / GIB:.2f} GiB usable after the "
               f"{MARGIN:.0%} margin); chosen:"]
     lines += [f"  {r}" for r in choice.reasons]

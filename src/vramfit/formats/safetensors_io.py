@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,14 +148,48 @@ def meta_tensors(header: dict[str, dict], prefix: str = "") -> dict[str, torch.T
 
 def load_prefixed(path: Path, prefix: str, dtype: torch.dtype | None = None,
                   exclude: str | None = None) -> dict[str, torch.Tensor]:
-    """Load the tensors whose key starts with `prefix` (and not with `exclude`), prefix stripped."""
+    """Load the tensors whose key starts with `prefix` (and not with `exclude`), prefix stripped.
+    Each tensor is read into memory of its own and converted to `dtype` before the next is read,
+    with plain reads rather than a memory map: a mapped file's pages count in the process's
+    resident memory until it is closed, a second copy of everything read beside the tensors
+    (`read_tensors`)."""
     out = {}
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
-        for key in fh.keys():
-            if key.startswith(prefix) and not (exclude and key.startswith(exclude)):
-                t = fh.get_tensor(key)
-                out[key[len(prefix):]] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    def wanted(key: str) -> bool:
+        return key.startswith(prefix) and not (exclude and key.startswith(exclude))
+
+    for key, t in read_tensors(path, wanted):
+        out[key[len(prefix):]] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
+
+
+def read_tensors(path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of each tensor of the file whose key `wanted` takes, in file order, each read
+    with plain reads into a tensor of its own (no memory map: host memory holds what the caller
+    keeps and one tensor being read). The header is checked first (`read_header`). Dtypes torch
+    has no plain type for, and big-endian machines, are read through safetensors' own reader."""
+    path = Path(path)
+    header, _ = read_header(path)
+    keys = sorted((k for k in header if wanted(k)), key=lambda k: header[k]["data_offsets"][0])
+    if sys.byteorder != "little" or any(header[k]["dtype"] not in _DTYPES for k in keys):
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            for key in keys:
+                yield key, fh.get_tensor(key)
+        return
+    with open(path, "rb") as fh:
+        start = 8 + struct.unpack("<Q", fh.read(8))[0]
+        for key in keys:
+            entry = header[key]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            fh.seek(start + begin)
+            view, done = memoryview(raw.numpy()), 0
+            while done < len(view):
+                got = fh.readinto(view[done:])
+                if not got:
+                    raise CheckpointError(f"{path}: truncated while reading tensor {key!r}; download or copy "
+                                          "it again")
+                done += got
+            yield key, raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def os_error_of(exc: BaseException, path: Optional[Path] = None) -> Optional[OSError]:

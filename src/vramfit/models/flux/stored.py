@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 
-from vramfit.formats.safetensors_io import CheckpointError
+from vramfit.formats.safetensors_io import CheckpointError, read_tensors
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 WIDENED = torch.bfloat16
@@ -39,36 +38,36 @@ def _quant_format(tensor: torch.Tensor) -> Optional[str]:
 
 def load_widened(path: Path, prefix: str, exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The tensors under `prefix` (and not under `exclude`), prefix stripped, float8 ones widened
-    to bfloat16 (times their scale where the file stores one); scale and marker tensors dropped."""
+    to bfloat16 (times their scale where the file stores one); scale and marker tensors dropped.
+    Read a tensor at a time without a memory map (`read_tensors`): the scales and format records
+    first (a few bytes each), then each weight, widened before the next is read."""
+    def ours(key: str) -> bool:
+        return key.startswith(prefix) and not (exclude and key.startswith(exclude))
+
+    small = dict(read_tensors(path, lambda k: ours(k) and k.endswith((*WEIGHT_SCALES, QUANT_CONF))))
+    for key, t in small.items():
+        if key.endswith(QUANT_CONF):
+            fmt = _quant_format(t)
+            if fmt not in FP8_FORMATS:
+                raise CheckpointError(
+                    f"{path}: tensor {key[:-len(QUANT_CONF)]}.weight is stored as "
+                    f"{fmt or 'an unknown format'}, a quantized format this version does not read "
+                    "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
     out: dict[str, torch.Tensor] = {}
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
-        keys = [k for k in fh.keys() if k.startswith(prefix) and not (exclude and k.startswith(exclude))]
-        names = {k[len(prefix):] for k in keys}
-        for key in keys:
-            name = key[len(prefix):]
-            if name == MARKER or name.endswith(INPUT_SCALES) or name.endswith(WEIGHT_SCALES):
-                continue
-            if name.endswith(QUANT_CONF):
-                fmt = _quant_format(fh.get_tensor(key))
-                if fmt not in FP8_FORMATS:
-                    raise CheckpointError(
-                        f"{path}: tensor {key[:-len(QUANT_CONF)]}.weight is stored as "
-                        f"{fmt or 'an unknown format'}, a quantized format this version does not read "
-                        "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
-                continue
-            t = fh.get_tensor(key)
-            module = name[:-len(".weight")] if name.endswith(".weight") else None
-            scale_name = next((module + s for s in WEIGHT_SCALES if module and module + s in names), None)
-            if scale_name is not None:
-                if t.dtype not in FP8:
-                    raise CheckpointError(
-                        f"{path}: tensor {key} is stored as {str(t.dtype).removeprefix('torch.')} with a "
-                        f"scale ({prefix}{scale_name}), a quantized format this version does not read "
-                        "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
-                t = _scaled(t, fh.get_tensor(prefix + scale_name), path, key)
-            elif t.dtype in FP8:
-                t = t.to(WIDENED)
-            out[name] = t
+    for key, t in read_tensors(path, lambda k: ours(k) and not is_stored_extra(k[len(prefix):])):
+        name = key[len(prefix):]
+        module = key[:-len(".weight")] if name.endswith(".weight") else None
+        scale_key = next((module + s for s in WEIGHT_SCALES if module and module + s in small), None)
+        if scale_key is not None:
+            if t.dtype not in FP8:
+                raise CheckpointError(
+                    f"{path}: tensor {key} is stored as {str(t.dtype).removeprefix('torch.')} with a "
+                    f"scale ({scale_key}), a quantized format this version does not read "
+                    "(fp8 scaled files are read); use a bf16, fp16 or fp8 file of the model")
+            t = _scaled(t, small[scale_key], path, key)
+        elif t.dtype in FP8:
+            t = t.to(WIDENED)
+        out[name] = t
     return out
 
 

@@ -1,0 +1,223 @@
+"""Predict the peak host (CPU) memory of each phase of a run without loading weights, and the host
+budget (memory.host_budget) the planner's choice must fit. What is read: the model's facts
+(fit/model_facts.py) and the config; the denoiser's terms that need the planner's tensor model
+(what is streamed, what is offloaded) come in a `DenoiserHost` the planner fills.
+
+Each phase (bytes resident in the process, RSS; n: a model's parameter count):
+- every phase: BASELINE, the interpreter with torch, vramfit's run path, diffusers and transformers
+  imported (about 470 MiB, measured on a CPU build of torch; a CUDA context adds its own host
+  memory, not counted: the budget's margin covers it).
+- load: every model as loaded (models load into CPU memory before they move): the denoiser as the
+  file stores it (facts.loaded_bytes: float8 widened to bf16; a diffusers folder in fp32; 2 bytes
+  a value for a shipped layout), the VAE in cache.vae_dtype, the CLIPs as stored (widened to fp32
+  on a CPU run) and T5 widened to bf16. A single file's parts are read a tensor at a time without
+  a memory map (formats/safetensors_io.py `read_tensors`): no second copy. Not counted: a diffusers
+  folder's from_pretrained maps each weight file while it loads (its pages resident meanwhile).
+- cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
+  one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
+  pinned: it stays counted).
+- train: the denoiser's host terms (`DenoiserHost`): with streamed weights or a quantized base the
+  denoiser is first cast in CPU memory to the train precision, one unit copied to pinned memory
+  beside it; then the streamed weights' pinned homes, and where a streamed full fine-tune steps
+  in CPU memory their gradients (pinned) and optimizer state; offloaded activations' pinned
+  buffers (what the device would have saved); the EMA in CPU memory and its staging copy
+  (planner.ema_host_bytes). Encoders that encode live (cache.text off) stay in CPU memory between
+  uses; the VAE stays there where captions encode live beside cached latents, or for sample grids
+  after caching. The caption and latent caches are on disk and read a batch at a time: no term.
+- samples: the train terms, plus the grid's VAE and encoders reloaded from the file in the grid's
+  dtype (where captions and latents are cached the kept VAE serves).
+- save: the train terms but the offloaded buffers (freed after training), plus the larger of the
+  training state's copy of the trained weights (those not at home in CPU memory already) and the
+  checkpoint's state: a full fine-tune's denoiser in save.dtype and the rest of a single file read
+  as stored; a LoRA's adapter.
+On a CPU run the device is this memory: each phase adds the device prediction's peak. Several
+processes on this machine (torchrun, accelerate launch: LOCAL_WORLD_SIZE) each hold all of it.
+
+Budget: memory.host_budget, or by default what the machine has (psutil) less 10%, at least 2 GiB,
+for the system and other programs (`host_budget_of`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+from vramfit.config.schema import RunConfig, parse_size
+from vramfit.fit.model_facts import EncoderFacts, ModelFacts, encoder_bytes
+from vramfit.train.distributed import launched_world
+
+GIB = 2**30
+MIB = 2**20
+BASELINE = 470 * MIB  # about: RSS after importing torch (CPU build), vramfit.run, diffusers, transformers
+HOST_MARGIN = 0.10  # of the machine's memory left to the system by default ...
+HOST_MARGIN_MIN = 2 * GIB  # ... and at least this much
+
+
+class HostBudgetError(ValueError):
+    """memory.host_budget does not parse; the message names the key."""
+
+
+def local_processes() -> int:
+    """Processes of this run on this machine (the launcher's LOCAL_WORLD_SIZE; else all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or launched_world())
+
+
+def machine_memory() -> int:
+    """Bytes of memory this machine has."""
+    return psutil.virtual_memory().total
+
+
+def host_budget_of(cfg: RunConfig, total: Optional[int] = None) -> tuple[int, str]:
+    """(bytes, where from) of the host memory the run may use: memory.host_budget, else the
+    machine's memory (`total`, default psutil's) less HOST_MARGIN of it, at least HOST_MARGIN_MIN."""
+    text = cfg.memory.host_budget
+    if text is not None:
+        try:
+            return parse_size(text), "memory.host_budget"
+        except ValueError as exc:
+            raise HostBudgetError(f"memory.host_budget: {exc}") from None
+    total = machine_memory() if total is None else total
+    margin = max(int(total * HOST_MARGIN), HOST_MARGIN_MIN)
+    why = (f"automatic: this machine's {total / GIB:.1f} GiB less {margin / GIB:.1f} GiB for the system; set "
+           "memory.host_budget to change it")
+    return max(total - margin, 0), why
+
+
+@dataclass(frozen=True)
+class DenoiserHost:
+    """The denoiser's terms in host memory, from the planner's tensor model (fit/planner.py)."""
+
+    placed: int = 0  # the whole denoiser cast in CPU memory before placement (streamed or quantized), else 0
+    largest_unit: int = 0  # the unit copied to pinned memory beside it while homes are made
+    streamed: int = 0  # the streamed weights' homes
+    streamed_grads: int = 0  # their gradients' pinned homes, where they step in CPU memory
+    streamed_state: int = 0  # their optimizer state, where they step in CPU memory
+    offloaded: int = 0  # pinned buffers of offloaded activations
+    ema: int = 0  # an EMA in CPU memory and its staging copy
+    trained_copy: int = 0  # the trained tensors the training state copies to CPU memory (not at home there)
+    adapter: int = 0  # a LoRA's trained tensors, as its file is written
+
+
+@dataclass
+class HostEstimate:
+    name: str
+    peak: int
+    parts: dict[str, int]
+
+
+@dataclass
+class HostPrediction:
+    phases: list[HostEstimate]
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    def phase(self, name: str) -> Optional[HostEstimate]:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def table(self, gpu: Optional[dict[str, int]] = None) -> str:
+        """One row per phase, indented under the GPU tables: the predicted host peak, the device's
+        peak beside it (`gpu`: by phase) and the host terms."""
+        rows = [f"  {'host phase':<14}{'device':>9}{'host':>9}   host terms"]
+        for p in self.phases:
+            device = _size(gpu[p.name]) if gpu and p.name in gpu else "-"
+            terms = ", ".join(f"{k} {_size(v)}" for k, v in p.parts.items() if v)
+            rows.append(f"  {p.name:<14}{device:>9}{_size(p.peak):>9}   {terms}")
+        return "\n".join(rows)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f}G" if n >= GIB // 10 else f"{n / MIB:.1f}M"
+
+
+def _clip_bytes(enc: EncoderFacts, cpu: bool) -> int:
+    return 4 * enc.params if cpu else enc.stored_bytes
+
+
+def loaded_encoders(facts: ModelFacts, cfg: RunConfig, cpu: bool) -> dict[str, int]:
+    """Each encoder's bytes as loaded: CLIPs as stored (fp32 on a CPU run), T5 widened to bf16."""
+    return {e.name: 2 * e.params if e.kind == "t5" else _clip_bytes(e, cpu) for e in facts.encoders}
+
+
+def prepared_encoders(facts: ModelFacts, cfg: RunConfig, cpu: bool) -> dict[str, int]:
+    """Each encoder's bytes once prepared: T5 stored as model.t5_precision asks ("none": dropped)."""
+    out = {}
+    for e in facts.encoders:
+        if e.kind != "t5":
+            out[e.name] = _clip_bytes(e, cpu)
+        elif cfg.model.t5_precision != "none":
+            out[e.name] = encoder_bytes(e, cfg.model.t5_precision)[0]
+    return out
+
+
+def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
+    """The encoders a sample grid reloads, in the grid's dtype (`item` bytes a value; T5 as
+    model.t5_precision stores it, its other weights in the grid's dtype)."""
+    total = 0
+    for e in facts.encoders:
+        if e.kind != "t5":
+            total += item * e.params
+        elif cfg.model.t5_precision != "none":
+            stored = encoder_bytes(e, cfg.model.t5_precision)[0]
+            widened = 0 if cfg.model.t5_precision == "bf16" else (item - 2) * (e.params - e.linear_numel)
+            total += stored + widened
+    return total
+
+
+def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: bool = False,
+                 device: Optional[dict[str, int]] = None, processes: int = 1) -> HostPrediction:
+    """Predicted peak host memory of each phase `cfg` runs (see the module docstring). `cpu`: the
+    run trains on the CPU, whose device peaks by phase (`device`) are added; `processes` of the run
+    on this machine each hold as much."""
+    device = device or {}
+    n = sum(p.numel() for p in facts.denoiser.parameters())
+    loaded = facts.loaded_bytes or 2 * n
+    vae = facts.vae_params * (4 if cfg.cache.vae_dtype == "fp32" else 2)
+    phases = []
+
+    def add(name: str, parts: dict[str, int]) -> None:
+        parts = {"baseline": BASELINE, **parts}
+        if cpu and name in device:
+            parts["device (CPU run)"] = device[name]
+        if processes > 1:
+            parts[f"{processes - 1} more processes"] = (processes - 1) * sum(parts.values())
+        phases.append(HostEstimate(name, sum(parts.values()), parts))
+
+    add("load", {"denoiser": loaded, "vae": vae, **loaded_encoders(facts, cfg, cpu)})
+    encoders = prepared_encoders(facts, cfg, cpu)
+    if cfg.cache.latents:  # the VAE on the device
+        add("cache_latents", {"denoiser": loaded, **encoders})
+    if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home
+        on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
+        add("cache_text", {"denoiser": loaded, "vae": vae,
+                           "text encoders": sum(encoders.values()) - on_device})
+    grids = bool(cfg.sample.every_steps and cfg.sample.prompts)
+    models: dict[str, int] = {}
+    if not cfg.cache.text:  # live captions: the encoders wait in CPU memory between uses
+        trained_clips = cfg.train.mode == "lora" and cfg.lora.text_encoder_rank
+        models["text encoders"] = sum(encoders.get(e.name, 0) for e in facts.encoders
+                                      if not (trained_clips and e.kind == "clip"))
+    if cfg.cache.latents and (grids or not cfg.cache.text):
+        models["vae"] = vae  # kept: for live captions' run, or for the grids after caching
+    steady = {**models, "streamed homes": den.streamed, "streamed gradients": den.streamed_grads,
+              "streamed optimizer state": den.streamed_state, "offloaded activations": den.offloaded,
+              "ema": den.ema}
+    placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit}
+    add("train", max(steady, placing, key=lambda d: sum(d.values())))
+    if grids:
+        item = 2 if cfg.train.precision == "full_bf16" else 4
+        reloaded = 0 if cfg.cache.latents and cfg.cache.text else \
+            facts.vae_params * item + _grid_encoders(facts, cfg, item)
+        add("samples", {**steady, "grid models": reloaded})
+    kept = {k: v for k, v in steady.items() if k != "offloaded activations"}
+    if cfg.train.mode == "full":
+        rest = 2 * facts.vae_params + sum(e.stored_bytes for e in facts.encoders)
+        item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.save.dtype]
+        checkpoint = item * n + rest
+    else:
+        checkpoint = den.adapter
+    add("save", {**kept, "written state": max(den.trained_copy, checkpoint)})
+    return HostPrediction(phases)
