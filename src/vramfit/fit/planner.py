@@ -873,7 +873,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     host_over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: peak, phase, values, group
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
-        phases = [p for p in host_prediction(facts, trial, captions).phases
+        phases = [p for p in host_prediction(facts, trial, captions, for_gpu=True).phases
                   if p.name != "load" and _phase_group(p.name) == group]  # no setting changes loading
         worst = max(phases, key=lambda p: p.peak, default=None)
         if worst is None or worst.peak <= host_budget:
@@ -882,7 +882,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         return False
 
     host_notes = []  # over the machine's own budget: warned of, not refused
-    load = host_prediction(facts, cfg, captions).phase("load").peak
+    load = host_prediction(facts, cfg, captions, for_gpu=True).phase("load").peak
     if load > host_budget:  # the models as loaded: no setting of the plan changes it
         note = (f"memory.host_budget is {host_budget / GIB:.2f} GiB ({host_source}); loading the models is "
                 f"predicted at {load / GIB:.2f} GiB of host memory whatever the settings")
@@ -952,7 +952,7 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
         fastest = with_values(cfg, {**other, knob.key: knob.options[0]})
         over = max(predict(facts, fastest, captions).phases, key=lambda p: p.peak)
         if over.peak <= usable:  # it fits the GPU: refused for host memory
-            worst = max(host_prediction(facts, fastest, captions).phases, key=lambda p: p.peak)
+            worst = max(host_prediction(facts, fastest, captions, for_gpu=True).phases, key=lambda p: p.peak)
             reasons.append(f"{knob.key} = {json.dumps(value)}: with {json.dumps(knob.options[0])} the "
                            f"{worst.name} phase is predicted at {worst.peak / GIB:.2f} GiB of host memory, "
                            f"over memory.host_budget ({host_budget / GIB:.2f} GiB)")
@@ -1047,9 +1047,11 @@ def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:
         raise PlanError(f"{name}: {exc}") from None
 
 
-def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> HostPrediction:
+def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK, *,
+                    for_gpu: bool = False) -> HostPrediction:
     """Predicted peak host memory of each phase (fit/host.py), the denoiser's terms taken from this
-    module's tensor model; on a CPU run the device's peaks are added."""
+    module's tensor model; on a CPU run the device's peaks are added. `for_gpu`: a plan for a GPU
+    budget, which is a GPU run whatever this machine has (unless train.device is "cpu")."""
     tensors, units = _denoiser_tensors(facts, cfg)
     streamed = [x for x in tensors if x.streamed]
     stepped_here = [x for x in streamed if x.trained] if streamed_step_in_cpu_memory(cfg) else []
@@ -1071,14 +1073,14 @@ def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUN
         offloaded=offloaded, ema=ema_host_bytes(facts, cfg),
         trained_copy=sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
         adapter=sum(x.numel * x.dtype_bytes for x in trained) if cfg.train.mode == "lora" else 0)
-    cpu = pick_device(cfg.train.device).type == "cpu"
+    cpu = cfg.train.device == "cpu" or (not for_gpu and pick_device(cfg.train.device).type == "cpu")
     device = {p.name: p.peak for p in predict(facts, cfg, captions).phases} if cpu else None
     return predict_host(facts, cfg, den, cpu=cpu, device=device, processes=local_processes())
 
 
-def _host_table(facts: ModelFacts, cfg: RunConfig, host_budget: int) -> str:
+def _host_table(facts: ModelFacts, cfg: RunConfig, host_budget: int, for_gpu: bool) -> str:
     """`host_prediction`'s table with the GPU peaks beside it, and a line where it exceeds `host_budget`."""
-    host = host_prediction(facts, cfg)
+    host = host_prediction(facts, cfg, for_gpu=for_gpu)
     text = host.table({p.name: p.peak for p in predict(facts, cfg).phases})
     worst = max(host.phases, key=lambda p: p.peak)
     if worst.peak > host_budget:
@@ -1111,10 +1113,10 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     host_title = (f"predicted peak host memory (RSS) by phase{{}}, the device's beside it; host budget "
                   f"{host_budget / GIB:.2f} GiB ({host_source}):")
     if budget is None:
-        return "\n".join(lines + ["", host_title.format(""), _host_table(facts, cfg, host_budget)])
+        return "\n".join(lines + ["", host_title.format(""), _host_table(facts, cfg, host_budget, False)])
     choice = choose(cfg, budget, facts)
     changed = {k: v for k, v in choice.chosen.items() if v != setting(cfg, k)}
-    lines += ["", host_title.format(" with the choice below"), _host_table(facts, choice.config, host_budget)]
+    lines += ["", host_title.format(" with the choice below"), _host_table(facts, choice.config, host_budget, True)]
     lines += ["", f"budget {budget / GIB:.2f} GiB ({budget * (1 - MARGIN) / GIB:.2f} GiB usable after the "
               f"{MARGIN:.0%} margin); chosen:"]
     lines += [f"  {r}" for r in choice.reasons]
