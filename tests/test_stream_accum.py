@@ -389,21 +389,23 @@ def test_device_sums_by_default_that_do_not_fit_go_home(images, tmp_path, cache_
 
 def test_device_sums_the_user_wrote_that_do_not_fit_stop_the_run(images, tmp_path, cache_root, capsys,
                                                                   probe_over_with_device_sums):
-    code, _, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED, "memory.streamed_grad_sums=device")
+    code, _, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED,
+                      "memory.streamed_grad_sums=device")
     err = capsys.readouterr().err
     assert code != 0 and probe_over_with_device_sums == ["device"]
     assert "fit probe" in err and 'With memory.streamed_grad_sums = "device" this counts' in err
     assert not (tmp_path / "run" / "run.json").exists()
 
 
-def test_when_neither_fits_the_error_gives_both_measurements(images, tmp_path, cache_root, capsys, monkeypatch):
+def test_when_neither_fits_the_error_gives_both_measurements(images, tmp_path, cache_root, capsys,
+                                                             monkeypatch):
     probed = []
 
     def over(family, bundle, cfg, device, buckets, **kwargs):
         probed.append(cfg.memory.streamed_grad_sums)
         peak = "9.00" if cfg.memory.streamed_grad_sums == "device" else "8.50"
-        raise probe.FitProbeError(f"fit probe: two training steps at the largest bucket peaked at {peak} GiB, "
-                                  "more than the 8.00 GiB of the GPU; nothing was cached. ...")
+        raise probe.FitProbeError(f"fit probe: two training steps at the largest bucket peaked at {peak} "
+                                  "GiB, more than the 8.00 GiB of the GPU; nothing was cached. ...")
 
     monkeypatch.setattr(probe, "fit_probe", over)
     code, _, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED)

@@ -55,31 +55,28 @@ def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: t
     "memory.vram_budget", the planner): CUDA graphs on (then off: the recordings' pool keeps its room
     reserved, which the probe counts), memory.streamed_grad_sums = "device" (then "home": the sums
     leave the GPU)."""
-    fallbacks = [fb for fb, by in ((_GRAPHS_OFF, graphs_by), (_SUMS_HOME, sums_by))
-                 if by and setting(cfg, fb.key) != fb.value and fb.applies(cfg)]
+    chosen = [(fb, by) for fb, by in ((_GRAPHS_OFF, graphs_by), (_SUMS_HOME, sums_by))
+              if by and setting(cfg, fb.key) != fb.value and fb.applies(cfg)]
     try:
         probe.fit_probe(family, bundle, cfg, device, buckets)
         return cfg
     except probe.FitProbeError as exc:
-        if not fallbacks:
+        if not chosen:
             raise
         failed = [str(exc).split("; nothing was cached")[0]]
-    bys = {_GRAPHS_OFF.key: graphs_by, _SUMS_HOME.key: sums_by}
-    for i, fb in enumerate(fallbacks):
-        log.warning("%s (%s): %s does not fit (%s); probing it %s", fb.key, bys[fb.key], fb.step, failed[-1],
+    for i, (fb, by) in enumerate(chosen):
+        log.warning("%s (%s): %s does not fit (%s); probing it %s", fb.key, by, fb.step, failed[-1],
                     fb.instead)
         cfg = with_values(cfg, {fb.key: fb.value})
         try:
             probe.fit_probe(family, bundle, cfg, device, buckets)
-        except probe.FitProbeError as exc:
-            if i + 1 < len(fallbacks):
-                failed.append(str(exc).split("; nothing was cached")[0])
-                continue
-            tried = ". ".join(f"{f.held} ({bys[f.key]}): {m}" for f, m in zip(fallbacks, failed))
-            raise probe.FitProbeError(f"{tried}. {fb.without}: {exc}") from None
-        log.info("%s (%s): %s, the step fits %s", fb.key, bys[fb.key], fb.shown, fb.instead)
+        except probe.FitProbeError as exc:  # the last one's whole message ends the error below
+            failed.append(str(exc) if i + 1 == len(chosen) else str(exc).split("; nothing was cached")[0])
+            continue
+        log.info("%s (%s): %s, the step fits %s", fb.key, by, fb.shown, fb.instead)
         return cfg
-    raise AssertionError("unreachable: the last fallback returns or raises")
+    tried = ". ".join(f"{fb.held} ({by}): {measured}" for (fb, by), measured in zip(chosen, failed))
+    raise probe.FitProbeError(f"{tried}. {chosen[-1][0].without}: {failed[-1]}")
 
 
 @dataclass(frozen=True)
