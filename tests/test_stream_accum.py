@@ -153,8 +153,8 @@ def _run(images, out, cache, *sets: str, args: tuple = ()) -> tuple[int, list[fl
 
 @pytest.fixture
 def streamers(monkeypatch):
-    """The streamers the runs make, and the bytes of their kept sums when they are dropped (on the
-    device, the devices they are on, and at home)."""
+    """The streamers the runs make, and their kept sums when they are dropped: the bytes on the
+    device and the devices they are on, the bytes at home and whether they are pinned."""
     made, kept = [], []
     init, drop = WeightStreamer.__init__, GradsHome.drop
 
@@ -163,7 +163,8 @@ def streamers(monkeypatch):
         made.append(self)
 
     def dropping(self):
-        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}, self.home_sum_bytes()))
+        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}, self.home_sum_bytes(),
+                     {b.is_pinned() for b in self.home_sum_buffers()}))
         drop(self)
 
     monkeypatch.setattr(WeightStreamer, "__init__", spy)
@@ -385,6 +386,7 @@ def test_device_sums_by_default_that_do_not_fit_go_home(images, tmp_path, cache_
     assert cfg.memory.streamed_grad_sums == "home"
     host = host_prediction(read_facts(cfg, cache_root / "off"), cfg).phase("train").parts
     assert kept[-1][2] == host["streamed gradient sums"] == 4 * sum(p.numel() for p in run.trainable) > 0
+    assert kept[-1][3] == {False}  # on the CPU nothing is pinned
 
 
 def test_device_sums_the_user_wrote_that_do_not_fit_stop_the_run(images, tmp_path, cache_root, capsys,
@@ -413,3 +415,23 @@ def test_when_neither_fits_the_error_gives_both_measurements(images, tmp_path, c
     assert code != 0 and probed == ["device", "home"]
     assert 'with memory.streamed_grad_sums = "device" (auto): fit probe' in err and "9.00 GiB" in err
     assert 'With "home": fit probe' in err and "8.50 GiB" in err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_home_sums_are_pinned_fp32_and_track_the_device_sums(images, tmp_path, cache_root,
+                                                                       streamers):
+    """CUDA, full_bf16 with stochastic rounding: the earlier micro-batches' sums at home are pinned
+    fp32 buffers (twice the bf16 gradients' bytes), and the result tracks the sums on the device."""
+    made, kept = streamers
+    sets = (*STREAMED, "train.device=cuda", "memory.fit_probe=false", "train.cuda_graphs=false")
+    _, home_losses, home = _run(images, tmp_path / "home", cache_root / "gpu", *sets,
+                                "memory.streamed_grad_sums=home")
+    run = made[-1]
+    assert run.stats.grads_moved > 0 and run.stats.grads_summed == 0
+    assert kept[-1][2] == 4 * sum(p.numel() for p in run.trainable) > 0
+    assert kept[-1][3] == {True}
+    _, losses, got = _run(images, tmp_path / "device", cache_root / "gpu", *sets,
+                          "memory.streamed_grad_sums=device")
+    assert losses == pytest.approx(home_losses, rel=1e-3)
+    for key in home:
+        torch.testing.assert_close(got[key].float(), home[key].float(), rtol=0.02, atol=0.02, msg=key)

@@ -395,9 +395,13 @@ class GradsHome:
                 total.copy_(grad)
                 self._home_summed.add(id(p))
 
+    def home_sum_buffers(self) -> list[torch.Tensor]:
+        """The kept sums in CPU memory (a buffer per dtype a unit)."""
+        return [b for buffers, _ in self._home.values() for b in buffers.values()]
+
     def home_sum_bytes(self) -> int:
         """Bytes of the kept sums in CPU memory."""
-        return sum(tensor_bytes(b) for buffers, _ in self._home.values() for b in buffers.values())
+        return sum(tensor_bytes(b) for b in self.home_sum_buffers())
 
     def sum_buffers(self) -> list[torch.Tensor]:
         """The kept sums on the device (a buffer per dtype a unit)."""
