@@ -20,7 +20,8 @@ from vramfit.cli import main
 from vramfit.config import ConfigError
 from vramfit.config.load import load_config
 from vramfit.fit.model_facts import read_facts
-from vramfit.fit.planner import MARGIN, predict, with_values
+from vramfit.fit import probe
+from vramfit.fit.planner import MARGIN, host_prediction, predict, with_values
 from vramfit.fit.resolve import Environment, with_grad_sums
 from vramfit.memory.offload import WeightStreamer
 from vramfit.memory.offload.grads import GradsHome
@@ -152,7 +153,8 @@ def _run(images, out, cache, *sets: str, args: tuple = ()) -> tuple[int, list[fl
 
 @pytest.fixture
 def streamers(monkeypatch):
-    """The streamers the runs make, and the bytes of their kept sums when they are dropped."""
+    """The streamers the runs make, and their kept sums when they are dropped: the bytes on the
+    device and the devices they are on, the bytes at home and whether they are pinned."""
     made, kept = [], []
     init, drop = WeightStreamer.__init__, GradsHome.drop
 
@@ -161,7 +163,8 @@ def streamers(monkeypatch):
         made.append(self)
 
     def dropping(self):
-        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}))
+        kept.append((self.sum_bytes(), {b.device.type for b in self.sum_buffers()}, self.home_sum_bytes(),
+                     {b.is_pinned() for b in self.home_sum_buffers()}))
         drop(self)
 
     monkeypatch.setattr(WeightStreamer, "__init__", spy)
@@ -286,3 +289,149 @@ def test_on_a_gpu_device_sums_match_home(images, tmp_path, cache_root, streamers
     assert losses == pytest.approx(home_losses, rel=1e-3)
     for key in home:
         torch.testing.assert_close(got[key].float(), home[key].float(), rtol=1e-2, atol=1e-2, msg=key)
+
+
+# ---- the sums at home: fp32, exact -----------------------------------------------------------------
+
+def test_home_sums_of_bf16_gradients_are_exact_fp32_sums(monkeypatch):
+    """With stochastic rounding the earlier micro-batches' bf16 gradients are summed at home in fp32:
+    each step receives exactly the fp32 sum of the micro-batches' gradients (no rounding on the way),
+    the weight used only in earlier micro-batches too; without it, bf16 sums as autograd's."""
+    seen: dict[int, torch.Tensor] = {}
+    step_params = Adafactor.step_params
+
+    def spy(self, pending, **kwargs):
+        seen.update({id(p): g.clone() for p, g in pending})
+        return step_params(self, pending, **kwargs)
+
+    monkeypatch.setattr(Adafactor, "step_params", spy)
+    _, at_home, _ = _toy_run("home", torch.bfloat16, round_sums=True, steps=1)
+    trained = at_home.trainable
+    # the reference: each micro-batch's gradients alone, at the first step's weights, summed in fp32
+    model = _Toy(torch.bfloat16)
+    params = list(model.parameters())
+    expected: dict[int, torch.Tensor] = {}
+    for i, x in enumerate(_toy_inputs(1, torch.bfloat16)[0]):
+        model.extra = i < ACCUM - 1
+        grads = torch.autograd.grad((model(x).float().pow(2).mean() / ACCUM), params, allow_unused=True)
+        for k, g in enumerate(grads):
+            if g is not None:
+                expected[k] = g.float() if k not in expected else expected[k] + g.float()
+    assert len(seen) == len(trained) == len(expected)
+    for k, p in enumerate(trained):  # the toy's parameters, in its order
+        assert torch.equal(seen[id(p)], expected[k]), k
+    assert at_home.grads.home_sum_bytes() == 4 * sum(p.numel() for p in trained)
+    _, rounded_to_nearest, _ = _toy_run("home", torch.bfloat16, steps=1)
+    assert rounded_to_nearest.grads.home_sum_bytes() == 2 * sum(p.numel() for p in trained)
+
+
+def test_home_sums_with_stochastic_rounding_track_the_resident_and_device_runs():
+    """Exact sums at home against the resident run's and the device's stochastically rounded ones."""
+    resident, _, _ = _toy_run(None, torch.bfloat16, round_sums=True)
+    home, _, _ = _toy_run("home", torch.bfloat16, round_sums=True)
+    device, _, _ = _toy_run("device", torch.bfloat16, round_sums=True)
+    for a, b, c in zip(home, resident, device):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(a.float(), c.float(), rtol=0.02, atol=0.02)
+
+
+def test_a_skipped_steps_home_sums_do_not_reach_the_next_step():
+    reference, _, _ = _toy_run("home", torch.bfloat16, round_sums=True, steps=1)
+    skipped = [torch.full((4, 32), 3.0).to(torch.bfloat16) for _ in range(ACCUM - 1)]
+    got, _, hooks = _toy_run("home", torch.bfloat16, round_sums=True, steps=1, skipped=skipped)
+    assert hooks.discarded == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+# ---- the fit probe: sums on the device that do not fit go home -------------------------------------
+
+GIB = 2**30
+
+
+@pytest.fixture
+def probe_over_with_device_sums(streamers, monkeypatch):
+    """The real fit probe on the CPU, its measurement standing in for CUDA's: over the 1 GiB limit
+    where the stand-in's streamer summed gradients on the device. Returns what each probe found."""
+    made, _ = streamers
+    found: list[str] = []
+    real = probe.fit_probe
+
+    def measure(run):
+        run()
+        on_device = made[-1].stats.grads_summed > 0
+        found.append("device" if on_device else "home")
+        return 3 * GIB if on_device else GIB // 2
+
+    monkeypatch.setattr(probe, "fit_probe", lambda *args, **kwargs: real(*args, limit=GIB, measure=measure))
+    return found
+
+
+def test_device_sums_by_default_that_do_not_fit_go_home(images, tmp_path, cache_root, caplog, streamers,
+                                                        probe_over_with_device_sums):
+    """Unset, resolved to "device", over the probe's limit: probed again with the sums at home, which
+    fits; the run trains so (its sums at home, fp32 under full_bf16 with stochastic rounding, as
+    fit/host.py predicts them) and its config.toml says so."""
+    made, kept = streamers
+    with caplog.at_level(logging.INFO, logger="vramfit"):
+        code, losses, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED)
+    assert code == 0 and len(losses) == 3
+    assert probe_over_with_device_sums == ["device", "home"]
+    assert ("memory.streamed_grad_sums (auto): the step with the streamed weights' gradient sums on the "
+            "device does not fit (fit probe: two training steps") in caplog.text
+    assert "probing it with the sums in CPU memory" in caplog.text
+    assert "memory.streamed_grad_sums (auto): home, the step fits with the sums in CPU memory" in caplog.text
+    run = made[-1]
+    assert run.stats.grads_summed == 0 and run.stats.grads_moved > 0 and kept[-1][0] == 0
+    cfg = load_config(tmp_path / "run" / "config.toml", [], need_data=False)
+    assert cfg.memory.streamed_grad_sums == "home"
+    host = host_prediction(read_facts(cfg, cache_root / "off"), cfg).phase("train").parts
+    assert kept[-1][2] == host["streamed gradient sums"] == 4 * sum(p.numel() for p in run.trainable) > 0
+    assert kept[-1][3] == {False}  # on the CPU nothing is pinned
+
+
+def test_device_sums_the_user_wrote_that_do_not_fit_stop_the_run(images, tmp_path, cache_root, capsys,
+                                                                  probe_over_with_device_sums):
+    code, _, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED,
+                      "memory.streamed_grad_sums=device")
+    err = capsys.readouterr().err
+    assert code != 0 and probe_over_with_device_sums == ["device"]
+    assert "fit probe" in err and 'With memory.streamed_grad_sums = "device" this counts' in err
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_when_neither_fits_the_error_gives_both_measurements(images, tmp_path, cache_root, capsys,
+                                                             monkeypatch):
+    probed = []
+
+    def over(family, bundle, cfg, device, buckets, **kwargs):
+        probed.append(cfg.memory.streamed_grad_sums)
+        peak = "9.00" if cfg.memory.streamed_grad_sums == "device" else "8.50"
+        raise probe.FitProbeError(f"fit probe: two training steps at the largest bucket peaked at {peak} "
+                                  "GiB, more than the 8.00 GiB of the GPU; nothing was cached. ...")
+
+    monkeypatch.setattr(probe, "fit_probe", over)
+    code, _, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED)
+    err = capsys.readouterr().err
+    assert code != 0 and probed == ["device", "home"]
+    assert 'with memory.streamed_grad_sums = "device" (auto): fit probe' in err and "9.00 GiB" in err
+    assert 'With "home": fit probe' in err and "8.50 GiB" in err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_home_sums_are_pinned_fp32_and_track_the_device_sums(images, tmp_path, cache_root,
+                                                                       streamers):
+    """CUDA, full_bf16 with stochastic rounding: the earlier micro-batches' sums at home are pinned
+    fp32 buffers (twice the bf16 gradients' bytes), and the result tracks the sums on the device."""
+    made, kept = streamers
+    sets = (*STREAMED, "train.device=cuda", "memory.fit_probe=false", "train.cuda_graphs=false")
+    _, home_losses, home = _run(images, tmp_path / "home", cache_root / "gpu", *sets,
+                                "memory.streamed_grad_sums=home")
+    run = made[-1]
+    assert run.stats.grads_moved > 0 and run.stats.grads_summed == 0
+    assert kept[-1][2] == 4 * sum(p.numel() for p in run.trainable) > 0
+    assert kept[-1][3] == {True}
+    _, losses, got = _run(images, tmp_path / "device", cache_root / "gpu", *sets,
+                          "memory.streamed_grad_sums=device")
+    assert losses == pytest.approx(home_losses, rel=1e-3)
+    for key in home:
+        torch.testing.assert_close(got[key].float(), home[key].float(), rtol=0.02, atol=0.02, msg=key)

@@ -7,6 +7,7 @@ import json
 import logging
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -15,11 +16,11 @@ import torch
 import transformers
 
 from vramfit.config.load import dump_config
-from vramfit.config.rules import graph_clashes, start_hints
+from vramfit.config.rules import graph_clashes, start_hints, streamed_sums_on_device
 from vramfit.config.schema import RunConfig, ValidationConfig
 from vramfit.data.scan import ScanResult
 from vramfit.fit import probe
-from vramfit.fit.planner import budget_of, with_values
+from vramfit.fit.planner import budget_of, setting, with_values
 from vramfit.fit.resolve import Environment, resolve
 from vramfit.fit.spill import SpillWatch
 from vramfit.formats.lora import LORA_FILE_SUFFIXES
@@ -46,37 +47,73 @@ log = logging.getLogger("vramfit")
 
 
 def probed_config(family: Family, bundle: ModelBundle, cfg: RunConfig, device: torch.device,
-                  buckets: list, graphs_by: Optional[str] = None) -> RunConfig:
+                  buckets: list, graphs_by: Optional[str] = None, sums_by: Optional[str] = None) -> RunConfig:
     """Run the fit probe (fit/probe.py; it raises FitProbeError when the step does not fit).
-    Returns `cfg`; or, where CUDA graphs are on but the user did not ask for them (`graphs_by`
-    names who turned them on: "auto", the default, or "memory.vram_budget", the planner) and the
-    recorded step does not fit, `cfg` without them once a second probe finds that the step
-    without them does."""
+    Returns `cfg`; or, where a setting the user did not write holds more memory than its other
+    value and the step does not fit, `cfg` with the other value once a second probe finds that the
+    step with it does. `graphs_by`, `sums_by` name who chose the setting ("auto", the default, or
+    "memory.vram_budget", the planner): CUDA graphs on (then off: the recordings' pool keeps its room
+    reserved, which the probe counts), memory.streamed_grad_sums = "device" (then "home": the sums
+    leave the GPU)."""
+    chosen = [(fb, by) for fb, by in ((_GRAPHS_OFF, graphs_by), (_SUMS_HOME, sums_by))
+              if by and setting(cfg, fb.key) != fb.value and fb.applies(cfg)]
     try:
         probe.fit_probe(family, bundle, cfg, device, buckets)
         return cfg
     except probe.FitProbeError as exc:
-        if not (cfg.train.cuda_graphs and graphs_by):
+        if not chosen:
             raise
-        recorded = str(exc).split("; nothing was cached")[0]
-        log.warning("train.cuda_graphs (%s): the recorded step does not fit (%s); probing it without "
-                    "graphs", graphs_by, recorded)
-    # the recordings' pool keeps its room reserved, which the probe counts; the step without graphs holds less
-    eager = with_values(cfg, {"train.cuda_graphs": False})
-    try:
-        probe.fit_probe(family, bundle, eager, device, buckets)
-    except probe.FitProbeError as exc:
-        raise probe.FitProbeError(f"with CUDA graphs ({graphs_by}): {recorded}. Without them: {exc}") from None
-    log.info("train.cuda_graphs (%s): off, the step fits without graphs", graphs_by)
-    return eager
+        failed = [str(exc).split("; nothing was cached")[0]]
+    for i, (fb, by) in enumerate(chosen):
+        log.warning("%s (%s): %s does not fit (%s); probing it %s", fb.key, by, fb.step, failed[-1],
+                    fb.instead)
+        cfg = with_values(cfg, {fb.key: fb.value})
+        try:
+            probe.fit_probe(family, bundle, cfg, device, buckets)
+        except probe.FitProbeError as exc:  # the last one's whole message ends the error below
+            failed.append(str(exc) if i + 1 == len(chosen) else str(exc).split("; nothing was cached")[0])
+            continue
+        log.info("%s (%s): %s, the step fits %s", fb.key, by, fb.shown, fb.instead)
+        return cfg
+    tried = ". ".join(f"{fb.held} ({by}): {measured}" for (fb, by), measured in zip(chosen, failed))
+    raise probe.FitProbeError(f"{tried}. {chosen[-1][0].without}: {failed[-1]}")
+
+
+@dataclass(frozen=True)
+class _Fallback:
+    """A setting's value that holds less GPU memory, tried when the probe finds the step does not fit."""
+
+    key: str
+    value: object
+    shown: str  # the value, as the log says it
+    step: str  # the step that did not fit
+    instead: str  # how the step is probed again
+    held: str  # the first measurement, in the error
+    without: str  # the second one, in the error
+    applies: Callable[[RunConfig], bool]
+
+
+_GRAPHS_OFF = _Fallback("train.cuda_graphs", False, "off", "the recorded step", "without graphs",
+                        "with CUDA graphs", "Without them", lambda cfg: True)
+_SUMS_HOME = _Fallback("memory.streamed_grad_sums", "home", "home",
+                       "the step with the streamed weights' gradient sums on the device",
+                       "with the sums in CPU memory", 'with memory.streamed_grad_sums = "device"',
+                       'With "home"', streamed_sums_on_device)
+
+
+def chosen_by(user: RunConfig, run: RunConfig, key: str) -> Optional[str]:
+    """Who chose `key` ("section.name") in `run` when the user's config `user` did not write it:
+    "auto" (the default) or "memory.vram_budget" (the planner); None when the user set the key."""
+    section, name = key.split(".")
+    if name in getattr(user, section).model_fields_set:
+        return None
+    return "memory.vram_budget" if name in getattr(run, section).model_fields_set else "auto"
 
 
 def graphs_chosen_by(user: RunConfig, run: RunConfig) -> Optional[str]:
     """Who turned CUDA graphs on in `run` when the user's config `user` did not ask for them:
     "auto" (the default) or "memory.vram_budget" (the planner); None when the user set the key."""
-    if "cuda_graphs" in user.train.model_fields_set:
-        return None
-    return "memory.vram_budget" if "cuda_graphs" in run.train.model_fields_set else "auto"
+    return chosen_by(user, run, "train.cuda_graphs")
 
 
 @stopped_as("before training began: nothing was trained, what is cached is kept; run the same command again")
@@ -120,13 +157,14 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
     if not ranks.sharded:  # the fit probe measures a step of the largest bucket before anything is cached
         with stopped_as("while measuring a training step (memory.fit_probe): nothing was cached yet; run the "
                         "same command again"):
-            cfg = probed_config(family, bundle, cfg, device, [r.bucket for r in data.records], graphs_by)
+            cfg = probed_config(family, bundle, cfg, device, [r.bucket for r in data.records], graphs_by,
+                                chosen_by(user, cfg, "memory.streamed_grad_sums"))
     clock = EpochClock(data, cfg.train.batch_size, cfg.train.grad_accum * ranks.world)
     if cfg.train.epochs is not None:  # the steps of the epochs, checked against the state before caching
         cfg = _steps_of_epochs(cfg, clock)
         check_resumable(cfg, resume, ranks.world)
     sample_inputs = fill_cache(cfg, loaded, tracker, device, progress, ranks)
-    if cfg is not planned and ranks.main:  # the probe turned graphs the user did not ask for off
+    if cfg is not planned and ranks.main:  # the probe changed a setting the user did not write
         write_text_atomic(out / "config.toml", dump_config(cfg))
     # peft draws the LoRA init from torch's global generator; seed it here, after whatever the
     # preparation drew (class images), so the same config starts from the same adapter.

@@ -19,7 +19,9 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - train: the denoiser's host terms (`DenoiserHost`): with streamed weights or a quantized base the
   denoiser is first cast in CPU memory to the train precision, one unit copied to pinned memory
   beside it; then the streamed weights' pinned homes, and where a streamed full fine-tune steps
-  in CPU memory their gradients (pinned) and optimizer state; offloaded activations' pinned
+  in CPU memory their gradients (pinned) and optimizer state, where they step on the device with
+  accumulation and memory.streamed_grad_sums is not "device" the sums of their earlier micro-batches'
+  gradients (`home_sums`); offloaded activations' pinned
   buffers (what the device would have saved); the EMA in CPU memory and its staging copy
   (planner.ema_host_bytes). Encoders that encode live (cache.text off) stay in CPU memory between
   uses; the VAE stays there where captions encode live beside cached latents, or for sample grids
@@ -44,6 +46,7 @@ from typing import Optional
 
 import psutil
 
+from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.fit.model_facts import EncoderFacts, ModelFacts, encoder_bytes
 from vramfit.train.distributed import launched_world
@@ -167,6 +170,19 @@ def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
     return total
 
 
+def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
+    """The gradient sums of earlier micro-batches of streamed weights that step on the device, kept in
+    pinned CPU memory (memory.streamed_grad_sums not "device", memory/offload/grads.py). A full
+    fine-tune trains every streamed weight: a value per value at home, fp32 for bf16 weights with
+    train.stochastic_rounding (twice the homes' bytes), else in their dtype (the homes' bytes); on a
+    GPU, one micro-batch's gradients copied home beside them until backward ends (the homes' bytes)."""
+    t = cfg.train
+    if not (streamed_step_on_device(cfg) and t.grad_accum > 1) or cfg.memory.streamed_grad_sums == "device":
+        return 0
+    widened = 2 if t.precision == "full_bf16" and t.stochastic_rounding else 1
+    return den.streamed * widened + (0 if cpu else den.streamed)
+
+
 def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: bool = False,
                  device: Optional[dict[str, int]] = None, processes: int = 1) -> HostPrediction:
     """Predicted peak host memory of each phase `cfg` runs (see the module docstring). `cpu`: the
@@ -203,7 +219,9 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
     if cfg.cache.latents and (grids or not cfg.cache.text):
         models["vae"] = vae  # kept: for live captions' run, or for the grids after caching
     steady = {**models, "streamed homes": den.streamed, "streamed gradients": den.streamed_grads,
-              "streamed optimizer state": den.streamed_state, "offloaded activations": den.offloaded,
+              "streamed optimizer state": den.streamed_state,
+              "streamed gradient sums": home_sums(cfg, den, cpu),
+              "offloaded activations": den.offloaded,
               "ema": den.ema}
     placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit}
     add("train", max(steady, placing, key=lambda d: sum(d.values())))

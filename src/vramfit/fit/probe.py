@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from accelerate import init_empty_weights
 
+from vramfit.config.rules import streamed_sums_on_device
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import PlanError, budget_of, choose, setting
@@ -161,7 +162,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         raise FitProbeError(
             f"fit probe: two training steps at the largest bucket ({what}) {measured}, more than the "
             f"{limit / GIB:.2f} GiB {'budget' if cfg.memory.vram_budget else 'of the GPU'}; nothing was "
-            f"cached. {_graphs_note(cfg)}{_suggestion(cfg, limit)}")
+            f"cached. {_graphs_note(cfg)}{_sums_note(cfg)}{_suggestion(cfg, limit)}")
     log.info("fit probe: two training steps at %s peaked at %.2f GiB of %.2f GiB", what, peak / GIB, limit / GIB)
     return peak
 
@@ -171,6 +172,13 @@ def _graphs_note(cfg: RunConfig) -> str:
         return ""
     return ("With train.cuda_graphs this counts the recordings' memory pool, which stays reserved between "
             "steps; the same step without them (--set train.cuda_graphs=false) holds less. ")
+
+
+def _sums_note(cfg: RunConfig) -> str:
+    if not streamed_sums_on_device(cfg):
+        return ""
+    return ("With memory.streamed_grad_sums = \"device\" this counts the streamed weights' gradient sums "
+            "kept on the GPU; \"home\" sums them in CPU memory and holds less. ")
 
 
 def _suggestion(cfg: RunConfig, limit: int) -> str:

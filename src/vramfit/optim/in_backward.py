@@ -169,6 +169,12 @@ class BackwardSteps:
         else:
             copy_stochastic_(buffer, total, rounding(buffer.device))
 
+    def add_sum(self, p: torch.Tensor, total: torch.Tensor) -> None:
+        """A sum of earlier micro-batches' gradients of `p` kept elsewhere (memory/offload/grads.py's
+        sums in CPU memory; in any float dtype, on `p`'s device): `finish` steps it as a buffer.
+        Lent, not given: `finish` may scale it in place and lets go of it."""
+        self._buffers[id(p)] = total
+
     @property
     def stepping(self) -> bool:
         """Whether the backward now running is the one whose hooks step the parameters."""
@@ -180,12 +186,13 @@ class BackwardSteps:
         whose gradient hook hands them over while their compute copy is on the device (their
         state moves there on the first such step; a tensor the optimizer chunks steps in chunks).
         A gradient given as a list is the sum of its parts (added in fp32, as a buffer is; the fresh
-        gradient first, which the sum may be made in)."""
+        gradient first, which the sum may be made in; a part elsewhere, such as a sum in CPU memory,
+        is moved to the parameter's device here, one tensor at a time)."""
         for p, grad in pairs:
             self.optimizer.follow(p)
             buffer = self._buffers.pop(id(p), None)
             parts = [buffer.to(p.device, non_blocking=True)] if buffer is not None else []
-            fresh = list(grad) if isinstance(grad, list) else [grad]
+            fresh = [t.to(p.device, non_blocking=True) for t in grad] if isinstance(grad, list) else [grad]
             self._step_parts(p, parts + fresh, chunked=self.optimizer.chunks(p))
         self._flush()
 

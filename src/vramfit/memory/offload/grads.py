@@ -25,8 +25,17 @@ values of the text; under mixed_bf16 most weights, since autocast saves its bf16
 is fetched again alone, on the compute stream.
 
 Accumulation (several micro-batches a step) while stepping on the device. `sums_on_device` off
-(memory.streamed_grad_sums = "home"): the gradients of the earlier micro-batches go home as
-above, are summed on the CPU and brought back to be added when the last one steps. On ("device"):
+(memory.streamed_grad_sums = "home"): the gradients of the earlier micro-batches are copied home
+(pinned) as above and, when backward ends, added on the CPU into kept sums in pinned CPU memory (a
+buffer per dtype a unit, the first gradient copied in): fp32 for bf16 gradients with
+train.stochastic_rounding, so the sum is exact and needs no rounding pass (a plain add: about a
+tenth of the cost of the fp32 add with stochastic rounding the hooks' bf16 sums pay), else in the
+gradient's dtype, as autograd would sum them. When the last micro-batch steps the sum goes to the
+device with it: a bf16 gradient's fp32 sum as a part the step adds in fp32 (moved there one tensor
+at a time, by `step_now`), else added into the gradient. A weight whose gradient came only from
+earlier micro-batches hands its sum to the hooks' `finish`. Costs the streamed trained weights'
+values in the sum's dtype of pinned CPU memory, kept, and one micro-batch's gradients staged beside
+them. On ("device"):
 they stay on the device, added into kept sums (one buffer per dtype a unit, made at the first
 gradient of that unit and kept, as slots are, until `drop`) as each gradient arrives: bf16 with
 train.stochastic_rounding as optim/in_backward.py sums (fp32 add, stochastic rounding), else added
@@ -46,7 +55,7 @@ import torch
 from torch import nn
 
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.offload.slots import SlotPool, layout, use_count
+from vramfit.memory.offload.slots import SlotPool, use_count
 from vramfit.memory.offload.units import StreamStats, Unit
 
 
@@ -81,6 +90,12 @@ class GradsHome:
         self._sums: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
         self._summed: set[int] = set()
         self._discards_seen = 0
+        # accumulation at home (`sums_on_device` off, stepping on the device): per unit index, its kept
+        # sums in (pinned) CPU memory, likewise; the weights whose home sum holds a gradient; the copies
+        # home of this backward's gradients, added into the sums when it ends
+        self._home: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
+        self._home_summed: set[int] = set()
+        self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -90,9 +105,10 @@ class GradsHome:
         for p in self.trainable:
             self._stash[p] = p.grad
             p.grad = None
-        if self.sums_on_device and self.steps is not None and self.steps.discarded != self._discards_seen:
+        if self.steps is not None and self.steps.discarded != self._discards_seen:
             self._discards_seen = self.steps.discarded  # a skipped step: its sums are not this one's
             self._zero_sums()
+            self._home_summed.clear()
 
     def step_gathered(self) -> None:
         """At the end of a backward: step the unit whose gradients were arriving last."""
@@ -123,6 +139,11 @@ class GradsHome:
         self._gathering = None
         self._sums.clear()
         self._summed.clear()
+        if self.cuda and self._staged:
+            self.back.synchronize()  # their copies home are done before their memory goes
+        self._staged.clear()
+        self._home.clear()
+        self._home_summed.clear()
 
     def unbinding(self, unit: Unit) -> None:
         """`unit` stops being the compute copy: its gathered gradients step now."""
@@ -192,6 +213,16 @@ class GradsHome:
         if self.sums_on_device and self.steps is not None:
             self._add_to_sum(unit, p, grad)
             return
+        self.stats.grads_moved += 1
+        if self.steps is not None:  # summed at home when backward ends (on the CPU: now)
+            self._staged.append((p, self._copy_home(grad) if self.cuda else grad))
+            if not self.cuda:
+                self._add_staged()
+            return
+        self._moved.append((p, self._copy_home(grad)))
+
+    def _copy_home(self, grad: torch.Tensor) -> torch.Tensor:
+        """A new CPU tensor (pinned on CUDA) that `grad` is copied into, on the copy-home stream."""
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
             self.back.wait_stream(torch.cuda.current_stream(self.device))
@@ -200,8 +231,7 @@ class GradsHome:
             grad.record_stream(self.back)  # its memory is reused only after the copy
         else:
             host.copy_(grad)
-        self._moved.append((p, host))
-        self.stats.grads_moved += 1
+        return host
 
     def _fetch_alone(self, unit: Unit, p: nn.Parameter) -> Unit:
         """A one-weight unit holding a new compute copy of `p` (whose own unit holds none now)."""
@@ -278,14 +308,8 @@ class GradsHome:
         kept = self._sums.get(unit.index)
         if kept is None:
             trained = [p for p in unit.params if p.requires_grad]
-            buffers = {dtype: torch.zeros(n, dtype=dtype, device=self.device)
-                       for dtype, n in layout(trained).items()}
-            offsets = dict.fromkeys(buffers, 0)
-            views = {}
-            for p in trained:
-                views[id(p)] = buffers[p.dtype].narrow(0, offsets[p.dtype], p.numel()).view(p.shape)
-                offsets[p.dtype] += p.numel()
-            kept = self._sums[unit.index] = (buffers, views)
+            kept = self._sums[unit.index] = _kept_sums(trained, {id(p): p.dtype for p in trained},
+                                                       device=self.device)
         return kept[1]
 
     def _add_to_sum(self, unit: Unit, p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -304,7 +328,14 @@ class GradsHome:
 
     def _with_sum(self, p: nn.Parameter, grad: torch.Tensor):
         """The last micro-batch's gradient of `p` with the sum of the earlier ones: added into it in
-        its dtype, or for a bf16 sum of round_sums the two as parts the step adds in fp32."""
+        its dtype, or for a bf16 sum of round_sums (or an fp32 sum at home) the two as parts the step
+        adds in fp32 (a part at home is moved to the device by the step)."""
+        if id(p) in self._home_summed:
+            self._home_summed.discard(id(p))
+            total = self._home_sum_of(id(p))
+            if total.dtype != grad.dtype:
+                return [grad, total]
+            return grad.add_(total.to(grad.device, non_blocking=True))
         if id(p) not in self._summed:
             return grad
         total = self._sum_of(id(p))
@@ -331,6 +362,46 @@ class GradsHome:
             total = self._sum_of(id(p)).to(p.device, copy=True)  # the sum is zeroed below
             self._stash[p] = total if self._stash.get(p) is None else self._stash[p].add_(total)
         self._zero_sums(left)
+        # at home: lent to the hooks, which step it in `finish` before the next gradient is copied in
+        for p in [p for p in self.trainable if id(p) in self._home_summed and id(p) not in self._stepped]:
+            self._home_summed.discard(id(p))
+            self.steps.add_sum(p, self._home_sum_of(id(p)))
+
+    # ---- sums of earlier micro-batches at home ----------------------------------------------------
+
+    def _home_sum_dtype(self, p: nn.Parameter) -> torch.dtype:
+        """fp32 for a bf16 gradient the hooks would sum with stochastic rounding, else its own."""
+        return torch.float32 if p.dtype == torch.bfloat16 and self.steps.round_sums else p.dtype
+
+    def _home_sum_of(self, key: int) -> torch.Tensor:
+        """The kept sum at home of the weight whose id is `key` (made at its unit's first use)."""
+        unit = self._unit_of[key]
+        kept = self._home.get(unit.index)
+        if kept is None:
+            trained = [p for p in unit.params if p.requires_grad]
+            kept = self._home[unit.index] = _kept_sums(
+                trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda)
+        return kept[1][key]
+
+    def _add_staged(self) -> None:
+        """The gradients copied home in this backward into their sums (the copies are done): the
+        first one of a step copied in, the later ones added."""
+        staged, self._staged = self._staged, []
+        for p, grad in staged:
+            total = self._home_sum_of(id(p))
+            if id(p) in self._home_summed:
+                total.add_(grad)
+            else:
+                total.copy_(grad)
+                self._home_summed.add(id(p))
+
+    def home_sum_buffers(self) -> list[torch.Tensor]:
+        """The kept sums in CPU memory (a buffer per dtype a unit)."""
+        return [b for buffers, _ in self._home.values() for b in buffers.values()]
+
+    def home_sum_bytes(self) -> int:
+        """Bytes of the kept sums in CPU memory."""
+        return sum(tensor_bytes(b) for b in self.home_sum_buffers())
 
     def sum_buffers(self) -> list[torch.Tensor]:
         """The kept sums on the device (a buffer per dtype a unit)."""
@@ -345,6 +416,8 @@ class GradsHome:
         if self.cuda and not self.recording:
             self.side.synchronize()  # no copy may still read a home the optimizer will change
             self.back.synchronize()
+        if self._staged:
+            self._add_staged()
         for p, grad in self._stash.items():
             p.grad = grad
         self._stash.clear()
@@ -356,3 +429,19 @@ class GradsHome:
             torch.autograd.backward([p for p, _ in moved], [g for _, g in moved])
         finally:
             self._delivering = False
+
+
+def _kept_sums(params: list[nn.Parameter], dtypes: dict[int, torch.dtype], *, device=None, pin: bool = False):
+    """Zeroed buffers, one per dtype (of `dtypes`, by parameter id), and a view of them per parameter."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[dtypes[id(p)]] = sizes.get(dtypes[id(p)], 0) + p.numel()
+    buffers = {dtype: torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
+               for dtype, n in sizes.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    views = {}
+    for p in params:
+        dtype = dtypes[id(p)]
+        views[id(p)] = buffers[dtype].narrow(0, offsets[dtype], p.numel()).view(p.shape)
+        offsets[dtype] += p.numel()
+    return buffers, views
