@@ -194,3 +194,14 @@ def test_a_part_converted_while_it_loads_is_held_once(tmp_path):
     before, peak = json.loads(done.stdout.strip().splitlines()[-1])
     size = path.stat().st_size
     assert peak - before < 1.5 * size, (peak - before) / size
+
+
+def test_a_plan_for_a_gpu_budget_counts_no_device_memory_on_the_host(cache_root):
+    """`vramfit plan --vram` on a machine without a GPU plans a GPU run: the device's memory is not
+    added to the host's, as it is for a CPU run."""
+    cfg = _cfg(cache_root, "train.device=auto")
+    facts = read_facts(cfg, cache_root)
+    planned = host_prediction(facts, cfg, for_gpu=True).phase("train").parts
+    assert "device (CPU run)" not in planned
+    on_cpu = host_prediction(facts, with_values(cfg, {"train.device": "cpu"}), for_gpu=True).phase("train")
+    assert on_cpu.parts["device (CPU run)"] > 0
