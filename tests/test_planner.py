@@ -668,7 +668,7 @@ def test_grids_every_n_epochs_are_a_samples_phase_too(ssd1b):
 
 def test_streamed_gradient_sums_go_on_the_device_before_any_block_stays(ssd1b):
     """With accumulation, streamed weights that step on the GPU keep their sums there where they fit
-    (summed in CPU memory they cost seconds a micro-batch), before resident blocks take the room."""
+    (summed in CPU memory they cost a CPU pass each micro-batch), before resident blocks take the room."""
     accum = {**FULL_1024, "train": {"optimizer": "adafactor", "grad_accum": 8, "precision": "full_bf16"}}
     roomy, choice = _choose(ssd1b, accum, 6)
     assert roomy.memory.stream_weights and roomy.memory.streamed_grad_sums == "device"

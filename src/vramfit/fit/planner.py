@@ -985,7 +985,7 @@ def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dic
                captions: int, host: Optional[Callable] = None) -> tuple[dict, str]:
     """`values` (streamed weights stepping on the device, with accumulation) with
     memory.streamed_grad_sums, and the reason. Summed in CPU memory the gradients of earlier
-    micro-batches cost seconds a micro-batch, more than any other setting saves, so the sums go on
+    micro-batches cost a CPU pass over every streamed gradient each micro-batch, more than any other setting saves, so the sums go on
     the device with the fastest other settings that fit beside them (a search with them fixed, `host`
     the host-memory check of `choose`'s), and home only where nothing does; chosen before memory.resident_blocks, whose blocks save less."""
     # what the sums need fixed (checked by the caller: the values have it), the rest searched again
@@ -996,7 +996,7 @@ def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dic
         return {**found, **{k: v for k, v in fixed.items() if k in values},
                 "memory.streamed_grad_sums": "device"}, (
             "memory.streamed_grad_sums = \"device\": the gradient sums of earlier micro-batches fit on the "
-            "device (in CPU memory they cost seconds a micro-batch)")
+            "device (in CPU memory they cost a CPU pass over the gradients each micro-batch)")
     over = max(predict(facts, with_values(cfg, {**values, "memory.streamed_grad_sums": "device"}), captions).phases,
                key=lambda p: p.peak)
     return {**values, "memory.streamed_grad_sums": "home"}, (
