@@ -16,9 +16,12 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
   pinned: it stays counted).
-- train: the denoiser's host terms (`DenoiserHost`): with streamed weights or a quantized base the
-  denoiser is first cast in CPU memory to the train precision, one unit copied to pinned memory
-  beside it; then the streamed weights' pinned homes, and where a streamed full fine-tune steps
+- train: the denoiser's host terms (`DenoiserHost`): with streamed weights the denoiser is first
+  cast in CPU memory to the train precision, one unit copied to pinned memory beside it; a
+  quantized LoRA base is never cast whole: it stays as loaded, its unquantized parts (norms,
+  embeddings, convolutions) cast, while each linear in turn goes to the device to be widened and
+  quantized there (on a CPU run one linear's widened copy beside it: `placed_by_layer`); then the
+  streamed weights' pinned homes, and where a streamed full fine-tune steps
   in CPU memory their gradients (pinned) and optimizer state; offloaded activations' pinned
   buffers (what the device would have saved); the EMA in CPU memory and its staging copy
   (planner.ema_host_bytes). Encoders that encode live (cache.text off) stay in CPU memory between
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import psutil
+import torch
 
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.fit.model_facts import EncoderFacts, ModelFacts, encoder_bytes
@@ -89,7 +93,7 @@ def host_budget_of(cfg: RunConfig, total: Optional[int] = None) -> tuple[int, st
 class DenoiserHost:
     """The denoiser's terms in host memory, from the planner's tensor model (fit/planner.py)."""
 
-    placed: int = 0  # the whole denoiser cast in CPU memory before placement (streamed or quantized), else 0
+    placed: int = 0  # the whole denoiser cast in CPU memory before placement (streamed), else 0
     largest_unit: int = 0  # the unit copied to pinned memory beside it while homes are made
     streamed: int = 0  # the streamed weights' homes
     streamed_grads: int = 0  # their gradients' pinned homes, where they step in CPU memory
@@ -167,6 +171,23 @@ def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
     return total
 
 
+def placed_by_layer(facts: ModelFacts, cfg: RunConfig, loaded: int, cpu: bool) -> int:
+    """Host bytes of the denoiser (`loaded` as loaded) while a quantized LoRA base is placed, else 0:
+    as loaded, with what stays unquantized cast to the train precision (one stored dtype assumed for
+    the whole file), and on a CPU run the largest linear widened beside it (on a GPU the device
+    widens each)."""
+    if cfg.train.mode != "lora" or cfg.lora.base_quantization == "none":
+        return 0
+    item = 2 if cfg.train.precision == "full_bf16" else 4
+    tensors = [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
+    floats = sum(t.numel() for t in tensors if t.is_floating_point())
+    layers = [sum(p.numel() for p in m.parameters()) for m in facts.denoiser.modules()
+              if isinstance(m, torch.nn.Linear)]
+    stored = loaded / max(floats, 1)  # bytes a value as loaded
+    rest = max(item - stored, 0) * (floats - sum(layers))  # norms, embeddings, convolutions widened
+    return loaded + int(rest) + (item * max(layers, default=0) if cpu else 0)
+
+
 def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: bool = False,
                  device: Optional[dict[str, int]] = None, processes: int = 1) -> HostPrediction:
     """Predicted peak host memory of each phase `cfg` runs (see the module docstring). `cpu`: the
@@ -205,7 +226,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
     steady = {**models, "streamed homes": den.streamed, "streamed gradients": den.streamed_grads,
               "streamed optimizer state": den.streamed_state, "offloaded activations": den.offloaded,
               "ema": den.ema}
-    placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit}
+    placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit,
+               "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
     add("train", max(steady, placing, key=lambda d: sum(d.values())))
     if grids:
         item = 2 if cfg.train.precision == "full_bf16" else 4
