@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -64,6 +65,24 @@ def test_the_denoiser_terms_are_the_bytes_the_run_holds(cache_root, monkeypatch)
     # the EMA in CPU memory is the planner's own term
     ema = host_prediction(facts, with_values(cfg, {"ema.enabled": True, "ema.device": "cpu"}))
     assert ema.phase("train").parts["ema"] > 0
+
+
+def test_a_quantized_base_is_held_as_loaded_not_cast_whole(cache_root):
+    """A quantized LoRA base is placed a layer at a time (tests/test_quantized_placement.py): the
+    train phase holds the denoiser as loaded with its unquantized parts widened, and on a CPU run
+    one linear widened beside it; never the whole denoiser cast to fp32."""
+    cfg = _cfg(cache_root, "train.mode=lora", "lora.base_quantization=int8", "train.precision=mixed_bf16")
+    facts = read_facts(cfg, cache_root)
+    linears = [sum(p.numel() for p in m.parameters()) for m in facts.denoiser.modules()
+               if isinstance(m, torch.nn.Linear)]
+    floats = sum(t.numel() for t in [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
+                 if t.is_floating_point())
+    train = host_prediction(facts, cfg).phase("train").parts
+    assert train["denoiser cast"] == 0
+    assert train["denoiser placed by layer"] == facts.loaded_bytes + 4 * max(linears)  # a fp32 file
+    bf16_file = replace(facts, loaded_bytes=2 * floats)
+    on_gpu = host_prediction(bf16_file, with_values(cfg, {"train.device": "cuda"})).phase("train").parts
+    assert on_gpu["denoiser placed by layer"] == 2 * floats + 2 * (floats - sum(linears))
 
 
 def test_the_host_budget_refuses_a_combination_and_names_the_key(cache_root):

@@ -16,12 +16,15 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
   pinned: it stays counted).
-- train: the denoiser's host terms (`DenoiserHost`): with streamed weights or a quantized base the
-  denoiser is first cast in CPU memory to the train precision, one unit copied to pinned memory
-  beside it; then the streamed weights' pinned homes, and where a streamed full fine-tune steps
-  in CPU memory their gradients (pinned) and optimizer state, where they step on the device with
-  accumulation and memory.streamed_grad_sums is not "device" the sums of their earlier micro-batches'
-  gradients (`home_sums`); offloaded activations' pinned
+- train: the denoiser's host terms (`DenoiserHost`): with streamed weights the denoiser is first
+  cast in CPU memory to the train precision, one unit copied to pinned memory beside it; a
+  quantized LoRA base is never cast whole: it stays as loaded, its unquantized parts (norms,
+  embeddings, convolutions) cast, while each linear in turn goes to the device to be widened and
+  quantized there (on a CPU run one linear's widened copy beside it: `placed_by_layer`); then the
+  streamed weights' pinned homes, and where a streamed full fine-tune steps in CPU memory their
+  gradients (pinned) and optimizer state, where they step on the device with accumulation and
+  memory.streamed_grad_sums is not "device" the sums of their earlier micro-batches' gradients
+  (`home_sums`); offloaded activations' pinned
   buffers (what the device would have saved); the EMA in CPU memory and its staging copy
   (planner.ema_host_bytes). Encoders that encode live (cache.text off) stay in CPU memory between
   uses; the VAE stays there where captions encode live beside cached latents, or for sample grids
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import psutil
+import torch
 
 from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
@@ -92,7 +96,7 @@ def host_budget_of(cfg: RunConfig, total: Optional[int] = None) -> tuple[int, st
 class DenoiserHost:
     """The denoiser's terms in host memory, from the planner's tensor model (fit/planner.py)."""
 
-    placed: int = 0  # the whole denoiser cast in CPU memory before placement (streamed or quantized), else 0
+    placed: int = 0  # the whole denoiser cast in CPU memory before placement (streamed), else 0
     largest_unit: int = 0  # the unit copied to pinned memory beside it while homes are made
     streamed: int = 0  # the streamed weights' homes
     streamed_grads: int = 0  # their gradients' pinned homes, where they step in CPU memory
@@ -183,6 +187,23 @@ def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
     return den.streamed * widened + (0 if cpu else den.streamed)
 
 
+def placed_by_layer(facts: ModelFacts, cfg: RunConfig, loaded: int, cpu: bool) -> int:
+    """Host bytes of the denoiser (`loaded` as loaded) while a quantized LoRA base is placed, else 0:
+    as loaded, with what stays unquantized cast to the train precision (one stored dtype assumed for
+    the whole file), and on a CPU run the largest linear widened beside it (on a GPU the device
+    widens each)."""
+    if cfg.train.mode != "lora" or cfg.lora.base_quantization == "none":
+        return 0
+    item = 2 if cfg.train.precision == "full_bf16" else 4
+    tensors = [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
+    floats = sum(t.numel() for t in tensors if t.is_floating_point())
+    layers = [sum(p.numel() for p in m.parameters()) for m in facts.denoiser.modules()
+              if isinstance(m, torch.nn.Linear)]
+    stored = loaded / max(floats, 1)  # bytes a value as loaded
+    rest = max(item - stored, 0) * (floats - sum(layers))  # norms, embeddings, convolutions widened
+    return loaded + int(rest) + (item * max(layers, default=0) if cpu else 0)
+
+
 def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: bool = False,
                  device: Optional[dict[str, int]] = None, processes: int = 1) -> HostPrediction:
     """Predicted peak host memory of each phase `cfg` runs (see the module docstring). `cpu`: the
@@ -223,7 +244,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
               "streamed gradient sums": home_sums(cfg, den, cpu),
               "offloaded activations": den.offloaded,
               "ema": den.ema}
-    placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit}
+    placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit,
+               "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
     add("train", max(steady, placing, key=lambda d: sum(d.values())))
     if grids:
         item = 2 if cfg.train.precision == "full_bf16" else 4

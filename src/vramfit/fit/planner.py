@@ -1057,7 +1057,8 @@ def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUN
     stepped_here = [x for x in streamed if x.trained] if streamed_step_in_cpu_memory(cfg) else []
     trained = [x for x in tensors if x.trained]
     placed = 0
-    if cfg.memory.stream_weights or (cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"):
+    # a quantized LoRA base is placed a layer at a time, never cast whole (fit/host.py placed_by_layer)
+    if cfg.memory.stream_weights and (cfg.train.mode != "lora" or cfg.lora.base_quantization == "none"):
         item = 2 if cfg.train.precision == "full_bf16" else 4  # cast in CPU memory before it is placed
         placed = item * sum(t.numel() for t in [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
                             if t.is_floating_point())

@@ -248,14 +248,31 @@ def frozen_linears(model: torch.nn.Module) -> list[str]:
             if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
 
 
+def cast_all_but_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast `model`'s floating-point parameters and buffers to `dtype` as Module.to does, but for
+    those of its nn.Linear modules: quantize_base casts each linear on its own (`dtype`), so the
+    whole model is never widened at once in CPU memory."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
+
+
 def quantize_base(denoiser: torch.nn.Module, method: str, device: Optional[torch.device] = None,
-                  targets: Optional[Iterable[str]] = None) -> BaseQuantization:
+                  targets: Optional[Iterable[str]] = None, dtype: Optional[torch.dtype] = None
+                  ) -> BaseQuantization:
     """Store the denoiser's frozen linear weights as `method` (see the module docstring).
 
-    Call it after the LoRA adapter is added (peft's layers then wrap a QuantizedLinear) and after
-    the denoiser is in its training dtype. `targets` (default: every frozen linear) names the
-    modules. Each is moved to `device` before it is quantized, so the device never holds more
-    than one full-precision linear at a time; the caller moves the rest of the model.
+    Call it after the LoRA adapter is added (peft's layers then wrap a QuantizedLinear). `targets`
+    (default: every frozen linear) names the modules. Each is moved to `device` as it lies, then
+    cast there to the training `dtype` (default: it is in it already) and quantized, so neither
+    the device nor the CPU memory ever holds more than one widened linear at a time; the caller
+    moves the rest of the model.
     """
     if method not in BASE_METHODS:
         raise ValueError(f"unknown base quantization {method!r}; choose one of {BASE_METHODS}")
@@ -267,6 +284,8 @@ def quantize_base(denoiser: torch.nn.Module, method: str, device: Optional[torch
             raise ValueError(f"{name} is not a frozen nn.Linear; only frozen linears can be quantized")
         if device is not None:
             linear.to(device)
+        if dtype is not None:
+            linear.to(dtype=dtype)
         before = tensor_bytes(linear.weight)
         weight = _quantize_weight(linear, method)
         if weight is None:

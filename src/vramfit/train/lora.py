@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Optional
 
 import torch
 
@@ -71,16 +72,29 @@ def adapter_config(settings: LoraSettings, targets: list[str], convs: list[str])
                       use_dora=settings.type == "dora", **common)
 
 
-def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
+def apply_lora(denoiser: torch.nn.Module, settings: LoraSettings,
+               linear_dtype: Optional[torch.dtype] = None) -> list[str]:
     """Freeze the denoiser and add a trainable fp32 adapter of settings.type (LoRA, DoRA, LoKr,
-    LoHa; on the convolutions too where lora.conv_rank is set); returns the adapted modules."""
+    LoHa; on the convolutions too where lora.conv_rank is set); returns the adapted modules.
+    `linear_dtype`: the precision the linears are cast to later (a quantized base is cast layer by
+    layer as it is quantized); the adapter is made as over linears already in it."""
     targets = target_modules(denoiser, settings)
     convs = conv_modules(denoiser) if settings.conv_rank else []
     if settings.conv_rank and not convs:
         raise ValueError("lora.conv_rank: this denoiser has no convolutions in ResNet blocks or "
                          "down/upsamplers (a transformer's blocks are all linear); leave it out")
     denoiser.requires_grad_(False)
-    denoiser.add_adapter(adapter_config(settings, targets, convs))
+    # peft casts a new adapter to its base layer's weight dtype, or to the layer's `compute_dtype`
+    # where it has one (as bitsandbytes' layers do): name the precision those weights will have.
+    pending = [m for m in denoiser.modules() if linear_dtype is not None
+               and isinstance(m, torch.nn.Linear) and m.weight.dtype != linear_dtype]
+    for m in pending:
+        m.compute_dtype = linear_dtype
+    try:
+        denoiser.add_adapter(adapter_config(settings, targets, convs))
+    finally:
+        for m in pending:
+            del m.compute_dtype
     for p in denoiser.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -273,13 +287,15 @@ class TrainedWeights(torch.nn.Module):
                 yield prefix + name, p
 
 
-def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, device: torch.device):
+def quantize_frozen_base(denoiser: torch.nn.Module, settings: LoraSettings, device: torch.device,
+                         dtype: Optional[torch.dtype] = None):
     """Store the adapted denoiser's frozen linears as settings.base_quantization asks, then move
-    the whole model to `device` (each linear arrives there quantized). None when "none"."""
+    the whole model to `device` (each linear arrives there as stored, is cast there to `dtype`, the
+    training precision, and quantized: one widened layer at a time). None when "none"."""
     if settings.base_quantization == "none":
         return None
 
-    summary = quantize_base(denoiser, settings.base_quantization, device)
+    summary = quantize_base(denoiser, settings.base_quantization, device, dtype=dtype)
     denoiser.to(device)
     log.info("frozen base: %d linear layers stored %s (%.1f MiB -> %.1f MiB)%s", summary.layers,
              summary.method, summary.bytes_before / 2**20, summary.bytes_after / 2**20,

@@ -33,6 +33,7 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.checkpointing import checkpointing_function
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
+from vramfit.memory.quantize import cast_all_but_linears
 from vramfit.models.adapter import Family, ModelBundle, t5_tokens
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
@@ -314,18 +315,22 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
     """Cast, adapt and place the denoiser; returns the WeightStreamer when memory.stream_weights
     or offload_activations is on (else None)."""
     unet, family = bundle.denoiser, FAMILIES[bundle.family]
-    # A quantized base is cast where it lies and reaches the device one linear at a time, quantized;
-    # streamed blocks never go to the device whole (stream_weights moves the rest there).
+    # A quantized base's linears stay as loaded, each reaching the device alone to be cast and
+    # quantized there (the rest is cast where it lies); streamed blocks never go to the device whole
+    # (stream_weights moves the rest there).
     quantized = cfg.train.mode == "lora" and cfg.lora.base_quantization != "none"
-    unet.to(None if quantized or cfg.memory.stream_weights else device,
-            torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32)
+    dtype = torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32
+    if quantized:
+        cast_all_but_linears(unet, dtype)
+    else:
+        unet.to(None if cfg.memory.stream_weights else device, dtype)
     unet.requires_grad_(True)
     if cfg.train.mode == "lora":
-        targets = apply_lora(unet, cfg.lora)
+        targets = apply_lora(unet, cfg.lora, linear_dtype=dtype if quantized else None)
         log.info("LoRA rank %d on %d modules", cfg.lora.rank, len(targets))
         if cfg.train.precision == "full_bf16":  # fp32 adapters multiplied in bf16, as under autocast
             lora_in_base_dtype(unet)
-        quantize_frozen_base(unet, cfg.lora, device)
+        quantize_frozen_base(unet, cfg.lora, device, dtype)
     if cfg.train.gradient_checkpointing is not False:  # every block, or a share of them
 
         unet.enable_gradient_checkpointing(checkpointing_function(cfg.train.gradient_checkpointing,
