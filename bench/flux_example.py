@@ -4,7 +4,8 @@ Builds the files ComfyUI users keep for Flux.1-dev: the BFL transformer alone
 (flux1-dev.safetensors, 11.9 B parameters, bf16), BFL's autoencoder (ae.safetensors), CLIP-L
 (clip_l.safetensors) and T5-XXL stored in float8 e4m3 (t5xxl_fp8_e4m3fn.safetensors), with
 stand-in tokenizers beside the transformer; writes synthetic 1024x1024 images; runs the stock
-recipe of diffusers' train_dreambooth_lora_flux.py (bench/seeds.py flux_lora1024 stock, `--stock`)
+recipe of diffusers' train_dreambooth_lora_flux.py (bench/seeds.py flux_lora1024 stock and, with its
+--gradient_checkpointing, stock_ckpt; `--stock`)
 and the example as written, plus any `--variant NAME:KEY=VALUE,...` (each a run of its own), and
 reports every run's phase peaks, step time and host memory. Not run in CI.
 
@@ -75,15 +76,16 @@ def build_flux_files(folder: Path, tiny: bool) -> dict[str, Path]:
     return paths
 
 
-def stock(args) -> dict:
-    """The stock recipe in a fresh process (bench/seeds.py), as one JSON row."""
-    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), "flux_lora1024", "stock", "--steps", str(args.steps)]
+def stock(args, case: str = "stock") -> dict:
+    """The stock recipe (`case`: "stock", or "stock_ckpt" with its checkpointing flag) in a fresh
+    process (bench/seeds.py), as one JSON row."""
+    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), "flux_lora1024", case, "--steps", str(args.steps)]
     cmd += ["--tiny"] if args.tiny else []
     log(" ".join(cmd))
     proc = subprocess.run(cmd, text=True, capture_output=True, cwd=ROOT)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
-        return dict(case="stock", error=(proc.stdout[-2000:] + proc.stderr[-3000:]))
+        return dict(case=case, error=(proc.stdout[-2000:] + proc.stderr[-3000:]))
     return json.loads(line[len("RESULT "):])
 
 
@@ -139,10 +141,12 @@ def main() -> None:
         report = run_train(ROOT / "examples" / "flux1_dev_lora_8gb.toml",
                            base + [f"cache.dir={args.work / 'cache'}", *sets], args.work / f"run-{name}")
         put(summary(name, report))
-        if i == 0 and args.stock:  # the reference right after the first row, before any variant
+        if i == 0 and args.stock:  # the references right after the first row, before any variant
             put(stock(args))
+            put(stock(args, "stock_ckpt"))
     if args.stock and not runs:
         put(stock(args))
+        put(stock(args, "stock_ckpt"))
 
 
 if __name__ == "__main__":

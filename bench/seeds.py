@@ -19,7 +19,8 @@ Cases (see seed-baselines.md):
   sd3 full fine-tune: fused (Adafactor inside backward, bf16, checkpointing), fast (as above)
   flux LoRA: stock (diffusers' train_dreambooth_lora_flux.py defaults: bf16 transformer and VAE,
     VAE encoding every step, fp32 LoRA on the attention projections, torch AdamW, no
-    checkpointing, guidance 3.5, 512 T5 tokens precomputed)
+    checkpointing, guidance 3.5, 512 T5 tokens precomputed), stock_ckpt (the same with the script's
+    --gradient_checkpointing, where the stock one does not fit the GPU)
 8-bit AdamW is bitsandbytes' where it is installed (and CUDA is there), else torchao's AdamW8bit;
 the row says which.
 """
@@ -54,7 +55,7 @@ WORKLOADS = {
 # "fast" the stock configuration the fastest vramfit configuration compares with.
 SEED_CASES = {"ssd1b": ["seed", "fused", "fast"], "sdxl": ["seed", "fused", "fast"],
               "sd3_lora512": ["seed", "cached", "fast"], "sd3_lora1024": ["cached", "fast"],
-              "sd3_full": ["fused", "fast"], "flux_lora1024": ["stock"]}
+              "sd3_full": ["fused", "fast"], "flux_lora1024": ["stock", "stock_ckpt"]}
 TINY_RES = 64
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 CONTEXT_TOKENS = 154  # SD3: 77 CLIP + 77 T5 tokens (max_sequence_length 77, as the write-up)
@@ -153,7 +154,7 @@ class Bench:
     # -- one case ----------------------------------------------------------------------------
     def run(self, case: str, steps: int) -> dict:
         fast = case == "fast"
-        stock = case == "stock"  # the diffusers Flux script's defaults
+        stock = case in ("stock", "stock_ckpt")  # the diffusers Flux script's defaults (+ its checkpointing flag)
         dtype = torch.float32 if fast and self.w["mode"] == "full" else torch.bfloat16
         model = self.build(dtype)
         n_params = sum(p.numel() for p in model.parameters())
@@ -172,7 +173,7 @@ class Bench:
             opt, info["optimizer"] = None, "transformers Adafactor, per parameter inside backward"
         else:
             opt, info["optimizer"] = adafactor(model.parameters()), "transformers Adafactor"
-        if not (fast or stock):
+        if not (fast or case == "stock"):
             model.enable_gradient_checkpointing()
         model.train()
         vae = self.live_vae() if (case == "seed" and self.w["kind"] == "sd3") or stock else None
