@@ -57,14 +57,13 @@ class Case:
 # nothing but the steps measured (no graphs, fit probe, samples or intermediate saves).
 COMMON = ("train.batch_size=1", "train.grad_accum=1", "train.cuda_graphs=false", "memory.fit_probe=false",
           "sample.every_steps=0", "save.every_steps=0", "data.max_aspect=1.0")
+FULL = ("train.mode=full", "train.optimizer=adafactor", "train.lr=4e-7", "train.precision=full_bf16",
+        "train.gradient_checkpointing=true", "train.max_grad_norm=0")
 BASES = {
     "lora": ("train.mode=lora", "lora.rank=16", "train.optimizer=adafactor", "train.lr=1e-4",
              "train.precision=full_bf16", "train.gradient_checkpointing=true"),
-    "full": ("train.mode=full", "train.optimizer=adafactor", "train.lr=4e-7", "train.precision=full_bf16",
-             "train.gradient_checkpointing=true", "train.optimizer_in_backward=true", "train.max_grad_norm=0"),
-    "full_after": ("train.mode=full", "train.optimizer=adafactor", "train.lr=4e-7", "train.precision=full_bf16",
-                   "train.gradient_checkpointing=true", "train.optimizer_in_backward=false",
-                   "train.max_grad_norm=0"),
+    "full": (*FULL, "train.optimizer_in_backward=true"),
+    "full_after": (*FULL, "train.optimizer_in_backward=false"),
 }
 BASE_LABELS = {"lora": "LoRA r16 baseline", "full": "full fine-tune baseline (step in backward)",
                "full_after": "full fine-tune, step after backward"}
@@ -93,8 +92,10 @@ CASES = [
     Case("full_te", "full_after", 'train.text_encoders = "full"', ("train.text_encoders=full",)),
     *[_opt("lora", o, *(("train.lr=1.0",) if o == "prodigy" else ()))
       for o in ("adamw", "adamw8bit", "lion", "prodigy", "schedulefree_adamw", "came")],
-    *[_ema(b, d, t) for b in ("full", "lora") for d, t in (("gpu", "bf16"), ("gpu", "fp32"), ("cpu", "fp32"))],
-    Case("lora_vpred_minsnr_huber", "lora", 'prediction_type = "v_prediction", min_snr_gamma = 5, loss = "huber"',
+    *[_ema(b, d, t) for b in ("full", "lora")
+      for d, t in (("gpu", "bf16"), ("gpu", "fp32"), ("cpu", "fp32"))],
+    Case("lora_vpred_minsnr_huber", "lora",
+         'prediction_type = "v_prediction", min_snr_gamma = 5, loss = "huber"',
          ("train.prediction_type=v_prediction", "train.min_snr_gamma=5", "train.loss=huber")),
     # the same optimizers on the full fine-tune, where their state is the size of the model
     *[_opt("full_after", o, *(("train.lr=1.0",) if o == "prodigy" else ()))
@@ -118,7 +119,8 @@ def run_in_process(sets: list[str], run_dir: Path) -> dict:
     timeout), read back as build.run_train reads it."""
     from vramfit.cli import main as vramfit_main
 
-    cmd = train_command(None, [*sets, f"output.dir={run_dir}", "save.name=bench", "logging.tensorboard=false"])
+    sets = [*sets, f"output.dir={run_dir}", "save.name=bench", "logging.tensorboard=false"]  # as run_train
+    cmd = train_command(None, sets)
     t0, err = time.time(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -155,7 +157,8 @@ def measure(case: Case, shape: list[str], args, timeout: float) -> dict:
     if report.get("returncode") == "timeout":
         return dict(row, status="failed", error=f"timed out after {timeout:.0f} s (--timeout, --deadline)")
     if report.get("error") or train is None:
-        return dict(row, status="failed", error=str(report.get("error", "no train phase in the report"))[-1500:])
+        error = str(report.get("error", "no train phase in the report"))
+        return dict(row, status="failed", error=error[-1500:])
     gpu = str(report.get("device", "")).startswith("cuda")
     return dict(row, status="ok", device=report.get("device"),
                 peak_allocated=train["gpu_peak_allocated"] if gpu else None,
@@ -187,7 +190,8 @@ def markdown(data: dict) -> str:
     lines = [f"SDXL-family model `{data['model']}` at {data['resolution']}x{data['resolution']}, batch 1, "
              f"{data['steps']} steps (median of all but the first); {data.get('gpu') or data['device']}, "
              f"torch {data['torch']}, source {data['src_digest']}.", "",
-             "| case | key | peak alloc GiB | peak reserved GiB | delta vs its baseline GiB | step s | peak RSS GiB |",
+             "| case | key | peak alloc GiB | peak reserved GiB | delta vs its baseline GiB | step s "
+             "| peak RSS GiB |",
              "|---|---|---|---|---|---|---|"]
     for case in CASES:
         r = rows.get(case.name)
@@ -195,11 +199,13 @@ def markdown(data: dict) -> str:
             continue
         if r["status"] != "ok":
             last = (r.get("error") or "").strip().splitlines()[-1:] or [""]
-            lines.append(f"| {case.name} | {case.key} | {r['status']}: {last[0][:160].replace('|', '/')} | | | | |")
+            why = last[0][:160].replace("|", "/")
+            lines.append(f"| {case.name} | {case.key} | {r['status']}: {why} | | | | |")
             continue
         step = "-" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         lines.append(f"| {case.name} | {case.key} | {_gib(r.get('peak_allocated'))} | "
-                     f"{_gib(r.get('peak_reserved'))} | {delta(r, rows)} | {step} | {_gib(r.get('rss_peak'))} |")
+                     f"{_gib(r.get('peak_reserved'))} | {delta(r, rows)} | {step} | "
+                     f"{_gib(r.get('rss_peak'))} |")
     if data.get("not_run"):
         lines += ["", f"Not run for lack of time: {', '.join(data['not_run'])}."]
     return "\n".join(lines) + "\n"
@@ -225,7 +231,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="sdxl",
                     help="sdxl or ssd1b (built with random weights under --work), tiny:sdxl, or a checkpoint")
     ap.add_argument("--resolution", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=4, help="steps per case; the first is left out of the median")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="steps per case; the first is left out of the median")
     ap.add_argument("--cases", type=lambda s: s.split(","), default=None,
                     help=f"only these cases (of: {', '.join(BY_NAME)})")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per case before it counts as failed")
@@ -281,11 +288,13 @@ def main(argv=None) -> int:
         timeout = args.timeout if left is None else max(10.0, min(args.timeout, left - 5))
         log(f"{case.name} ({case.key}) ...")
         started = time.time()
-        rows[case.name] = dict(measure(case, shape, args, timeout), date=data["date"], src_digest=data["src_digest"])
-        walls.setdefault(case.base, []).append(time.time() - started)
-        r = rows[case.name]
-        log(f"{case.name}: {r['status']}" + (f", {_gib(r.get('peak_allocated'))} GiB, {r.get('step_s')} s/step"
-                                             if r["status"] == "ok" else f": {r['error'][-300:]}"))
+        r = rows[case.name] = dict(measure(case, shape, args, timeout), date=data["date"],
+                                   src_digest=data["src_digest"])
+        if r["status"] in ("ok", "failed"):  # a run took place (a refused or skipped case took no time)
+            walls.setdefault(case.base, []).append(time.time() - started)
+        said = (f", {_gib(r.get('peak_allocated'))} GiB, {r.get('step_s')} s/step" if r["status"] == "ok"
+                else f": {r['error'][-300:]}")
+        log(f"{case.name}: {r['status']}{said}")
         write()
     write()
     print(markdown(data))

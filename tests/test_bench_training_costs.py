@@ -22,9 +22,9 @@ def costs(monkeypatch, tmp_path):
         import training_costs
     finally:
         sys.path.remove(BENCH)
-    extra = [training_costs.Case("dora_int8", "lora", "dora over int8",
-                                 ("lora.type=dora", "lora.base_quantization=int8")),
-             training_costs.Case("no_model", "lora", "a broken checkpoint", (f"model.path={broken}",))]
+    case = training_costs.Case
+    extra = [case("dora_int8", "lora", "dora over int8", ("lora.type=dora", "lora.base_quantization=int8")),
+             case("no_model", "lora", "a broken checkpoint", (f"model.path={broken}",))]
     cases = [*training_costs.CASES, *extra]
     monkeypatch.setattr(training_costs, "CASES", cases)
     monkeypatch.setattr(training_costs, "BY_NAME", {c.name: c for c in cases})
@@ -33,8 +33,8 @@ def costs(monkeypatch, tmp_path):
 
 def test_cases_run_and_failures_are_rows(costs, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    base = ["--out", str(out), "--work", str(work), "--model", "tiny:sdxl", "--resolution", "64", "--steps", "2",
-            "--in-process"]
+    base = ["--out", str(out), "--work", str(work), "--model", "tiny:sdxl", "--resolution", "64",
+            "--steps", "2", "--in-process"]
     assert costs.main([*base, "--cases", "lora,lora_dora,dora_int8"]) == 0
     data = json.loads((out / "training_costs.json").read_text())
     rows = {r["case"]: r for r in data["rows"]}
@@ -44,10 +44,12 @@ def test_cases_run_and_failures_are_rows(costs, tmp_path):
         assert r["status"] == "ok" and r["steps"] == 2 and r["step_s"] > 0 and r["rss_peak"] > 0
         assert {"peak_allocated", "peak_reserved", "key", "base", "sets", "command"} <= set(r)
         assert r["peak_allocated"] is None  # no GPU: no GPU figure, not a zero
-    assert "lora.type=dora" in rows["lora_dora"]["command"] and "lora.type=dora" not in rows["lora"]["command"]
+    assert "lora.type=dora" in rows["lora_dora"]["command"]
+    assert "lora.type=dora" not in rows["lora"]["command"]
     assert rows["dora_int8"]["status"] == "refused" and "lora.type" in rows["dora_int8"]["error"]
     table = (out / "training_costs.md").read_text().splitlines()
-    body = {line.split(" | ")[0].strip("| "): line for line in table if line.startswith("| ") and "---" not in line}
+    body = {line.split(" | ")[0].strip("| "): line for line in table
+            if line.startswith("| ") and "---" not in line}
     assert list(body) == ["case", "lora", "lora_dora", "dora_int8"]
     assert body["case"].startswith("| case | key | peak alloc") and "| delta vs its baseline" in body["case"]
     assert "(baseline)" in body["lora"] and "vs lora" in body["lora_dora"] and "refused" in body["dora_int8"]
@@ -56,11 +58,13 @@ def test_cases_run_and_failures_are_rows(costs, tmp_path):
     assert costs.main([*base, "--cases", "lora,lora_dora,no_model"]) == 0
     rows = {r["case"]: r for r in json.loads((out / "training_costs.json").read_text())["rows"]}
     assert rows["lora"] == earlier and set(rows) == {"lora", "lora_dora", "dora_int8", "no_model"}
-    assert rows["no_model"]["status"] == "failed" and "broken.safetensors" in rows["no_model"]["error"]
+    failed = rows["no_model"]
+    assert failed["status"] == "failed" and "broken.safetensors" in failed["error"]
     # no time left: nothing runs, the cases are named
     assert costs.main([*base, "--cases", "lora_lokr,lora_loha", "--deadline", "0"]) == 0
     data = json.loads((out / "training_costs.json").read_text())
-    assert data["not_run"] == ["lora_lokr", "lora_loha"] and "lora_lokr" not in {r["case"] for r in data["rows"]}
+    assert data["not_run"] == ["lora_lokr", "lora_loha"]
+    assert "lora_lokr" not in {r["case"] for r in data["rows"]}
     assert "Not run for lack of time: lora_lokr, lora_loha." in (out / "training_costs.md").read_text()
 
 
