@@ -12,9 +12,11 @@ out, is a row with its error. CUDA graphs, the fit probe and sample grids are of
 that a delta is the option's own.
 
 Writes <out>/training_costs.json (rows, merged with the rows an earlier command wrote there for the
-same model, shape, steps and GPU: a second command runs only the cases still missing) and
-<out>/training_costs.md (a markdown table for docs/training.md). Not run in CI; its CPU smoke test
-is tests/test_bench_training_costs.py.
+same model, shape, steps and GPU: a second command runs only the cases with no row yet or one that
+timed out, unless --rerun) and <out>/training_costs.md (a markdown table for docs/training.md).
+The cases run in the order of CASES; the last ones (optimizers on the full fine-tune) write training
+states of up to about 55 GB (Prodigy's fp32 state of SDXL's UNet) under --work, deleted after each
+case. Not run in CI; its CPU smoke test is tests/test_bench_training_costs.py.
 
 usage: python bench/training_costs.py --out DIR [--model sdxl|ssd1b|tiny:sdxl|PATH] [--resolution N]
            [--steps N] [--cases NAME,...] [--timeout S] [--deadline S] [--work DIR] [--rerun]
@@ -155,7 +157,7 @@ def measure(case: Case, shape: list[str], args, timeout: float) -> dict:
     row.update(command=report.get("command"), wall_s=report.get("wall_seconds"))
     train = train_phase(report)
     if report.get("returncode") == "timeout":
-        return dict(row, status="failed", error=f"timed out after {timeout:.0f} s (--timeout, --deadline)")
+        return dict(row, status="timeout", error=f"timed out after {timeout:.0f} s (--timeout, --deadline)")
     if report.get("error") or train is None:
         error = str(report.get("error", "no train phase in the report"))
         return dict(row, status="failed", error=error[-1500:])
@@ -239,9 +241,12 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from the start this command may take: cases that would not end in time are "
                     "left out and named; the same command run again runs them")
-    ap.add_argument("--rerun", action="store_true", help="run cases that an earlier command measured too")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/vramfit-bench-costs"),
-                    help="model, images, cache and run folders (reused on a warm machine)")
+    ap.add_argument("--rerun", action="store_true",
+                    help="run again the cases an earlier command has a row of (by default only those that "
+                    "timed out run again)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vramfit-bench-run"),
+                    help="model, images, cache and run folders (reused on a warm machine; bench/run.py's "
+                    "default, so that both use one built model)")
     ap.add_argument("--in-process", action="store_true",
                     help="run every case in this process (a CPU smoke test: peaks and RSS mix between cases, "
                     "no --timeout)")
@@ -269,7 +274,7 @@ def main(argv=None) -> int:
     shape = [f"model.path={ckpt}", f"data.path={images}", f"data.resolution={res}", f"data.min_size={res}",
              f"cache.dir={args.work / 'cache'}", f"train.steps={args.steps}"]
     wanted = [c for c in CASES if args.cases is None or c.name in args.cases]
-    todo = [c for c in wanted if args.rerun or rows.get(c.name, {}).get("status") != "ok"]
+    todo = [c for c in wanted if args.rerun or rows.get(c.name, {}).get("status", "timeout") == "timeout"]
     walls: dict[str, list[float]] = {}
     not_run = []
 
@@ -290,7 +295,7 @@ def main(argv=None) -> int:
         started = time.time()
         r = rows[case.name] = dict(measure(case, shape, args, timeout), date=data["date"],
                                    src_digest=data["src_digest"])
-        if r["status"] in ("ok", "failed"):  # a run took place (a refused or skipped case took no time)
+        if r["status"] in ("ok", "failed", "timeout"):  # it ran (a refused or skipped case took no time)
             walls.setdefault(case.base, []).append(time.time() - started)
         said = (f", {_gib(r.get('peak_allocated'))} GiB, {r.get('step_s')} s/step" if r["status"] == "ok"
                 else f": {r['error'][-300:]}")
