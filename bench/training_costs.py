@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from vramfit.cli import main as vramfit_main
 
 from build import ROOT, ensure_model, log, make_images, run_train, train_command, train_phase
 from run import config_problem, gpu_name, key_exists, src_digest
@@ -67,8 +68,10 @@ BASES = {
     "full": (*FULL, "train.optimizer_in_backward=true"),
     "full_after": (*FULL, "train.optimizer_in_backward=false"),
 }
-BASE_LABELS = {"lora": "LoRA r16 baseline", "full": "full fine-tune baseline (step in backward)",
-               "full_after": "full fine-tune, step after backward"}
+BASE_LABELS = {"lora": "LoRA rank 16, Adafactor, full_bf16, checkpointing",
+               "full": "full fine-tune, Adafactor, full_bf16, checkpointing, the step inside backward",
+               "full_after": "the same, the step after backward (what text encoders and the optimizers "
+                             "that step all parameters at once need)"}
 
 
 def _ema(base: str, device: str, dtype: str) -> Case:
@@ -119,8 +122,6 @@ def missing_keys(case: Case) -> list[str]:
 def run_in_process(sets: list[str], run_dir: Path) -> dict:
     """The same run through vramfit.cli.main in this process (the CPU smoke test: peaks mix, no
     timeout), read back as build.run_train reads it."""
-    from vramfit.cli import main as vramfit_main
-
     sets = [*sets, f"output.dir={run_dir}", "save.name=bench", "logging.tensorboard=false"]  # as run_train
     cmd = train_command(None, sets)
     t0, err = time.time(), io.StringIO()
@@ -191,7 +192,8 @@ def markdown(data: dict) -> str:
     rows = {r["case"]: r for r in data["rows"]}
     lines = [f"SDXL-family model `{data['model']}` at {data['resolution']}x{data['resolution']}, batch 1, "
              f"{data['steps']} steps (median of all but the first); {data.get('gpu') or data['device']}, "
-             f"torch {data['torch']}, source {data['src_digest']}.", "",
+             f"torch {data['torch']}, source {data['src_digest']}; CUDA graphs off. Baselines: "
+             + "; ".join(f"`{name}`: {label}" for name, label in BASE_LABELS.items()) + ".", "",
              "| case | key | peak alloc GiB | peak reserved GiB | delta vs its baseline GiB | step s "
              "| peak RSS GiB |",
              "|---|---|---|---|---|---|---|"]
