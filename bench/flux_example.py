@@ -9,7 +9,10 @@ recipe of diffusers' train_dreambooth_lora_flux.py (bench/seeds.py flux_lora1024
 and the example as written, plus any `--variant NAME:KEY=VALUE,...` (each a run of its own), and
 reports every run's phase peaks, step time and host memory. Not run in CI.
 
-usage: python bench/flux_example.py --out DIR [--steps 4] [--stock] [--variant NAME:K=V,...] [--tiny]
+`--full` runs examples/flux1_dev_full_12gb.toml instead (a full fine-tune, streamed; its rows are
+written to flux_full_example.json).
+
+usage: python bench/flux_example.py --out DIR [--steps 4] [--stock] [--variant NAME:K=V,...] [--tiny] [--full]
 """
 from __future__ import annotations
 
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--skip-example", action="store_true", help="only the variants")
     ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,KEY=VALUE")
     ap.add_argument("--tiny", action="store_true", help="tiny:flux's parts at 64x64 on the CPU (checks the script)")
+    ap.add_argument("--full", action="store_true", help="the full fine-tune example instead of the LoRA one")
     args = ap.parse_args()
     files = build_flux_files(args.work / ("files-tiny" if args.tiny else "files"), args.tiny)
     res = 64 if args.tiny else 1024
@@ -122,9 +126,11 @@ def main() -> None:
     base = [f"model.path={files['flux1-dev.safetensors']}", f"model.vae={files['ae.safetensors']}",
             f"model.clip_l={files['clip_l.safetensors']}", f"model.t5={files['t5xxl_fp8_e4m3fn.safetensors']}",
             f"data.path={images}", f"data.resolution={res}", f"data.min_size={res}", f"train.steps={args.steps}",
-            "save.every_steps=0", "save.formats=[\"lora\"]"]
+            "save.every_steps=0"] + ([] if args.full else ["save.formats=[\"lora\"]"])
     base += ["train.device=cpu", "memory.stream_weights=false", "memory.stream_encoders=false"] if args.tiny else []
-    out_file = args.out / ("flux_example_tiny.json" if args.tiny else "flux_example.json")
+    stem = "flux_full_example" if args.full else "flux_example"
+    out_file = args.out / (f"{stem}_tiny.json" if args.tiny else f"{stem}.json")
+    example = ROOT / "examples" / ("flux1_dev_full_12gb.toml" if args.full else "flux1_dev_lora_8gb.toml")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     rows: list[dict] = []
 
@@ -138,7 +144,7 @@ def main() -> None:
         (v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
     for i, (name, sets) in enumerate(runs):
         log(f"vramfit {name} ...")
-        report = run_train(ROOT / "examples" / "flux1_dev_lora_8gb.toml",
+        report = run_train(example,
                            base + [f"cache.dir={args.work / 'cache'}", *sets], args.work / f"run-{name}")
         put(summary(name, report))
         if i == 0 and args.stock:  # the references right after the first row, before any variant

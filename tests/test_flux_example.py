@@ -13,6 +13,7 @@ from vramfit.config.load import load_config
 from vramfit.models.registry import materialize_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flux1_dev_lora_8gb.toml"
+FULL_EXAMPLE = EXAMPLE.with_name("flux1_dev_full_12gb.toml")
 PARTS = {"flux1-dev": "model.diffusion_model.", "ae": "first_stage_model.",
          "clip_l": "text_encoders.clip_l.transformer.", "t5xxl_fp8_e4m3fn": "text_encoders.t5xxl.transformer."}
 
@@ -48,6 +49,29 @@ def test_flux_example_parses_and_trains_on_tiny_parts(images, tmp_path, cache_ro
     assert main(args) == 0
     assert any(k.startswith("transformer.") for k in load_file(str(out / "model.safetensors")))
     assert any(k.startswith("lora_unet_double_blocks_") for k in load_file(str(out / "model-kohya.safetensors")))
+
+
+def test_flux_full_example_parses_and_trains_streamed_on_tiny_parts(images, tmp_path, cache_root):
+    """The full fine-tune example as written: streamed weights stepping inside backward with
+    Adafactor, written as BFL's single file."""
+    files = split_tiny_flux(cache_root, tmp_path / "files")
+    paths = [f"model.path={files['flux1-dev']}", f"model.vae={files['ae']}", f"model.clip_l={files['clip_l']}",
+             f"model.t5={files['t5xxl_fp8_e4m3fn']}"]
+    cfg = load_config(FULL_EXAMPLE, paths, need_data=False)
+    assert cfg.train.mode == "full" and cfg.train.optimizer == "adafactor" and cfg.train.optimizer_in_backward
+    assert cfg.memory.stream_weights and cfg.save.formats == ["single_file"]
+    out = tmp_path / "run"
+    args = ["train", str(FULL_EXAMPLE), "--no-progress"]
+    for s in (*paths, f"data.path={images}", "data.resolution=64", "data.min_size=64", "data.bucket_step=32",
+              f"cache.dir={cache_root / 'flux-example'}", "train.steps=1", "train.device=cpu", "save.every_steps=0",
+              "model.max_sequence_length=16", "memory.stream_encoders=false", f"output.dir={out}",
+              "logging.tensorboard=false"):
+        args += ["--set", s]
+    assert main(args) == 0
+    written = load_file(str(out / "model.safetensors"))
+    source = load_file(str(files["flux1-dev"]))
+    assert set(source) <= set(written)  # the transformer in BFL's keys
+    assert any(not torch.equal(written[k], source[k].to(written[k].dtype)) for k in source)
 
 
 class _Wrapped(torch.nn.Module):
