@@ -4,7 +4,9 @@ about one tensor alive at a time while they are written."""
 from __future__ import annotations
 
 import json
+import math
 import struct
+import sys
 import weakref
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vramfit.config.schema import ModelConfig
-from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy, temp_path
+from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic, save_atomic_lazy, temp_path
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 
@@ -82,3 +84,57 @@ def test_file_tensors_read_each_tensor_when_written(tmp_path):
     save_atomic_lazy(lazy, copy, {"k": "v"})
     save_file({k: tensors[k] for k in lazy}, str(source), metadata={"k": "v"})  # the same, by the library
     assert copy.read_bytes() == source.read_bytes()
+
+
+def _whole_dict_save(entries, path, metadata):
+    """The save as it was: every tensor made first, then safetensors' own writer (`save_atomic`)."""
+    save_atomic({k: e.produce() for k, e in entries.items()}, path, metadata)
+
+
+def _tracked(real, seen: dict):
+    """`save_atomic_lazy` with each produced tensor counted while it is alive (weakref finalizers):
+    seen["peak"] is the most bytes of produced tensors alive at once."""
+    def save(entries, path, metadata=None):
+        alive = {"bytes": 0}
+
+        def counted(key, entry):
+            def produce():
+                t = entry.produce()
+                size = t.numel() * t.element_size()
+                alive["bytes"] += size
+                seen["peak"] = max(seen["peak"], alive["bytes"])
+                weakref.finalize(t, lambda: alive.__setitem__("bytes", alive["bytes"] - size))
+                return t
+            return Lazy(entry.dtype, entry.shape, produce)
+
+        seen["largest"] = max(math.prod(e.shape) * e.dtype.itemsize for e in entries.values())
+        seen["total"] = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries.values())
+        real({k: counted(k, e) for k, e in entries.items()}, path, metadata)
+    return save
+
+
+@pytest.mark.parametrize("name", ["ssd1b", "sdxl", "sd3", "flux"])
+def test_single_file_saves_are_the_whole_dict_saves_one_tensor_at_a_time(name, tmp_path, monkeypatch):
+    """A trained denoiser saved to a single file: the bytes the whole-dict save wrote (the same
+    tensors, header and data; metadata sorted), with at most one produced tensor alive at a time."""
+    source = resolve_source(ModelConfig(path=f"tiny:{name}"))
+    family = detect_family(source)
+    bundle = family.load(source)
+    torch.manual_seed(0)
+    with torch.no_grad():  # trained: unlike the source's weights
+        for p in bundle.denoiser.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    module = sys.modules[type(family).__module__]
+    lazy, whole = tmp_path / "lazy.safetensors", tmp_path / "whole.safetensors"
+    seen = {"peak": 0}
+    monkeypatch.setattr(module, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
+    family.save_single_file(bundle, lazy, torch.bfloat16, {"b": "2", "a": "1"})
+    monkeypatch.setattr(module, "save_atomic_lazy", _whole_dict_save)
+    family.save_single_file(bundle, whole, torch.bfloat16, {"b": "2", "a": "1"})
+    assert _split(lazy) == _split(whole)
+    assert 0 < seen["peak"] <= seen["largest"] < seen["total"] / 10
+    # the parts not trained are the source's, byte for byte; the trained ones are the model's, cast
+    saved, original = load_file(str(lazy)), load_file(str(source.path))
+    carried = [k for k in saved if k in original and torch.equal(saved[k], original[k])]
+    assert carried and len(carried) < len(saved)
+    assert not any(saved[k].dtype == torch.float32 for k in set(saved) - set(carried) if saved[k].numel() > 1)
