@@ -15,7 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from vramfit.config.load import load_config
 from vramfit.config.schema import ModelConfig
+from vramfit.fit.host import written_at_once
+from vramfit.fit.model_facts import read_facts
+from vramfit.fit.planner import host_prediction
 from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic, save_atomic_lazy, temp_path
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
@@ -138,3 +142,24 @@ def test_single_file_saves_are_the_whole_dict_saves_one_tensor_at_a_time(name, t
     carried = [k for k in saved if k in original and torch.equal(saved[k], original[k])]
     assert carried and len(carried) < len(saved)
     assert not any(saved[k].dtype == torch.float32 for k in set(saved) - set(carried) if saved[k].numel() > 1)
+
+
+def test_the_predicted_save_holds_about_the_largest_tensor_not_the_checkpoint(cache_root, tmp_path,
+                                                                              monkeypatch):
+    """fit/host.py's save term for a streamed full fine-tune from a single file (its trained weights
+    at home: no training state copy): at least what a real save of the file held at once (measured
+    as above), and far below the whole checkpoint it was."""
+    cfg = load_config(None, ["model.path=tiny:sdxl", f"cache.dir={cache_root}", "data.resolution=64",
+                             "train.device=cpu", "train.mode=full", "save.dtype=bf16",
+                             "memory.stream_weights=true", "train.precision=mixed_bf16"], need_data=False)
+    facts = read_facts(cfg, cache_root)
+    written = host_prediction(facts, cfg).phase("save").parts["written state"]
+    source = resolve_source(cfg.model, cache_root)
+    family = detect_family(source)
+    bundle = family.load(source)
+    seen = {"peak": 0}
+    module = sys.modules[type(family).__module__]
+    monkeypatch.setattr(module, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
+    family.save_single_file(bundle, tmp_path / "m.safetensors", torch.bfloat16, {})
+    assert seen["peak"] <= written == written_at_once(facts, cfg, 2, 0)
+    assert written < (tmp_path / "m.safetensors").stat().st_size / 10
