@@ -22,7 +22,10 @@ from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import host_prediction
 from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic, save_atomic_lazy, temp_path
 from vramfit.models.registry import detect_family
+from vramfit.models.sdxl.family import UNET
+from vramfit.models.sdxl.sgm_unet import diffusers_to_sgm_unet
 from vramfit.models.sources import resolve_source
+from vramfit.train.setup import place_denoiser
 
 
 def _split(path: Path) -> tuple[dict, bytes]:
@@ -157,9 +160,14 @@ def test_the_predicted_save_holds_about_the_largest_tensor_not_the_checkpoint(ca
     source = resolve_source(cfg.model, cache_root)
     family = detect_family(source)
     bundle = family.load(source)
+    assert place_denoiser(bundle, cfg, torch.device("cpu")).streamed_bytes() > 0  # saved from the homes
     seen = {"peak": 0}
     module = sys.modules[type(family).__module__]
     monkeypatch.setattr(module, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
     family.save_single_file(bundle, tmp_path / "m.safetensors", torch.bfloat16, {})
     assert seen["peak"] <= written == written_at_once(facts, cfg, 2, 0)
     assert written < (tmp_path / "m.safetensors").stat().st_size / 10
+    saved = load_file(str(tmp_path / "m.safetensors"))
+    homes = {k: v.bfloat16() for k, v in bundle.denoiser.state_dict().items()}
+    unet = diffusers_to_sgm_unet(homes, dict(bundle.denoiser.config))
+    assert all(torch.equal(saved[UNET + k], v) for k, v in unet.items())
