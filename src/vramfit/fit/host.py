@@ -32,9 +32,10 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - samples: the train terms, plus the grid's VAE and encoders reloaded from the file in the grid's
   dtype (where captions and latents are cached the kept VAE serves).
 - save: the train terms but the offloaded buffers (freed after training), plus the larger of the
-  training state's copy of the trained weights (those not at home in CPU memory already) and the
-  checkpoint's state: a full fine-tune's denoiser in save.dtype and the rest of a single file read
-  as stored; a LoRA's adapter.
+  training state's copy of the trained weights (those not at home in CPU memory already) and what
+  the checkpoint holds while it is written: a full fine-tune's single file is written a tensor at
+  a time from a single-file source (`written_at_once`: about its largest tensor; the whole
+  checkpoint from a diffusers folder); a LoRA's adapter.
 On a CPU run the device is this memory: each phase adds the device prediction's peak. Several
 processes on this machine (torchrun, accelerate launch: LOCAL_WORLD_SIZE) each hold all of it.
 
@@ -187,6 +188,21 @@ def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
     return den.streamed * widened + (0 if cpu else den.streamed)
 
 
+def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int:
+    """Host bytes a full fine-tune's single file holds while it is written (`item`: bytes a value of
+    save.dtype; `n`: the denoiser's values). From a single file, a tensor at a time
+    (formats/safetensors_io.py `save_atomic_lazy`): the largest denoiser tensor made in save.dtype
+    with the parts it is joined from (twice its size), or the largest part read from the source as
+    stored; text encoders trained whole are first copied in save.dtype. From a diffusers folder
+    (no single-file facts), the whole checkpoint: the denoiser in save.dtype, the VAE and the
+    encoders as stored (they are converted whole)."""
+    if not facts.largest_denoiser_values:
+        return item * n + 2 * facts.vae_params + sum(e.stored_bytes for e in facts.encoders)
+    whole = cfg.train.text_encoders == "full"
+    trained = sum(e.params for e in facts.encoders if e.kind == "clip") if whole else 0
+    return max(2 * item * facts.largest_denoiser_values, facts.largest_part_bytes) + item * trained
+
+
 def placed_by_layer(facts: ModelFacts, cfg: RunConfig, loaded: int, cpu: bool) -> int:
     """Host bytes of the denoiser (`loaded` as loaded) while a quantized LoRA base is placed, else 0:
     as loaded, with what stays unquantized cast to the train precision (one stored dtype assumed for
@@ -254,9 +270,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         add("samples", {**steady, "grid models": reloaded})
     kept = {k: v for k, v in steady.items() if k != "offloaded activations"}
     if cfg.train.mode == "full":
-        rest = 2 * facts.vae_params + sum(e.stored_bytes for e in facts.encoders)
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.save.dtype]
-        checkpoint = item * n + rest
+        checkpoint = written_at_once(facts, cfg, item, n)
     else:
         checkpoint = den.adapter
     add("save", {**kept, "written state": max(den.trained_copy, checkpoint)})

@@ -65,6 +65,11 @@ class ModelFacts:
     # bytes of the denoiser as loaded into CPU memory (fit/host.py): a single file's as stored (float8
     # widened to bf16), a diffusers folder's in fp32 (from_pretrained); 0 unknown (a shipped layout)
     loaded_bytes: int = 0
+    # a single file's largest tensors (fit/host.py, saving one a tensor at a time): the denoiser's in
+    # values as the file holds it (q/k/v joined where the layout joins them), the other parts' in
+    # bytes as stored; 0 where the source is not a single file
+    largest_denoiser_values: int = 0
+    largest_part_bytes: int = 0
 
 
 _ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -136,6 +141,9 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
             vae_header = read_header(own["vae"])[0]
             vae_prefix = files.vae_prefix if any(k.startswith(files.vae_prefix) for k in vae_header) else ""
         vae_params = sum(math.prod(v["shape"]) for k, v in vae_header.items() if k.startswith(vae_prefix))
+        sizes = {k: (math.prod(v["shape"]), _ELEMENT_SIZE.get(v["dtype"], 4)) for k, v in header.items()}
+        largest = (max((n for k, (n, _) in sizes.items() if k.startswith(prefix)), default=0),
+                   max((n * item for k, (n, item) in sizes.items() if not k.startswith(prefix)), default=0))
         # the VAE is built from its keys as the family loads it (formats/ldm_vae.py)
         vae_keys = meta_tensors(vae_header, vae_prefix)
         tile = vae_tile(vae_config_from_ldm(vae_keys)["sample_size"] if vae_keys else 1024)
@@ -149,13 +157,14 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         tile = vae_tile(sample_size)
         found = [encoder_facts(n, kind, _headers(source.path / sub)) if (source.path / sub).is_dir() else None
                  for n, _, sub, kind, _ in files.encoders]
+        largest = (0, 0)
     encoders = [e for e in found if e is not None]
     cls = family.denoiser_class()
     with torch.device("meta"):
         denoiser = cls.from_config(config)
     loaded = loaded or 4 * sum(p.numel() for p in denoiser.parameters())
     return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders,
-                      loaded_bytes=loaded)
+                      loaded_bytes=loaded, largest_denoiser_values=largest[0], largest_part_bytes=largest[1])
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------

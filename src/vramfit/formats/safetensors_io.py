@@ -8,6 +8,12 @@ NTFS). Removals rename away first (`.NAME.deleting-PID`), so a kill mid-delete n
 folder under its final name. Temporaries whose writer is gone are cleaned at the next start
 (`clean_stale_temps`). A full disk met by safetensors (its own SafetensorError) is raised as the
 OSError it carries, so every caller handles it like any other write error.
+
+A checkpoint is written tensor by tensor (`save_atomic_lazy`): safetensors' own save_file takes
+every tensor at once, so a model's whole file (a full fine-tune's denoiser cast to save.dtype, the
+text encoders and VAE read from the source) would sit in memory beside the model being saved. The
+lazy writer takes each tensor's name, dtype and shape ahead, writes the header the library would
+(same order, same JSON, same padding), then asks for each tensor only when its bytes are written.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator, Mapping, Optional
+from typing import IO, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -57,6 +63,30 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+# What the lazy writer writes: safetensors' dtype names in the order of its dtype enumeration, which
+# orders a file's data (largest first, then by name), and the torch dtypes written under each name.
+_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
+          "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+_WRITE_NAMES = {getattr(torch, t): n for t, n in (
+    ("bool", "BOOL"), ("uint8", "U8"), ("int8", "I8"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e8m0fnu", "F8_E8M0"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("int16", "I16"), ("uint16", "U16"), ("float16", "F16"), ("bfloat16", "BF16"), ("int32", "I32"),
+    ("uint32", "U32"), ("float32", "F32"), ("complex64", "C64"), ("float64", "F64"), ("int64", "I64"),
+    ("uint64", "U64")) if hasattr(torch, t)}
+
+
+class Lazy(NamedTuple):
+    """A tensor to write, known by dtype and shape ahead; `produce()` makes it when its bytes are
+    written (and it is let go after)."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+
+def eager(t: torch.Tensor) -> Lazy:
+    """A tensor already in memory as a `Lazy` entry."""
+    return Lazy(t.dtype, tuple(t.shape), lambda: t)
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
@@ -178,18 +208,49 @@ def read_tensors(path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[st
     with open(path, "rb") as fh:
         start = 8 + struct.unpack("<Q", fh.read(8))[0]
         for key in keys:
-            entry = header[key]
-            begin, end = entry["data_offsets"]
-            raw = torch.empty(end - begin, dtype=torch.uint8)
-            fh.seek(start + begin)
-            view, done = memoryview(raw.numpy()), 0
-            while done < len(view):
-                got = fh.readinto(view[done:])
-                if not got:
-                    raise CheckpointError(f"{path}: truncated while reading tensor {key!r}; download or copy "
-                                          "it again")
-                done += got
-            yield key, raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+            yield key, _read_one(fh, start, path, key, header[key])
+
+
+def _read_one(fh: IO[bytes], start: int, path: Path, key: str, entry: dict) -> torch.Tensor:
+    """The tensor `entry` of a checked header describes, read from `fh` (data from byte `start`)."""
+    begin, end = entry["data_offsets"]
+    raw = torch.empty(end - begin, dtype=torch.uint8)
+    fh.seek(start + begin)
+    view, done = memoryview(raw.numpy()), 0
+    while done < len(view):
+        got = fh.readinto(view[done:])
+        if not got:
+            raise CheckpointError(f"{path}: truncated while reading tensor {key!r}; download or copy it again")
+        done += got
+    return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def file_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, Lazy]:
+    """{key: Lazy} of the tensors of a file whose key `wanted` takes, each read from the file (plain
+    reads, as `read_tensors`) only when it is written: a file's parts carried over into a saved
+    one without holding them all. The header is checked now; the file must stay until the write."""
+    path = Path(path)
+    header, _ = read_header(path)
+
+    def reader(key: str) -> Callable[[], torch.Tensor]:
+        entry = header[key]
+        if sys.byteorder != "little" or entry["dtype"] not in _DTYPES:
+            return lambda: dict(read_tensors(path, lambda k: k == key))[key]
+
+        def read() -> torch.Tensor:
+            with open(path, "rb") as fh:
+                return _read_one(fh, 8 + struct.unpack("<Q", fh.read(8))[0], path, key, entry)
+        return read
+
+    out = {}
+    for key, entry in header.items():
+        if wanted(key):
+            if entry["dtype"] not in _DTYPES and entry["dtype"] not in _WRITE_NAMES.values():
+                raise CheckpointError(f"{path}: tensor {key!r} is stored as {entry['dtype']}, which cannot be "
+                                      "carried into a saved file; convert the file to a supported dtype")
+            dtype = _DTYPES.get(entry["dtype"]) or next(t for t, n in _WRITE_NAMES.items() if n == entry["dtype"])
+            out[key] = Lazy(dtype, tuple(entry["shape"]), reader(key))
+    return out
 
 
 def os_error_of(exc: BaseException, path: Optional[Path] = None) -> Optional[OSError]:
@@ -235,6 +296,63 @@ def save_atomic(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def save_atomic_lazy(entries: Mapping[str, Lazy], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file tensor by tensor, atomically as `save_atomic`: the bytes are those
+    safetensors' save_file writes for the produced tensors (metadata keys sorted, where the library
+    leaves them in hash order), while memory holds one produced tensor at a time."""
+    path = Path(path)
+    if sys.byteorder != "little":  # the library swaps bytes on the way out: let it, with everything at once
+        save_atomic({k: e.produce() for k, e in entries.items()}, path, metadata)
+        return
+    names = {}
+    for key, entry in entries.items():
+        if entry.dtype not in _WRITE_NAMES:
+            raise ValueError(f"tensor {key!r}: safetensors has no dtype for {entry.dtype}")
+        names[key] = _WRITE_NAMES[entry.dtype]
+    rank = {n: i for i, n in enumerate(_ORDER)}
+    order = sorted(entries, key=lambda k: (-rank[names[k]], k))
+    header: dict = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("safetensors metadata must map strings to strings")
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for key in order:
+        shape = [int(d) for d in entries[key].shape]
+        size = math.prod(shape) * entries[key].dtype.itemsize
+        header[key] = {"dtype": names[key], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with _no_room_names(path):
+            with open(tmp, "wb") as fh:
+                fh.write(struct.pack("<Q", len(text)))
+                fh.write(text)
+                for key in order:
+                    _write_tensor(fh, key, entries[key])
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_tensor(fh: IO[bytes], key: str, entry: Lazy) -> None:
+    """Produce one tensor, check it is what the header said, write its bytes; nothing is kept."""
+    t = entry.produce().detach()
+    if t.dtype != entry.dtype or tuple(t.shape) != tuple(entry.shape):
+        raise ValueError(f"tensor {key!r} was announced as {entry.dtype} {tuple(entry.shape)} but produced as "
+                         f"{t.dtype} {tuple(t.shape)}")
+    if t.numel():
+        fh.write(memoryview(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 @contextmanager

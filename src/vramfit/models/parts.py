@@ -18,7 +18,7 @@ import torch
 from accelerate import init_empty_weights
 
 from vramfit.formats import clip as clipfmt
-from vramfit.formats.safetensors_io import CheckpointError, load_prefixed, meta_tensors, read_header
+from vramfit.formats.safetensors_io import CheckpointError, Lazy, load_prefixed, meta_tensors, read_header
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
 
@@ -84,6 +84,29 @@ def _same_key(key: str, keys) -> str:
         if candidate in keys:
             return candidate
     return key
+
+
+def only(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A `lazy_state` plan's maker of a renamed tensor: the one tensor as it is."""
+    return parts[0]
+
+
+def lazy_state(model: torch.nn.Module, plan: Mapping[str, tuple[tuple[str, ...], Callable]],
+               dtype: torch.dtype, prefix: str = "") -> dict[str, Lazy]:
+    """{prefix + file key: Lazy} of `model`'s weights as a single file names them (`plan`: {file key:
+    (the state dict keys it is made of, a function of their tensors)}): each made on the CPU in
+    `dtype` only when it is written, from the weight where it lives (a streamed weight's home, or
+    the device), so no copy of the whole model is made."""
+    sd = model.state_dict()  # references to the weights, no copies
+
+    def maker(keys: tuple[str, ...], make: Callable) -> Callable[[], torch.Tensor]:
+        return lambda: make([sd[k].detach().to("cpu", dtype) for k in keys])
+
+    out = {}
+    for name, (keys, make) in plan.items():
+        shape = make([torch.empty(sd[k].shape, dtype=dtype, device="meta") for k in keys]).shape
+        out[prefix + name] = Lazy(dtype, tuple(shape), maker(keys, make))
+    return out
 
 
 def as_stored(model, folder: Path) -> dict[str, torch.Tensor]:

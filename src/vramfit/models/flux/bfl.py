@@ -9,7 +9,7 @@ stacked. The final layer's modulation holds (shift, scale) where diffusers' norm
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -61,35 +61,53 @@ def _blocks(keys, prefix: str) -> list[int]:
 
 def diffusers_to_bfl(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A FluxTransformer2DModel state dict in BFL keys; every tensor is used once."""
-    out: dict[str, torch.Tensor] = {}
+    return {name: make([sd[k] for k in keys]) for name, (keys, make) in bfl_plan(sd).items()}
+
+
+def _first(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def _swapped(parts: list[torch.Tensor]) -> torch.Tensor:
+    return _swap(parts[0])
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def bfl_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """{BFL key: (the diffusers keys it is made of, how: a function of their tensors)} for a
+    FluxTransformer2DModel state dict (any values: only its keys are read): a single file is
+    written a tensor at a time from it (`diffusers_to_bfl` applies it whole)."""
+    out: dict[str, tuple[tuple[str, ...], Callable]] = {}
     used: set[str] = set()
 
-    def take(key: str) -> torch.Tensor:
-        used.add(key)
-        return sd[key]
+    def take(*keys: str) -> tuple[str, ...]:
+        used.update(keys)
+        return keys
 
     for d, b in [*TOP_NAMES.items(), SWAPPED]:
         for suffix in ("weight", "bias"):
             if f"{d}.{suffix}" in sd:
-                t = take(f"{d}.{suffix}")
-                out[f"{b}.{suffix}"] = _swap(t) if d == SWAPPED[0] else t
+                out[f"{b}.{suffix}"] = (take(f"{d}.{suffix}"), _swapped if d == SWAPPED[0] else _first)
     for i in _blocks(sd, D_DOUBLE):
         src, dst = f"{D_DOUBLE}{i}.", f"{DOUBLE}{i}."
         for d, b in DOUBLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
-                    out[dst + _param(b, suffix)] = take(src + f"{d}.{suffix}")
+                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), _first)
         for b, parts in DOUBLE_FUSED.items():
             for suffix in ("weight", "bias"):
-                out[f"{dst}{b}.{suffix}"] = torch.cat([take(f"{src}{p}.{suffix}") for p in parts], dim=0)
+                out[f"{dst}{b}.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in parts)), _stacked)
     for i in _blocks(sd, D_SINGLE):
         src, dst = f"{D_SINGLE}{i}.", f"{SINGLE}{i}."
         for d, b in SINGLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
-                    out[dst + _param(b, suffix)] = take(src + f"{d}.{suffix}")
+                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), _first)
         for suffix in ("weight", "bias"):
-            out[f"{dst}linear1.{suffix}"] = torch.cat([take(f"{src}{p}.{suffix}") for p in SINGLE_FUSED], 0)
+            out[f"{dst}linear1.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in SINGLE_FUSED)), _stacked)
     left = sorted(set(sd) - used)
     if left:
         raise ValueError(f"Flux transformer keys with no BFL name: {left[:5]}")

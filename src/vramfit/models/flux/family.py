@@ -22,14 +22,15 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.lora import lora_ranks, module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
-    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
+    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header,
     save_model_folder, write_text_atomic,
 )
+from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting, decoder_input
-from vramfit.models.flux.bfl import bfl_names, bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
+from vramfit.models.flux.bfl import bfl_names, bfl_plan, bfl_to_diffusers, flux_config_from_keys
 from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
 from vramfit.models.flux.memory import flux_activations, flux_batch
 from vramfit.models.flux.objective import SCHEDULER, flux_sigmas, image_ids, pack, unpack
@@ -43,6 +44,7 @@ from vramfit.models.parts import (
     encoder_file_state, merge_counts, require_tokenizers, save_encoder_folder, t5_encoder,
     trained_encoder_states, warn_named_over_own,
 )
+from vramfit.models.parts import lazy_state
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -399,9 +401,10 @@ class FluxFamily:
         return loss_of(unpack(packed, h, w), target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
-    def transformer_bfl_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
-        return diffusers_to_bfl(sd)
+    def transformer_bfl_entries(self, bundle: ModelBundle, dtype: torch.dtype,
+                                prefix: str = "") -> dict[str, Lazy]:
+        """The transformer under its BFL keys, each tensor made in `dtype` only when it is written."""
+        return lazy_state(bundle.denoiser, bfl_plan(bundle.denoiser.state_dict()), dtype, prefix)
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
@@ -412,28 +415,28 @@ class FluxFamily:
         bare = src.kind == "single_file" and not any(k.startswith(TRANSFORMER)
                                                      for k in read_header(src.path)[0])
         prefix = "" if bare else TRANSFORMER
-        state = {prefix + k: v for k, v in self.transformer_bfl_state(bundle, dtype).items()}
+        state = self.transformer_bfl_entries(bundle, dtype, prefix)  # made as each is written
         if bare:
             pass  # a transformer-only file (flux1-dev.safetensors) is saved as one: the parts stay in theirs
         elif src.kind == "single_file":  # not a scaled-fp8 marker: the transformer is saved widened
-            state.update({k: v for k, v in load_prefixed(src.path, "", exclude=TRANSFORMER).items()
-                          if k != SCALED_FP8_MARKER})
+            state.update(file_tensors(src.path,
+                                      lambda k: not k.startswith(TRANSFORMER) and k != SCALED_FP8_MARKER))
         else:
             vae, encoders = self.load_encoders(src)
             stored = [as_stored(enc, src.path / sub)
                       for enc, sub in zip(encoders, ("text_encoder", "text_encoder_2"))]
             vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
-            state.update({VAE + k: v for k, v in vae_state.items()})
-            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
+            state.update({VAE + k: eager(v) for k, v in vae_state.items()})
+            state.update({CLIP_L + k: eager(v) for k, v in clipfmt.to_sgm_clip_keys(stored[0]).items()})
             if len(stored) > 1:
-                state.update({T5 + k: v for k, v in stored[1].items()})
+                state.update({T5 + k: eager(v) for k, v in stored[1].items()})
         clip_l = (trained_encoder_states(bundle, dtype) or [None])[0]  # none: the encoders were freed
         if clip_l is not None:  # train.text_encoders = "full": into the file, a transformer-only one too
             state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
-            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
+            state.update({CLIP_L + k: eager(v) for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
         meta = dict(metadata)
         meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "flux-1")
-        save_atomic(state, path, meta)
+        save_atomic_lazy(state, path, meta)
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
         """A diffusers Flux folder that FluxPipeline.from_pretrained loads."""

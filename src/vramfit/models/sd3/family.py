@@ -29,9 +29,10 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.lora import module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
-    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
+    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header,
     save_model_folder, write_text_atomic,
 )
+from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
@@ -42,13 +43,14 @@ from vramfit.models.parts import (
     encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
     shipped_config, t5_encoder, trained_encoder_states, warn_named_over_own,
 )
+from vramfit.models.parts import lazy_state
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
     NUM_TRAIN_TIMESTEPS, flow_inputs, loss_weighting, sample_density, sd3_sigmas,
 )
 from vramfit.models.sd3.memory import mmdit_activations, mmdit_batch
 from vramfit.models.sd3.mmdit import (
-    diffusers_to_sai_mmdit, sai_names, sai_to_diffusers_mmdit, sd3_config_from_keys,
+    sai_names, sai_plan, sai_to_diffusers_mmdit, sd3_config_from_keys,
 )
 from vramfit.models.sd3.tiny import (
     CLIP_G_FILE, CLIP_L_FILE, ENCODER_FOLDER, T5_FILE, TINY_NAMES, materialize_sd3, materialize_sd35,
@@ -487,20 +489,21 @@ class SD3Family:
         return loss_of(pred, target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
-    def transformer_sai_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
-        return {TRANSFORMER + k: v for k, v in diffusers_to_sai_mmdit(sd).items()}
+    def transformer_sai_entries(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, Lazy]:
+        """The transformer under its SAI keys, each tensor made in `dtype` only when it is written."""
+        return lazy_state(bundle.denoiser, sai_plan(bundle.denoiser.state_dict()), dtype, TRANSFORMER)
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
-        """Transformer converted back to SAI keys; VAE and text encoders carried over from the source."""
-        state = self.transformer_sai_state(bundle, dtype)
+        """Transformer converted back to SAI keys; VAE and text encoders carried over from the source.
+        Written a tensor at a time: each is made (cast, or read from the source) as it is written."""
+        state = self.transformer_sai_entries(bundle, dtype)
         src = bundle.source
         meta = dict(metadata)
         if src.kind == "single_file":
             # Everything that is not the transformer is copied byte for byte (T5 stays in fp8); text
             # encoders in files of their own stay there, named in the metadata for loading it again
-            state.update(load_prefixed(src.path, "", exclude=TRANSFORMER))
+            state.update(file_tensors(src.path, lambda k: not k.startswith(TRANSFORMER)))
             header, src_meta = read_header(src.path)
             files = self.encoder_files(src, header, src_meta)
             if files:
@@ -510,15 +513,15 @@ class SD3Family:
             subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
             stored = [as_stored(enc, src.path / sub) for enc, sub in zip(encoders, subs)]
             vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
-            state.update({VAE + k: v for k, v in vae_state.items()})
+            state.update({VAE + k: eager(v) for k, v in vae_state.items()})
             clip_l = clipfmt.to_sgm_clip_keys(stored[0])
             proj = clip_l.get("text_projection.weight")
             if proj is not None and torch.equal(proj, torch.eye(proj.shape[0], dtype=proj.dtype)):
                 del clip_l["text_projection.weight"]  # Stability's files carry no CLIP-L projection
-            state.update({CLIP_L + k: v for k, v in clip_l.items()})
-            state.update({CLIP_G + k: v for k, v in clipfmt.to_sgm_clip_keys(stored[1]).items()})
+            state.update({CLIP_L + k: eager(v) for k, v in clip_l.items()})
+            state.update({CLIP_G + k: eager(v) for k, v in clipfmt.to_sgm_clip_keys(stored[1]).items()})
             if len(encoders) > 2:
-                state.update({T5 + k: v for k, v in stored[2].items() if k != T5_EMBED})
+                state.update({T5 + k: eager(v) for k, v in stored[2].items() if k != T5_EMBED})
         # train.text_encoders = "full": the trained CLIP encoders are written into the file, where the
         # loader takes them before any file of their own (unless model.clip_l / clip_g name one)
         named = json.loads(meta.get(ENCODER_FILES_META) or "{}")
@@ -526,16 +529,16 @@ class SD3Family:
                                          trained_encoder_states(bundle, dtype)):
             if trained is not None:
                 state = {k: v for k, v in state.items() if not k.startswith(prefix)}
-                state.update({prefix + k: v for k, v in clipfmt.to_sgm_clip_keys(trained).items()})
+                state.update({prefix + k: eager(v) for k, v in clipfmt.to_sgm_clip_keys(trained).items()})
                 named.pop(part, None)
         if ENCODER_FILES_META in meta:
             meta[ENCODER_FILES_META] = json.dumps(named)
         if T5 + "shared.weight" in state and T5 + T5_EMBED not in state:
             # Stability's files carry the tied embedding under both names; diffusers' single-file
             # loader does not tie it and would leave it unset (and A1111 looks for this name).
-            state[T5 + T5_EMBED] = state[T5 + "shared.weight"].clone()
+            state[T5 + T5_EMBED] = state[T5 + "shared.weight"]  # written twice (made again for each)
         meta["modelspec.architecture"] = _ARCHITECTURES.get(bundle.layout, "stable-diffusion-3")
-        save_atomic(state, path, meta)
+        save_atomic_lazy(state, path, meta)
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
         """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""

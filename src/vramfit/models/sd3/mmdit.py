@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -157,6 +157,25 @@ def sai_to_diffusers_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
 def diffusers_to_sai_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``SD3Transformer2DModel`` state dict -> SAI MMDiT keys (without ``model.diffusion_model.``)."""
+    return {name: make([sd[k] for k in keys]) for name, (keys, make) in sai_plan(sd).items()}
+
+
+def _first(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def _swapped(parts: list[torch.Tensor]) -> torch.Tensor:
+    return swap_scale_shift(parts[0])
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def sai_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """{SAI key: (the diffusers keys it is made of, how: a function of their tensors)} for an
+    ``SD3Transformer2DModel`` state dict (meta tensors suffice): a single file is written a tensor
+    at a time from it (`diffusers_to_sai_mmdit` applies it whole)."""
     pairs, fused, swapped = _tables(_diffusers_layout(sd))
     rename = {_leaf(d, leaf): (_leaf(s, leaf), d in swapped) for s, d, leaves in pairs for leaf in leaves}
     joined = {f"{s}.{leaf}": [f"{d}.{leaf}" for d in ds] for s, ds in fused for leaf in _WB}
@@ -165,14 +184,14 @@ def diffusers_to_sai_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     missing = [k for k in [*rename, *parts] if k not in sd]
     if unmapped or missing:
         raise UnmappedKeysError("diffusers -> SAI SD3 MMDiT", unmapped, missing)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
+    plan: dict[str, tuple[tuple[str, ...], Callable]] = {}
+    for key in sd:
         if key in rename:
             name, swap = rename[key]
-            out[name] = swap_scale_shift(t) if swap else t
+            plan[name] = ((key,), _swapped if swap else _first)
     for name, sources in joined.items():
-        out[name] = torch.cat([sd[p] for p in sources], dim=0)
-    return out
+        plan[name] = (tuple(sources), _stacked)
+    return plan
 
 
 def sai_names(diffusers_keys: Iterable[str]) -> dict[str, str]:

@@ -20,8 +20,8 @@ from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.safetensors_io import (
-    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header, save_atomic,
-    save_model_folder, write_text_atomic,
+    CheckpointError, Lazy, begin_folder, commit_folder, eager, file_tensors, load_prefixed, meta_tensors,
+    read_header, save_atomic_lazy, save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.formats.lora import to_diffusers
@@ -29,8 +29,8 @@ from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Sou
 from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder, shipped_config,
-    trained_encoder_states,
+    lazy_state, load_clip_tokenizers, merge_counts, only, require_tokenizers, save_encoder_folder,
+    shipped_config, trained_encoder_states,
 )
 from vramfit.models.sdxl.sgm_unet import (
     check_text_time, diffusers_to_sgm_unet, sgm_to_diffusers_unet, unet_config_from_sgm, unet_key_map,
@@ -294,46 +294,49 @@ class SDXLFamily:
         return loss_of(pred, target, inputs, cfg)
 
     # ---- saving ------------------------------------------------------------------------------
-    def unet_sgm_state(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        config = dict(bundle.denoiser.config)
-        sd = {k: v.detach().to("cpu", dtype) for k, v in bundle.denoiser.state_dict().items()}
-        return {UNET + k: v for k, v in diffusers_to_sgm_unet(sd, config).items()}
+    def unet_sgm_entries(self, bundle: ModelBundle, dtype: torch.dtype) -> dict[str, Lazy]:
+        """The UNet under its SGM keys, each tensor cast to `dtype` only when it is written."""
+        keys = {k: k for k in bundle.denoiser.state_dict()}
+        names = diffusers_to_sgm_unet(keys, dict(bundle.denoiser.config))  # {SGM key: diffusers key}
+        return lazy_state(bundle.denoiser, {s: ((d,), only) for s, d in names.items()}, dtype, UNET)
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
         """UNet converted back to SGM keys; VAE and text encoders carried over from the source; the
         `v_pred`/`ztsnr` markers of the trained prediction type (ComfyUI reads them)."""
         metadata = {**metadata, "modelspec.architecture": "stable-diffusion-xl-v1-base"}
-        state = self.unet_sgm_state(bundle, dtype)
+        # written a tensor at a time: the UNet's cast as each is written, the source's read then
+        state = self.unet_sgm_entries(bundle, dtype)
         src = bundle.source
         if src.kind == "single_file":
             # Everything that is not the UNet is copied byte for byte from the input file.
-            state.update(load_prefixed(src.path, "", exclude=UNET))
+            state.update(file_tensors(src.path, lambda k: not k.startswith(UNET)))
             for key in (V_PRED_KEY, ZTSNR_KEY):  # the source's markers; the trained ones follow
                 state.pop(key, None)
         else:
             vae, (enc1, enc2) = self.load_encoders(src)  # written in the dtypes the folder stores
             vae_state = ldm_vae.diffusers_to_ldm_vae(as_stored(vae, src.path / "vae"))
-            state.update({VAE + k: v for k, v in vae_state.items()})
+            state.update({VAE + k: eager(v) for k, v in vae_state.items()})
             clip_l = clipfmt.to_sgm_clip_keys(as_stored(enc1, src.path / "text_encoder"))
-            state.update({CLIP_L + k: v for k, v in clip_l.items()})
+            state.update({CLIP_L + k: eager(v) for k, v in clip_l.items()})
             # OpenCLIP files carry the contrastive temperature, which text conditioning never
             # uses and diffusers drops; write ln(100), its trained value, so the key set is complete.
             bigg = clipfmt.hf_to_openclip(as_stored(enc2, src.path / "text_encoder_2"),
                                           logit_scale=torch.tensor(4.6052))
-            state.update({CLIP_G + k: v for k, v in bigg.items()})
+            state.update({CLIP_G + k: eager(v) for k, v in bigg.items()})
         # train.text_encoders = "full": written (none where the encoders were freed after caching)
         clip_l, clip_g = trained_encoder_states(bundle, dtype) or [None, None]
         if clip_l is not None:
             state = {k: v for k, v in state.items() if not k.startswith(CLIP_L)}
-            state.update({CLIP_L + k: v for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
+            state.update({CLIP_L + k: eager(v) for k, v in clipfmt.to_sgm_clip_keys(clip_l).items()})
         if clip_g is not None:
-            logit_scale = state.get(CLIP_G + "logit_scale", torch.tensor(4.6052))
+            kept = state.get(CLIP_G + "logit_scale")
+            logit_scale = torch.tensor(4.6052) if kept is None else kept.produce()
             state = {k: v for k, v in state.items() if not k.startswith(CLIP_G)}
             bigg = clipfmt.hf_to_openclip(clip_g, logit_scale=logit_scale)
-            state.update({CLIP_G + k: v for k, v in bigg.items()})
-        state.update(single_file_markers(bundle.noise_scheduler))
-        save_atomic(state, path, metadata)
+            state.update({CLIP_G + k: eager(v) for k, v in bigg.items()})
+        state.update({k: eager(v) for k, v in single_file_markers(bundle.noise_scheduler).items()})
+        save_atomic_lazy(state, path, metadata)
 
     def save_diffusers(self, bundle: ModelBundle, folder: Path, dtype: torch.dtype) -> None:
         """A diffusers SDXL folder that StableDiffusionXLPipeline.from_pretrained loads."""
