@@ -214,7 +214,7 @@ def test_cli_device_sums_match_home_and_resident_and_the_planner_counts_them(ima
             "memory.vram_budget") in caplog.text
     assert with_grad_sums(cfg, env, cache_root / "off").memory.streamed_grad_sums == "device"
     single = with_values(cfg, {"train.grad_accum": 1})
-    assert with_grad_sums(single, env, cache_root / "off").memory.streamed_grad_sums == "home"
+    assert with_grad_sums(single, env, cache_root / "off").memory.streamed_grad_sums is None  # no sums to keep
 
 
 def test_cli_bf16_device_sums_with_stochastic_rounding_track_home(images, tmp_path, cache_root):
@@ -435,3 +435,24 @@ def test_on_a_gpu_home_sums_are_pinned_fp32_and_track_the_device_sums(images, tm
     assert losses == pytest.approx(home_losses, rel=1e-3)
     for key in home:
         torch.testing.assert_close(got[key].float(), home[key].float(), rtol=0.02, atol=0.02, msg=key)
+
+
+def test_the_sums_stay_unset_where_they_do_not_apply_and_plan_resolves_them_as_train_does(capsys):
+    """A LoRA run (or one without accumulation) keeps memory.streamed_grad_sums unset, so its config.toml
+    carries no note of it; `vramfit plan` without a budget predicts the sums `train` would choose."""
+    env = Environment(torch.device("cpu"))
+    lora = load_config(None, ["model.path=tiny:sdxl", "train.mode=lora", "train.grad_accum=4"], need_data=False)
+    assert with_grad_sums(lora, env).memory.streamed_grad_sums is None
+    sets = ["model.path=tiny:sdxl", "train.mode=full", "memory.stream_weights=true", "train.optimizer=adafactor",
+            "train.optimizer_in_backward=true", "train.grad_accum=4", "train.device=cpu"]
+    assert main(["plan", "--no-progress", *[a for s in sets for a in ("--set", s)]]) == 0
+    train_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train "))
+    assert "gradient sums" in train_row
+
+
+def test_no_resident_block_is_accepted_without_streaming():
+    """memory.resident_blocks = 0 (what a streamed run's config.toml records) stays valid with
+    streaming turned off; a count above 0 is refused."""
+    load_config(None, ["memory.resident_blocks=0"], need_data=False)
+    with pytest.raises(ConfigError, match="memory.resident_blocks"):
+        load_config(None, ["memory.resident_blocks=2"], need_data=False)

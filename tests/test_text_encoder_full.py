@@ -17,7 +17,7 @@ from vramfit.cli import main
 from vramfit.config.load import ConfigError, load_config
 from vramfit.config.rules import process_problems
 from vramfit.fit.model_facts import facts_for_layout
-from vramfit.fit.planner import plan_report, predict
+from vramfit.fit.planner import host_prediction, plan_report, predict
 from vramfit.fit.resolve import Environment, with_automatic_values
 from vramfit.formats.safetensors_io import load_prefixed
 from vramfit.models.registry import FAMILIES
@@ -246,3 +246,15 @@ def test_plan_counts_the_trained_encoders(layout):
     state = [p.parts["text encoder optimizer state"] for p in phases[1:]]
     assert state[1] > state[0] > 0
     assert "train.text_encoders = 'full'" in plan_report(full, facts, None)
+    # they stay on the device through the sample grids and the saves
+    grids = load_config(None, ["train.text_encoders=full", "sample.every_steps=5", "sample.prompts=[\"a\"]"],
+                        need_data=False)
+    by_name = {p.name: p for p in predict(facts, grids).phases}
+    for phase in ("samples", "save"):
+        assert by_name[phase].parts["text encoders trained"] == 2 * clips
+        assert by_name[phase].parts["text encoder optimizer state"] == state[0]
+    # on the host: the trained CLIPs are not waiting in CPU memory; the training state copies them
+    host = host_prediction(facts, full, for_gpu=True)
+    waiting = host_prediction(facts, plain, for_gpu=True).phase("train").parts["text encoders"]  # all of them
+    assert host.phase("train").parts.get("text encoders", 0) < waiting
+    assert host.phase("save").parts["written state"] >= 2 * clips

@@ -204,7 +204,7 @@ def print_summary(result) -> None:
 def cmd_plan(args) -> int:
     from vramfit.fit.model_facts import facts_for_layout, read_facts, shipped_layouts
     from vramfit.fit.planner import budget_of, plan_report
-    from vramfit.fit.resolve import Environment, with_automatic_values
+    from vramfit.fit.resolve import Environment, resident_by_default, with_automatic_values, with_grad_sums
     from vramfit.models.registry import FAMILIES
     from vramfit.models.sources import ENCODER_PARTS
     from vramfit.train.setup import cache_root
@@ -220,7 +220,8 @@ def cmd_plan(args) -> int:
                 + "|".join(shipped_layouts()))
         problems = [p + hint if p.startswith("model.path:") else p for p in exc.problems]
         raise ConfigError(problems, str(args.config or "config")) from None
-    cfg = with_automatic_values(cfg, Environment.detect(cfg))  # train.cuda_graphs "auto" on this machine
+    env = Environment.detect(cfg)
+    cfg = with_automatic_values(cfg, env)  # train.cuda_graphs "auto" on this machine
     budget = budget_of(cfg, args.vram)  # a bad --vram is named before any model file is read
     if args.vram is not None and budget < MIN_VRAM:
         raise ValueError(f"--vram {args.vram} is below the smallest GPU vramfit plans for "
@@ -234,6 +235,8 @@ def cmd_plan(args) -> int:
                            f"{facts.family} model")
     if problems:
         raise ConfigError(problems, f"config for this {facts.family} model")
+    if budget is None:  # what `train` decides without a budget (with one, the plan chooses these)
+        cfg = with_grad_sums(resident_by_default(cfg), env, facts=facts)
     print(plan_report(cfg, facts, budget))
     return 0
 

@@ -102,7 +102,7 @@ def _ema_device(cfg: Any) -> Optional[str]:
 
 
 def _resident_blocks(cfg: Any) -> Optional[str]:
-    if cfg.memory.resident_blocks is not None and not cfg.memory.stream_weights:
+    if cfg.memory.resident_blocks and not cfg.memory.stream_weights:  # 0: nothing kept, as without streaming
         return ("applies to memory.stream_weights = true (how many blocks stay on the GPU while the rest "
                 "stream), which is off; set memory.stream_weights = true, or leave it out")
     return None

@@ -644,9 +644,10 @@ class MemoryConfig(_Section):
         "gradient bytes on the GPU, for the whole run); \"home\": copied to pinned CPU memory, summed "
         "there (in fp32 where bf16 weights round stochastically) and brought back for the step (costs "
         "a copy each way, the CPU's additions after each backward, a second or more a micro-batch for "
-        "a billion weights, and twice the streamed weights' bytes of pinned host memory). Unset: \"device\" where it applies and the planner "
-        "predicts the train phase with the sums fits vram_budget (without one: the GPU's memory); "
-        "else \"home\". The run's config.toml leaves it unset, saying what it resolved to.")
+        "a billion weights, and twice the streamed weights' bytes of pinned host memory). Unset: "
+        "\"device\" where it applies and the planner predicts the train phase with the sums fits "
+        "vram_budget (without one: the GPU's memory); else \"home\". The run's config.toml leaves it "
+        "unset, saying what it resolved to.")
     stream_encoders: bool = Field(
         False, description="While captions are encoded (the text cache, or live text encoding), keep "
         "each text encoder's transformer layers (T5-XXL's blocks, the CLIPs' layers) in pinned CPU "

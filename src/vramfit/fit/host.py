@@ -247,10 +247,10 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
         add("cache_text", {"denoiser": loaded, "vae": vae,
                            "text encoders": sum(encoders.values()) - on_device})
-    grids = bool(cfg.sample.every_steps and cfg.sample.prompts)
+    grids = cfg.sample.grids
     models: dict[str, int] = {}
     if not cfg.cache.text:  # live captions: the encoders wait in CPU memory between uses
-        trained_clips = cfg.train.mode == "lora" and cfg.lora.text_encoder_rank
+        trained_clips = cfg.text_encoder_training is not None  # on the device for the whole run
         models["text encoders"] = sum(encoders.get(e.name, 0) for e in facts.encoders
                                       if not (trained_clips and e.kind == "clip"))
     if cfg.cache.latents and (grids or not cfg.cache.text):
@@ -268,7 +268,7 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         reloaded = 0 if cfg.cache.latents and cfg.cache.text else \
             facts.vae_params * item + _grid_encoders(facts, cfg, item)
         add("samples", {**steady, "grid models": reloaded})
-    kept = {k: v for k, v in steady.items() if k != "offloaded activations"}
+    kept = steady  # saves come between steps too (save.every_steps, a stop): the step's buffers are held
     if cfg.train.mode == "full":
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.save.dtype]
         checkpoint = written_at_once(facts, cfg, item, n)

@@ -511,6 +511,10 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     return {**base, **max(candidates, key=lambda c: sum(c.values()))}
 
 
+# `_trained_encoders`' terms that live as long as the run, not only through the step
+TRAINED_ENCODERS_KEPT = ("text encoders trained", "text encoder lora", "text encoder optimizer state")
+
+
 def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     """Trained CLIP encoders stay on the GPU through the step (T5 never trains), with the activations
     their backward keeps (about 20 values of each token's width a layer: attention, MLP, norms).
@@ -596,10 +600,14 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     terms = device_terms(facts, cfg)
     parts = _train_phase(facts, cfg, side, terms)
     phases.append(PhaseEstimate("train", sum(parts.values()), parts))
+    # trained text encoders stay on the device through grids and saves (a grid renders with copies)
+    encoders = {k: v for k, v in parts.items() if k in TRAINED_ENCODERS_KEPT}
     if cfg.sample.grids:
-        samples = _samples_phase(facts, cfg, terms)  # (CUDA graphs drop their pool and buffers before a grid)
+        # (CUDA graphs drop their pool and buffers before a grid)
+        samples = {**_samples_phase(facts, cfg, terms), **encoders}
         phases.append(PhaseEstimate("samples", sum(samples.values()), samples))
-    parts = {k: v for k, v in parts.items() if k in ("weights", "optimizer state", "ema")}
+    parts = {k: v for k, v in parts.items()
+             if k in ("weights", "optimizer state", "ema", *TRAINED_ENCODERS_KEPT)}
     parts["workspace"] = SAVE_WORKSPACE_STREAMED if cfg.memory.stream_weights else SAVE_WORKSPACE
     phases.append(PhaseEstimate("save", sum(parts.values()), parts))
     return Prediction(phases)
@@ -921,8 +929,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
             lines.append("the samples phase renders the sample grids (sample.every_steps / every_epochs)"
                          + ("" if cfg.cache.text else " with the text encoders on the GPU for their prompts (cached "
                             "captions would encode them before training)")
-                         + ": sample.every_steps = 0 and sample.every_epochs = 0 leave the grids out (render them after training with "
-                         "vramfit generate)")
+                         + ": sample.every_steps = 0 and sample.every_epochs = 0 leave the grids out "
+                         "(render them after training with vramfit generate)")
         if any(e.kind == "t5" for e in facts.encoders) and cfg.model.t5_precision != "none":
             lines.append("model.t5_precision = \"none\" (T5 left out, as SD3 allows) is never chosen for you")
         raise PlanError("; ".join(lines))
@@ -936,7 +944,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     for knob in knobs:
         value = values[knob.key]
         # the settings the sums on the device need are judged as if the sums were not there
-        other = {k: v for k, v in values.items() if k != "memory.streamed_grad_sums" or knob.key not in SUMS_NEED}
+        other = {k: v for k, v in values.items()
+                 if k != "memory.streamed_grad_sums" or knob.key not in SUMS_NEED}
         if value == knob.options[0]:
             reasons.append(f"{knob.key} = {json.dumps(value)}: the fastest option fits")
             continue
@@ -983,22 +992,20 @@ SUMS_NEED = {"memory.stream_weights": True, "train.optimizer_in_backward": True}
 
 def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dict, usable: int,
                captions: int, host: Optional[Callable] = None) -> tuple[dict, str]:
-    """`values` (streamed weights stepping on the device, with accumulation) with
-    memory.streamed_grad_sums, and the reason. Summed in CPU memory the gradients of earlier
-    micro-batches cost a CPU pass over every streamed gradient each micro-batch, more than any other setting saves, so the sums go on
-    the device with the fastest other settings that fit beside them (a search with them fixed, `host`
-    the host-memory check of `choose`'s), and home only where nothing does; chosen before memory.resident_blocks, whose blocks save less."""
+    """`values` with memory.streamed_grad_sums, and why: "device" with the fastest other settings that
+    fit beside the sums (summed in CPU memory they cost a CPU pass over the gradients each
+    micro-batch, more than any other setting saves), else "home". `host`: choose's host check."""
     # what the sums need fixed (checked by the caller: the values have it), the rest searched again
     fixed = {"memory.streamed_grad_sums": "device", **SUMS_NEED}
-    found, _ = _search(with_values(cfg, fixed), facts, [k for k in knobs if k.key not in fixed], usable, captions,
-                       host)
+    free = [k for k in knobs if k.key not in fixed]
+    found, _ = _search(with_values(cfg, fixed), facts, free, usable, captions, host)
     if found is not None:
         return {**found, **{k: v for k, v in fixed.items() if k in values},
                 "memory.streamed_grad_sums": "device"}, (
             "memory.streamed_grad_sums = \"device\": the gradient sums of earlier micro-batches fit on the "
             "device (in CPU memory they cost a CPU pass over the gradients each micro-batch)")
-    over = max(predict(facts, with_values(cfg, {**values, "memory.streamed_grad_sums": "device"}), captions).phases,
-               key=lambda p: p.peak)
+    summed = with_values(cfg, {**values, "memory.streamed_grad_sums": "device"})
+    over = max(predict(facts, summed, captions).phases, key=lambda p: p.peak)
     return {**values, "memory.streamed_grad_sums": "home"}, (
         f"memory.streamed_grad_sums = \"home\": with \"device\" the {over.name} phase is predicted at "
         f"{over.peak / GIB:.2f} GiB, over the {usable / GIB:.2f} GiB usable")
@@ -1066,13 +1073,15 @@ def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUN
     if cfg.memory.offload_activations:  # what the device would have saved
         kept = with_values(cfg, {"memory.offload_activations": False})
         offloaded = _activations(facts, kept, largest_bucket(kept))["saved"]
+    # the trained CLIPs' weights, which the training state copies too
+    clips = _trained_encoders(facts, cfg)["text encoders trained"] if cfg.text_encoder_training == "full" else 0
     den = DenoiserHost(
         placed=placed, largest_unit=units[0] if units and placed else 0,
         streamed=sum(x.numel * x.dtype_bytes for x in streamed),
         streamed_grads=sum(x.numel * x.dtype_bytes for x in stepped_here),
         streamed_state=sum(optimizer_state_bytes(cfg.train.optimizer, x) for x in stepped_here),
         offloaded=offloaded, ema=ema_host_bytes(facts, cfg),
-        trained_copy=sum(x.numel * x.dtype_bytes for x in trained if not x.streamed),
+        trained_copy=sum(x.numel * x.dtype_bytes for x in trained if not x.streamed) + clips,
         adapter=sum(x.numel * x.dtype_bytes for x in trained) if cfg.train.mode == "lora" else 0)
     cpu = cfg.train.device == "cpu" or (not for_gpu and pick_device(cfg.train.device).type == "cpu")
     device = {p.name: p.peak for p in predict(facts, cfg, captions).phases} if cpu else None
@@ -1117,7 +1126,8 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
         return "\n".join(lines + ["", host_title.format(""), _host_table(facts, cfg, host_budget, False)])
     choice = choose(cfg, budget, facts)
     changed = {k: v for k, v in choice.chosen.items() if v != setting(cfg, k)}
-    lines += ["", host_title.format(" with the choice below"), _host_table(facts, choice.config, host_budget, True)]
+    lines += ["", host_title.format(" with the choice below"),
+              _host_table(facts, choice.config, host_budget, True)]
     lines += ["", f"budget {budget / GIB:.2f} GiB ({budget * (1 - MARGIN) / GIB:.2f} GiB usable after the "
               f"{MARGIN:.0%} margin); chosen:"]
     lines += [f"  {r}" for r in choice.reasons]

@@ -22,7 +22,7 @@ import torch
 from vramfit.config import ConfigError
 from vramfit.config.rules import graph_clashes, process_problems, streamed_sums_on_device
 from vramfit.config.schema import RunConfig
-from vramfit.fit.model_facts import read_facts
+from vramfit.fit.model_facts import ModelFacts, read_facts
 from vramfit.fit.planner import MARGIN, budget_of, fit_to_budget, predict, with_values
 from vramfit.memory.accounting import pick_device
 from vramfit.train.distributed import launched_world
@@ -88,27 +88,28 @@ def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None)
     return with_grad_sums(resident_by_default(fit_to_budget(cfg, cache_root)), env, cache_root)
 
 
-def with_grad_sums(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
-    """memory.streamed_grad_sums unset: "device" where streamed weights step on the device with
-    accumulation (config/rules.py `streamed_sums_on_device`) and the planner predicts the training
-    phase with the sums fits in memory.vram_budget, or without one in the GPU's memory (each less
-    the planner's margin; no limit known, as on the CPU: it fits); else "home"."""
-    if cfg.memory.streamed_grad_sums is not None:
-        return cfg
-    chosen = "home"
+def with_grad_sums(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None,
+                   facts: Optional[ModelFacts] = None) -> RunConfig:
+    """memory.streamed_grad_sums unset where it applies (streamed weights that step on the device with
+    accumulation, config/rules.py `streamed_sums_on_device`): "device" where the planner predicts the
+    training phase with the sums fits in memory.vram_budget, or without one in the GPU's memory (each
+    less the planner's margin; no limit known, as on the CPU: it fits); else "home". Where it does not
+    apply it stays unset. `facts`: the model's (read from model.path when not given)."""
     on_device = with_values(cfg, {"memory.streamed_grad_sums": "device"})
-    if streamed_sums_on_device(on_device):
-        budget = budget_of(cfg)
-        limit = budget or env.gpu_bytes
-        train = None if limit is None else next(
-            p for p in predict(read_facts(on_device, cache_root), on_device).phases if p.name == "train")
-        usable = None if limit is None else int(limit * (1 - MARGIN))
-        chosen = "device" if train is None or train.peak <= usable else "home"
-        where = "" if train is None else (
-            f": the train phase with them is predicted at {train.peak / 2**30:.2f} GiB, "
-            f"{'within' if chosen == 'device' else 'over'} the {usable / 2**30:.2f} GiB usable of "
-            + ("memory.vram_budget" if budget else "the GPU"))
-        logging.getLogger("vramfit").info(
-            "memory.streamed_grad_sums (unset): %s, the streamed weights' gradient sums of earlier "
-            "micro-batches %s%s", chosen, "on the device" if chosen == "device" else "in CPU memory", where)
+    if cfg.memory.streamed_grad_sums is not None or not streamed_sums_on_device(on_device):
+        return cfg
+    budget = budget_of(cfg)
+    limit = budget or env.gpu_bytes
+    facts = facts or (None if limit is None else read_facts(on_device, cache_root))
+    train = None if limit is None else next(
+        p for p in predict(facts, on_device).phases if p.name == "train")
+    usable = None if limit is None else int(limit * (1 - MARGIN))
+    chosen = "device" if train is None or train.peak <= usable else "home"
+    where = "" if train is None else (
+        f": the train phase with them is predicted at {train.peak / 2**30:.2f} GiB, "
+        f"{'within' if chosen == 'device' else 'over'} the {usable / 2**30:.2f} GiB usable of "
+        + ("memory.vram_budget" if budget else "the GPU"))
+    logging.getLogger("vramfit").info(
+        "memory.streamed_grad_sums (unset): %s, the streamed weights' gradient sums of earlier "
+        "micro-batches %s%s", chosen, "on the device" if chosen == "device" else "in CPU memory", where)
     return cfg.model_copy(update={"memory": _automatic(cfg.memory, {"streamed_grad_sums": chosen})})

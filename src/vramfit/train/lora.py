@@ -194,7 +194,7 @@ def place_text_encoders(bundle, cfg: RunConfig, device: torch.device) -> list[to
         if how == "lora":
             modules += apply_text_encoder_lora(encoder, cfg.lora)
         else:
-            _train_whole_encoder(encoder, cfg.train)
+            _train_whole_encoder(encoder, cfg.train, device)
         encoder.to(device)
     bundle.extra["text_encoders_trained"] = len(clips)
     bundle.extra["text_encoder_training"] = how
@@ -208,11 +208,12 @@ def place_text_encoders(bundle, cfg: RunConfig, device: torch.device) -> list[to
     return params
 
 
-def _train_whole_encoder(encoder: torch.nn.Module, train: TrainConfig) -> None:
-    """train.text_encoders = "full": every weight of `encoder` trainable, in bf16 under full_bf16
-    (the optimizer writes it back with stochastic rounding, as the denoiser's) and fp32 otherwise;
-    each layer recomputed in backward where the denoiser's blocks are (any share of them)."""
-    encoder.to(torch.bfloat16 if train.precision == "full_bf16" else torch.float32)
+def _train_whole_encoder(encoder: torch.nn.Module, train: TrainConfig, device: torch.device) -> None:
+    """train.text_encoders = "full": every weight of `encoder` trainable on `device`, in bf16 under
+    full_bf16 (the optimizer writes it back with stochastic rounding, as the denoiser's) and fp32
+    otherwise, each tensor widened as it moves (never the whole encoder widened in CPU memory); each
+    layer recomputed in backward where the denoiser's blocks are (any share of them)."""
+    encoder.to(device, torch.bfloat16 if train.precision == "full_bf16" else torch.float32)
     encoder.requires_grad_(True)
     encoder.train()  # transformers checkpoints only in training mode (CLIP's dropout is 0)
     if train.gradient_checkpointing is not False:
