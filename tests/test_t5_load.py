@@ -49,7 +49,8 @@ def _same_storage(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 def _output(t5: torch.nn.Module, tokenizer) -> torch.Tensor:
-    ids = tokenizer(PROMPT, padding="max_length", max_length=16, truncation=True, return_tensors="pt").input_ids
+    ids = tokenizer(PROMPT, padding="max_length", max_length=16, truncation=True,
+                    return_tensors="pt").input_ids
     with torch.no_grad():
         return t5(ids)[0]
 
@@ -90,7 +91,8 @@ def test_flux_fp16_t5_file_stored_while_loading(tmp_path):
     bundle = FluxFamily().load(source, t5_precision="int8")
     want = quantize_encoder(parts.t5_file_encoder(t5_file, T5, own_file=True).to(torch.bfloat16), "int8")
     _same_storage(bundle.text_encoders[1], want)
-    assert torch.equal(_output(bundle.text_encoders[1], bundle.tokenizers[1]), _output(want, bundle.tokenizers[1]))
+    tokenizer = bundle.tokenizers[1]
+    assert torch.equal(_output(bundle.text_encoders[1], tokenizer), _output(want, tokenizer))
 
 
 def _t5_file(path, layers: int) -> dict[str, torch.Tensor]:
@@ -109,7 +111,8 @@ def _alive(dtype: torch.dtype, known: set[int]) -> int:
     """Bytes of the plain tensors of `dtype` alive now (each storage once), those in `known` left out."""
     seen = {}
     for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.dtype == dtype and obj.device.type == "cpu":
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.dtype == dtype \
+                and obj.device.type == "cpu":
             storage = obj.untyped_storage()
             if storage.data_ptr() not in known:
                 seen[storage.data_ptr()] = storage.nbytes()
@@ -160,11 +163,13 @@ def _pointers_of(module: torch.nn.Module) -> set[int]:
 def test_a_run_loads_t5_stored_and_keeps_it(images, tmp_path, cache_root, sd3_file):
     """A CPU run with model.t5_precision = nf4: the loader gets the precision, and neither the CPU
     run's widening of the encoders to fp32 nor prepare_encoders touches the stored T5."""
-    args = train_args(images, tmp_path / "out", cache_root / "t5load", "model.t5_precision=nf4", model="tiny:sd3")
+    args = train_args(images, tmp_path / "out", cache_root / "t5load", "model.t5_precision=nf4",
+                      model="tiny:sd3")
     cfg = load_config(None, args[3::2])
     loaded = load_data(cfg, MemoryTracker(torch.device("cpu")), torch.device("cpu"), False)
     t5 = loaded.bundle.text_encoders[2]
     assert stored_precision(t5) == "nf4"
     want = SD3Family().load(Source("single_file", sd3_file, tokenizers=sd3_file.parent), t5_precision="nf4")
     _same_storage(t5, want.text_encoders[2])
-    assert loaded.bundle.text_encoders[0].text_model.final_layer_norm.weight.dtype == torch.float32  # CLIPs widened
+    clip = loaded.bundle.text_encoders[0]
+    assert clip.text_model.final_layer_norm.weight.dtype == torch.float32  # the CLIPs are widened
