@@ -8,6 +8,7 @@ family's folder.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 from importlib import resources
@@ -144,6 +145,11 @@ def clip_text_model(state: dict, act: str, projection: bool, path: Path):
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")  # glibc: malloc_trim (`_return_freed_memory`)
+    _LIBC.malloc_trim  # noqa: B018 - musl's libc.so.6, if any, may lack it
+except (OSError, AttributeError):
+    _LIBC = None
 
 
 def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
@@ -177,8 +183,8 @@ def t5_encoder(state: dict[str, torch.Tensor], path: Path, prefix: str = "", pre
     bfloat16, the tied embedding restored), built on the meta device. Without `precision` the
     state's float8 tensors are replaced in place, each freed as it is widened: host memory holds the
     bfloat16 encoder and one float8 tensor at most, not the whole float8 file beside it. With
-    `precision` (memory/quantize.py MODES: model.t5_precision) each block is stored so as soon as
-    its tensors are in, and they leave the state (`_store_t5`)."""
+    `precision` (memory/quantize.py MODES: model.t5_precision) each part of a block is stored so as
+    soon as its tensors are in, and they leave the state (`_store_t5`)."""
     def take(keys: list[str]) -> dict[str, torch.Tensor]:
         return {k: state.pop(k) for k in keys}
 
@@ -188,9 +194,9 @@ def t5_encoder(state: dict[str, torch.Tensor], path: Path, prefix: str = "", pre
 def t5_file_encoder(path: Path, prefix: str, precision: Optional[str] = None, own_file: bool = False):
     """A T5 encoder read from a single file's tensors under `prefix` (`own_file`: a file of its own,
     t5xxl_*.safetensors, whose wrapper prefix is found as `encoder_file_prefix` finds it), as
-    `t5_encoder`; with `precision` the file is read a block at a time, each stored so before the
-    next is read: host memory holds the stored encoder and about one block as read and widened,
-    never the whole bfloat16 (or float8) encoder. Diffusers folders load T5 with from_pretrained,
+    `t5_encoder`; with `precision` the file is read a part at a time (`_store_t5`), each stored so
+    before the next is read: host memory holds the stored encoder and about one part as read and
+    widened, never the whole bfloat16 (or float8) encoder. Diffusers folders load T5 with from_pretrained,
     whole, and store it after (the family's prepare_encoders)."""
     header = read_header(path)[0]
     if own_file:
@@ -246,22 +252,39 @@ def _t5_model(shapes: Mapping[str, torch.Tensor], take: Callable[[list[str]], di
 
 def _store_t5(model, keys: list[str], take: Callable[[list[str]], dict[str, torch.Tensor]],
               precision: str) -> None:
-    """Give the meta-built `model` its tensors a block at a time, each block widened to bfloat16 and
-    stored in `precision` (quantize_encoder) before the next is taken: the same weights as
-    quantize_encoder over the whole bfloat16 encoder, without ever holding it whole."""
-    blocks: dict[int, list[str]] = {}
+    """Give the meta-built `model` its tensors a part at a time (each block's attention, then its
+    feed-forward), each part widened to bfloat16 and stored in `precision` (quantize_encoder) before
+    the next is taken: the same weights as quantize_encoder over the whole bfloat16 encoder, without
+    ever holding it whole."""
+    parts: dict[tuple[int, int], list[str]] = {}
     for key in keys:
         if key.startswith("encoder.block."):
-            blocks.setdefault(int(key.split(".")[2]), []).append(key)
-    rest = [k for k in keys if not k.startswith("encoder.block.")]  # embedding, final norm
+            where = key.split(".")
+            parts.setdefault((int(where[2]), int(where[4])), []).append(key)
+    # embedding, final norm; the tied embedding's second copy (Stability's files carry both) is
+    # never used: tie_weights gives encoder.embed_tokens shared.weight
+    rest = [k for k in keys if not k.startswith("encoder.block.")
+            and not (k == "encoder.embed_tokens.weight" and "shared.weight" in keys)]
     model.load_state_dict(_bf16(take(rest)), strict=False, assign=True)
-    for i, block in enumerate(model.encoder.block):
-        head = f"encoder.block.{i}."
-        block.load_state_dict({k[len(head):]: t for k, t in _bf16(take(blocks[i])).items()},
-                              strict=False, assign=True)
-        quantize_encoder(block, precision)
+    for (i, j), names in sorted(parts.items()):
+        part = model.encoder.block[i].layer[j]
+        head = f"encoder.block.{i}.layer.{j}."
+        part.load_state_dict({k[len(head):]: t for k, t in _bf16(take(names)).items()}, strict=False,
+                             assign=True)
+        quantize_encoder(part, precision)
+        _return_freed_memory()
     model.requires_grad_(False)
     mark_stored(model, precision)
+
+
+def _return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    A part's bf16 tensors and the quantizer's temporaries, freed once it is stored, would otherwise
+    stay resident between the stored tensors allocated beside them: measured on a float8 T5 of 12
+    blocks (0.7 B values) stored int8, the resident memory grew by 1.9x the stored encoder
+    without it (peak 2.0x), by 1.0x with it (peak 1.2x)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
