@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +185,37 @@ def test_a_run_loads_t5_stored_and_keeps_it(images, tmp_path, cache_root, sd3_fi
     _same_storage(t5, want.text_encoders[2])
     clip = loaded.bundle.text_encoders[0]
     assert clip.text_model.final_layer_norm.weight.dtype == torch.float32  # the CLIPs are widened
+
+
+RESIDENT = """
+import sys, torch
+from pathlib import Path
+import torchao.quantization  # imported before the first count, as loading the first part would
+from transformers import T5Config, T5EncoderModel
+from vramfit.memory.quantize import storage_bytes
+from vramfit.models import parts
+resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+start = resident()
+model = parts.t5_file_encoder(Path(sys.argv[1]), "", "int8", own_file=True)
+print((resident() - start) / storage_bytes(model))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)")
+def test_resident_memory_after_loading_is_the_stored_t5(tmp_path):
+    """A fresh process: once a float8 t5xxl file is loaded stored int8, its resident memory has grown
+    by the stored encoder, not by the parts' freed bf16 tensors left in the C heap between them."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=256, d_model=1024, d_kv=64, num_heads=16, d_ff=4096, num_layers=4,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in T5EncoderModel(config).state_dict().items()}
+    save_file({k: torch.full(s, 0.25, dtype=torch.float8_e4m3fn) for k, s in shapes.items()},
+              str(tmp_path / "t5.safetensors"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RESIDENT, str(tmp_path / "t5.safetensors")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth = float(out.stdout.split()[-1])
+    assert growth < 1.4, growth  # 1.12 measured; 1.89 with the freed pages left in the heap
