@@ -1,6 +1,6 @@
-"""T5 stored as model.t5_precision asks while it loads (models/parts.py `t5_file_encoder`): each block
-is widened to bf16 and stored before the next is read, so host memory never holds the whole bf16
-encoder; the stored weights are those of quantize_encoder over the whole bf16 encoder, bit for bit,
+"""T5 stored as model.t5_precision asks while it loads (models/parts.py `t5_file_encoder`): each part
+of a block is widened to bf16 and stored before the next is read, so host memory never holds the
+whole bf16 encoder; the stored weights are those of quantize_encoder over the whole bf16 encoder, bit for bit,
 and prepare_encoders leaves them as they are."""
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import T5Config, T5EncoderModel
 
 from conftest import train_args
 from vramfit.config.load import load_config
-from vramfit.memory.accounting import MemoryTracker
 from vramfit.memory import quantize
+from vramfit.memory.accounting import MemoryTracker
 from vramfit.memory.quantize import plain_state, quantize_encoder, stored_precision
 from vramfit.models import parts
 from vramfit.models.adapter import Source
@@ -100,8 +101,6 @@ def test_flux_fp16_t5_file_stored_while_loading(tmp_path):
 
 def _t5_file(path, layers: int) -> dict[str, torch.Tensor]:
     """A float8 t5xxl file of `layers` blocks (ComfyUI's t5xxl_fp8_e4m3fn layout: no prefix)."""
-    from transformers import T5Config, T5EncoderModel
-
     config = T5Config(vocab_size=64, d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=layers,
                       feed_forward_proj="gated-gelu", is_encoder_decoder=False)
     torch.manual_seed(0)
@@ -205,8 +204,6 @@ print((resident() - start) / storage_bytes(model))
 def test_resident_memory_after_loading_is_the_stored_t5(tmp_path):
     """A fresh process: once a float8 t5xxl file is loaded stored int8, its resident memory has grown
     by the stored encoder, not by the parts' freed bf16 tensors left in the C heap between them."""
-    from transformers import T5Config, T5EncoderModel
-
     config = T5Config(vocab_size=256, d_model=1024, d_kv=64, num_heads=16, d_ff=4096, num_layers=4,
                       feed_forward_proj="gated-gelu", is_encoder_decoder=False)
     with torch.device("meta"):
