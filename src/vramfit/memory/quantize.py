@@ -69,7 +69,7 @@ def _swap_linears(module: torch.nn.Module, make) -> None:
 
 def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
     """Store `module`'s linear weights in `mode`; returns the (same) module, frozen. A module already
-    stored in `mode` (`stored_precision`: a T5 stored block by block as it loaded) is left as it is."""
+    stored in `mode` (`stored_precision`: a T5 stored part by part as it loaded) is left as it is."""
     done = stored_precision(module)
     if done is not None and done != mode:
         raise ValueError(f"the encoder is stored as {done} already; it cannot be stored as {mode} too")
