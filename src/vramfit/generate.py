@@ -890,7 +890,8 @@ def _resolve(text: str, flag: str, args):
 def _pipeline(source, family, args, progress: bool, flag: str):
     """Load a resolved model and build its pipeline; the loader's messages name generate's flags."""
     try:
-        bundle = family.load(source)
+        # a single file's T5 is stored as --t5 asks while it loads (models/parts.py)
+        bundle = family.load(source, t5_precision=args.t5 or "bf16") if family.has_t5 else family.load(source)
     except (SourceError, CheckpointError) as exc:
         raise _flagged(exc, flag) from None
     bundle.extra["t5_precision"] = args.t5 or "bf16"

@@ -68,23 +68,55 @@ def _swap_linears(module: torch.nn.Module, make) -> None:
 
 
 def quantize_encoder(module: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Store `module`'s linear weights in `mode`; returns the (same) module, frozen."""
+    """Store `module`'s linear weights in `mode`; returns the (same) module, frozen. A module already
+    stored in `mode` (`stored_precision`: a T5 stored part by part as it loaded) is left as it is."""
+    done = stored_precision(module)
+    if done is not None and done != mode:
+        raise ValueError(f"the encoder is stored as {done} already; it cannot be stored as {mode} too")
     module.requires_grad_(False)
     if mode == "bf16":
-        return module.to(torch.bfloat16)
-    if mode == "fp8":
-        _swap_linears(module, Fp8Linear)
+        module.to(torch.bfloat16)
+    elif done == mode:
         return module
-    if mode == "int8":
+    elif mode == "fp8":
+        _swap_linears(module, Fp8Linear)
+    elif mode == "int8":
         # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(module, Int8WeightOnlyConfig(set_inductor_config=False))
-        return module
-    if mode == "nf4":
+    elif mode == "nf4":
         quantize_base(module, "nf4")  # every linear is frozen now
-        return module
-    raise ValueError(f"unknown precision {mode!r}; choose one of {MODES}")
+    else:
+        raise ValueError(f"unknown precision {mode!r}; choose one of {MODES}")
+    mark_stored(module, mode)
+    return module
+
+
+STORED = "vramfit_stored_precision"  # the attribute `mark_stored` sets on a module
+
+
+def mark_stored(module: torch.nn.Module, mode: str) -> None:
+    """Record that `module` is stored in `mode` (quantize_encoder then leaves it as it is)."""
+    setattr(module, STORED, mode)
+
+
+def stored_precision(module: torch.nn.Module) -> Optional[str]:
+    """The mode `module` was stored in by quantize_encoder or a loader (`mark_stored`); None if neither."""
+    return getattr(module, STORED, None)
+
+
+def plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict with each quantized tensor (torchao's, which take no strided view) given
+    as the plain tensors it is made of (`<name>.<part>`), for digests of a stored encoder."""
+    out = {}
+    for name, t in module.state_dict().items():
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            parts, _ = t.__tensor_flatten__()
+            out.update({f"{name}.{type(t).__name__}.{part}": getattr(t, part) for part in parts})
+        else:
+            out[name] = t
+    return out
 
 
 def storage_bytes(module: torch.nn.Module) -> int:

@@ -33,7 +33,7 @@ from vramfit.memory.accounting import MemoryReport, MemoryTracker
 from vramfit.memory.checkpointing import checkpointing_function
 from vramfit.memory.lora_compute import lora_in_base_dtype
 from vramfit.memory.offload import stream_weights
-from vramfit.memory.quantize import cast_all_but_linears
+from vramfit.memory.quantize import cast_all_but_linears, stored_precision
 from vramfit.models.adapter import Family, ModelBundle, t5_tokens
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.generate import native_size
@@ -222,7 +222,9 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
         problems = family.config_problems(cfg)
         if problems:
             raise ConfigError(problems, f"config for this {family.name} model")
-        bundle = family.load(source)
+        # a single file's T5 is stored as model.t5_precision asks while it loads (models/parts.py)
+        stored = {"t5_precision": cfg.model.t5_precision} if family.has_t5 else {}
+        bundle = family.load(source, **stored)
         bundle.extra["max_sequence_length"] = t5_tokens(family, cfg, bundle.denoiser.config)
         bundle.extra["t5_precision"] = cfg.model.t5_precision
         bundle.extra["stream_encoders"] = cfg.memory.stream_encoders  # not in cache keys: same embeddings
@@ -232,7 +234,8 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
         bundle.vae.to(DTYPES[cfg.cache.vae_dtype])
         if device.type == "cpu":
             for enc in bundle.text_encoders:
-                enc.to(torch.float32)
+                if stored_precision(enc) is None:  # a T5 stored as it loaded stays so (fp32 would widen it)
+                    enc.to(torch.float32)
         # Cache keys name the encoders as loaded (T5's precision is part of the text key).
         identities = {part: family.encoder_identity(bundle, part)
                       for part, cached in (("vae", cfg.cache.latents), ("text", cfg.cache.text)) if cached}

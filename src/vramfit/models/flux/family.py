@@ -41,8 +41,8 @@ from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, va
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, merge_counts, require_tokenizers, save_encoder_folder, t5_encoder,
-    trained_encoder_states, warn_named_over_own,
+    encoder_file_state, encoder_fingerprint, merge_counts, require_tokenizers, save_encoder_folder,
+    t5_file_encoder, trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.parts import lazy_state
 
@@ -112,10 +112,12 @@ class FluxFamily:
         return model_index.get("_class_name", "").startswith("Flux")
 
     # ---- loading -----------------------------------------------------------------------------
-    def load(self, source: Source) -> ModelBundle:
+    def load(self, source: Source, t5_precision: Optional[str] = None) -> ModelBundle:
+        """The model of `source`; a single file's T5 stored as `t5_precision` asks while it loads
+        (models/parts.py `t5_file_encoder`; None or "none": in bfloat16, as prepare_encoders finds it)."""
         warn_named_over_own(source, {"clip_l": CLIP_L})
         if source.kind == "single_file":
-            transformer, vae, encoders = self._load_single_file(source)
+            transformer, vae, encoders = self._load_single_file(source, t5_precision)
         else:
             transformer, vae, encoders = self._load_diffusers(source.path)
         tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
@@ -180,7 +182,7 @@ class FluxFamily:
         return build_checked(FluxTransformer2DModel, config, state, "transformer", path,
                              lambda k: prefix + names.get(k, k))
 
-    def _load_single_file(self, source: Source):
+    def _load_single_file(self, source: Source, t5_precision: Optional[str] = None):
         path = source.path
         header, _ = read_header(path)
         if not self.detect_single_file(set(header)):
@@ -188,13 +190,15 @@ class FluxFamily:
         prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
         # float8 files (flux1-dev-fp8, ComfyUI's scaled fp8) widened as read (models/flux/stored.py)
         transformer = self._transformer(load_widened(path, prefix, exclude=(VAE, CLIP_L, T5)), path, prefix)
-        vae, encoders = self._single_file_encoders(path, header, source)
+        vae, encoders = self._single_file_encoders(path, header, source, t5_precision)
         return transformer, vae, encoders
 
-    def _single_file_encoders(self, path: Path, header: dict, source: Source):
+    def _single_file_encoders(self, path: Path, header: dict, source: Source,
+                              t5_precision: Optional[str] = None):
         """VAE, CLIP-L and (where there is one) T5: each from its own file where one is given
         (model.vae, model.clip_l, model.t5: BFL's ae.safetensors, ComfyUI's clip_l and t5xxl
-        files), else from the single file (ComfyUI's all-in-one checkpoints)."""
+        files), else from the single file (ComfyUI's all-in-one checkpoints). T5 is stored as
+        `t5_precision` asks while it loads, unless None or "none"."""
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
@@ -216,10 +220,9 @@ class FluxFamily:
         own = files["clip_l"]
         clip = encoder_file_state(own, CLIP_L) if own else load_prefixed(path, CLIP_L)
         encoders = [clip_text_model(clip, "quick_gelu", False, own or path)]
-        if files["t5"]:
-            encoders.append(t5_encoder(encoder_file_state(files["t5"], T5), files["t5"]))
-        elif any(k.startswith(T5) for k in header):
-            encoders.append(t5_encoder(load_prefixed(path, T5), path, T5))
+        stored = None if t5_precision == "none" else t5_precision
+        if files["t5"] or any(k.startswith(T5) for k in header):
+            encoders.append(t5_file_encoder(files["t5"] or path, T5, stored, own_file=bool(files["t5"])))
         return vae, encoders
 
     def _load_diffusers(self, folder: Path):
@@ -310,7 +313,7 @@ class FluxFamily:
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
         if part == "vae":
             return "flux-vae:" + module_fingerprint(bundle.vae)
-        prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
+        prints = "+".join(encoder_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 2 else "no-t5"
         precision = bundle.extra.get("t5_precision", "bf16")
         joint = bundle.denoiser.config.joint_attention_dim

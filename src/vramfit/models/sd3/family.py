@@ -40,8 +40,8 @@ from vramfit.models.flow import DDPM_KEYS, flow_snr, decoder_input
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
-    shipped_config, t5_encoder, trained_encoder_states, warn_named_over_own,
+    encoder_file_state, encoder_fingerprint, load_clip_tokenizers, merge_counts, require_tokenizers,
+    save_encoder_folder, shipped_config, t5_file_encoder, trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.parts import lazy_state
 from vramfit.models.sd3.flow import (
@@ -171,10 +171,12 @@ class SD3Family:
         return model_index.get("_class_name", "").startswith("StableDiffusion3")
 
     # ---- loading -----------------------------------------------------------------------------
-    def load(self, source: Source) -> ModelBundle:
+    def load(self, source: Source, t5_precision: Optional[str] = None) -> ModelBundle:
+        """The model of `source`; a single file's T5 stored as `t5_precision` asks while it loads
+        (models/parts.py `t5_file_encoder`; None or "none": in bfloat16, as prepare_encoders finds it)."""
         warn_named_over_own(source, {"clip_l": CLIP_L, "clip_g": CLIP_G})
         if source.kind == "single_file":
-            transformer, vae, encoders = self._load_single_file(source.path, source)
+            transformer, vae, encoders = self._load_single_file(source.path, source, t5_precision)
             scheduler = self._scheduler(None)
         else:
             transformer, vae, encoders = self._load_diffusers(source.path)
@@ -227,7 +229,8 @@ class SD3Family:
         """77, as SD3's DreamBooth script (model.max_sequence_length not set)."""
         return DEFAULT_MAX_SEQUENCE_LENGTH
 
-    def _load_single_file(self, path: Path, source: Optional[Source] = None):
+    def _load_single_file(self, path: Path, source: Optional[Source] = None,
+                          t5_precision: Optional[str] = None):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import SD3Transformer2DModel
 
@@ -239,7 +242,7 @@ class SD3Family:
         names = sai_names(state)
         transformer = build_checked(SD3Transformer2DModel, config, state, "transformer", path,
                              lambda k: TRANSFORMER + names.get(k, k))
-        vae, encoders = self._single_file_encoders(path, header, source)
+        vae, encoders = self._single_file_encoders(path, header, source, t5_precision)
         return transformer, vae, encoders
 
     def encoder_files(self, source: Source, header: dict, meta: Optional[dict] = None) -> dict[str, Path]:
@@ -264,9 +267,10 @@ class SD3Family:
                 files[part] = found[0]
         return files
 
-    def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None):
+    def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None,
+                              t5_precision: Optional[str] = None):
         """VAE from the file; each text encoder from its own file (`encoder_files`), else from the
-        single file."""
+        single file (T5 stored as `t5_precision` asks while it loads, unless None or "none")."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
@@ -304,12 +308,9 @@ class SD3Family:
         enc2 = clip_text_model(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
         if files.get("t5") or any(k.startswith(T5) for k in header):
-            state, where = part_state("t5", T5)
-            encoders.append(self._t5(state, where, "" if files.get("t5") else T5))
+            stored, own = None if t5_precision == "none" else t5_precision, files.get("t5")
+            encoders.append(t5_file_encoder(own or path, T5, stored, own_file=bool(own)))
         return vae, encoders
-
-    def _t5(self, state: dict[str, torch.Tensor], path: Path, prefix: str = ""):
-        return t5_encoder(state, path, prefix)
 
     def _load_diffusers(self, folder: Path):
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
@@ -345,7 +346,7 @@ class SD3Family:
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
         if part == "vae":
             return "sd3-vae:" + module_fingerprint(bundle.vae)
-        prints = "+".join(module_fingerprint(m) for m in bundle.text_encoders)
+        prints = "+".join(encoder_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 3 else "no-t5"
         joint = bundle.denoiser.config.joint_attention_dim
         precision = bundle.extra.get("t5_precision", "bf16")

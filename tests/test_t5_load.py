@@ -1,0 +1,218 @@
+"""T5 stored as model.t5_precision asks while it loads (models/parts.py `t5_file_encoder`): each part
+of a block is widened to bf16 and stored before the next is read, so host memory never holds the
+whole bf16 encoder; the stored weights are those of quantize_encoder over the whole bf16 encoder, bit for bit,
+and prepare_encoders leaves them as they are."""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import T5Config, T5EncoderModel
+
+from conftest import train_args
+from vramfit.config.load import load_config
+from vramfit.memory import quantize
+from vramfit.memory.accounting import MemoryTracker
+from vramfit.memory.quantize import plain_state, quantize_encoder, stored_precision
+from vramfit.models import parts
+from vramfit.models.adapter import Source
+from vramfit.models.flux import FluxFamily
+from vramfit.models.flux.tiny import materialize_flux
+from vramfit.models.sd3 import SD3Family
+from vramfit.models.sd3.tiny import materialize_sd3
+from vramfit.train.setup import load_data
+
+T5 = "text_encoders.t5xxl.transformer."
+PROMPT = ["a red circle on a blue square"]
+
+
+@pytest.fixture(scope="module")
+def sd3_file(tmp_path_factory):
+    return materialize_sd3(tmp_path_factory.mktemp("sd3"))  # T5 stored float8, as Stability's file
+
+
+@pytest.fixture(scope="module")
+def sd3_reference(sd3_file):
+    """tiny:sd3 loaded as before: T5 whole in bf16, stored after."""
+    return SD3Family().load(Source("single_file", sd3_file, tokenizers=sd3_file.parent))
+
+
+def _same_storage(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The same tensors, bit for bit, in the same dtypes (quantized ones by the tensors they are made of)."""
+    sa, sb = plain_state(a), plain_state(b)
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype, key
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def _output(t5: torch.nn.Module, tokenizer) -> torch.Tensor:
+    ids = tokenizer(PROMPT, padding="max_length", max_length=16, truncation=True,
+                    return_tensors="pt").input_ids
+    with torch.no_grad():
+        return t5(ids)[0]
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_sd3_t5_stored_while_loading_equals_quantizing_after(sd3_file, sd3_reference, mode):
+    """The all-in-one file's float8 T5, stored as it loads: the same weights and the same output as
+    quantize_encoder over the whole bf16 T5; prepare_encoders stores nothing again; cache keys form."""
+    family = SD3Family()
+    bundle = family.load(Source("single_file", sd3_file, tokenizers=sd3_file.parent), t5_precision=mode)
+    t5 = bundle.text_encoders[2]
+    want = quantize_encoder(copy.deepcopy(sd3_reference.text_encoders[2]).to(torch.bfloat16), mode)
+    assert stored_precision(t5) == mode
+    assert type(t5.encoder.block[0].layer[0].SelfAttention.q.weight) is not torch.Tensor  # stored quantized
+    _same_storage(t5, want)
+    tokenizer = bundle.tokenizers[2]
+    assert torch.equal(_output(t5, tokenizer), _output(want, tokenizer))
+    assert not any(p.requires_grad for p in t5.parameters())
+
+    before = {k: v.data_ptr() for k, v in plain_state(t5).items()}
+    bundle.extra["t5_precision"] = mode
+    identity = family.encoder_identity(bundle, "text")
+    family.prepare_encoders(bundle)
+    assert {k: v.data_ptr() for k, v in plain_state(bundle.text_encoders[2]).items()} == before
+    assert identity != family.encoder_identity(sd3_reference, "text")  # the stored T5 keys its own cache
+    with pytest.raises(ValueError, match=f"stored as {mode} already"):
+        quantize_encoder(t5, "fp8")
+
+
+def test_flux_fp16_t5_file_stored_while_loading(tmp_path):
+    """Flux.1 with a t5xxl fp16 file of its own (model.t5): widened to bf16 a block at a time and
+    stored int8, equal to the whole bf16 T5 stored after."""
+    path = materialize_flux(tmp_path / "flux")
+    t5_file = tmp_path / "t5xxl_fp16.safetensors"
+    save_file({k[len(T5):]: v.to(torch.float16) for k, v in load_file(str(path)).items() if k.startswith(T5)},
+              str(t5_file))
+    source = Source("single_file", path, tokenizers=path.parent, encoder_files=(("t5", t5_file),))
+    bundle = FluxFamily().load(source, t5_precision="int8")
+    want = quantize_encoder(parts.t5_file_encoder(t5_file, T5, own_file=True).to(torch.bfloat16), "int8")
+    _same_storage(bundle.text_encoders[1], want)
+    tokenizer = bundle.tokenizers[1]
+    assert torch.equal(_output(bundle.text_encoders[1], tokenizer), _output(want, tokenizer))
+
+
+def _t5_file(path, layers: int) -> dict[str, torch.Tensor]:
+    """A float8 t5xxl file of `layers` blocks (ComfyUI's t5xxl_fp8_e4m3fn layout: no prefix)."""
+    config = T5Config(vocab_size=64, d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=layers,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+    torch.manual_seed(0)
+    state = {k: v.to(torch.float8_e4m3fn) for k, v in T5EncoderModel(config).state_dict().items()}
+    save_file(state, str(path))
+    return state
+
+
+def _alive(known: set[int]) -> dict[torch.dtype, int]:
+    """Bytes of the plain tensors alive now by dtype (each storage once), those in `known` left out."""
+    seen = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in known:
+                seen[storage.data_ptr()] = (obj.dtype, storage.nbytes())
+    out: dict[torch.dtype, int] = {}
+    for dtype, n in seen.values():
+        out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+def _pointers() -> set[int]:
+    return {o.untyped_storage().data_ptr() for o in gc.get_objects()
+            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu"}
+
+
+def test_peak_holds_one_part_in_bf16_not_the_whole_t5(tmp_path, monkeypatch):
+    """Counted as each part of a block (attention, feed-forward) is stored, every plain bf16 and
+    float8 tensor alive then: one part in bf16 beside the embedding, no more of the float8 file;
+    loading whole, as model.t5_precision = "none" still does, holds every block in bf16 (the count
+    sees it)."""
+    layers = 4
+    state = _t5_file(tmp_path / "t5xxl_fp8_e4m3fn.safetensors", layers)
+    block_fp8 = sum(v.numel() for k, v in state.items() if k.startswith("encoder.block.1."))
+    embedding = state["shared.weight"].numel()
+    linears = ("q.weight", "k.weight", "v.weight", "o.weight", "wi_0.weight", "wi_1.weight", "wo.weight")
+    kept = sum(v.numel() for k, v in state.items()  # what stays bf16: norms, attention bias, embedding
+               if k != "encoder.embed_tokens.weight"
+               and not (k.startswith("encoder.block.") and k.endswith(linears)))
+    del state
+    known = _pointers()
+    peaks = {"bf16": 0, "fp8": 0}
+    calls = []
+
+    def counting(module, mode):
+        if type(module).__name__ in ("T5LayerSelfAttention", "T5LayerFF"):
+            calls.append(mode)
+            alive = _alive(known)
+            peaks["bf16"] = max(peaks["bf16"], alive.get(torch.bfloat16, 0))
+            peaks["fp8"] = max(peaks["fp8"], alive.get(torch.float8_e4m3fn, 0))
+        return quantize.quantize_encoder(module, mode)
+
+    monkeypatch.setattr(parts, "quantize_encoder", counting)
+    stored = parts.t5_file_encoder(tmp_path / "t5xxl_fp8_e4m3fn.safetensors", "", "int8", own_file=True)
+    assert calls == ["int8"] * 2 * layers and stored_precision(stored) == "int8"
+    # the embedding (its tied copy is not read) and what else stays bf16, then the feed-forward
+    # part (3/5 of a block here) and the int8 weights' scales
+    assert embedding * 2 <= peaks["bf16"] <= kept * 2 + 0.8 * block_fp8 * 2, (peaks, kept, block_fp8)
+    assert peaks["fp8"] == 0, peaks  # each part's float8 tensors are freed as they are widened
+
+    whole = parts.t5_file_encoder(tmp_path / "t5xxl_fp8_e4m3fn.safetensors", "", None, own_file=True)
+    assert _alive(known | _pointers_of(stored))[torch.bfloat16] >= layers * block_fp8 * 2
+    del whole
+
+
+def _pointers_of(module: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in plain_state(module).values()}
+
+
+def test_a_run_loads_t5_stored_and_keeps_it(images, tmp_path, cache_root, sd3_file):
+    """A CPU run with model.t5_precision = nf4: the loader gets the precision, and neither the CPU
+    run's widening of the encoders to fp32 nor prepare_encoders touches the stored T5."""
+    args = train_args(images, tmp_path / "out", cache_root / "t5load", "model.t5_precision=nf4",
+                      model="tiny:sd3")
+    cfg = load_config(None, args[3::2])
+    loaded = load_data(cfg, MemoryTracker(torch.device("cpu")), torch.device("cpu"), False)
+    t5 = loaded.bundle.text_encoders[2]
+    assert stored_precision(t5) == "nf4"
+    want = SD3Family().load(Source("single_file", sd3_file, tokenizers=sd3_file.parent), t5_precision="nf4")
+    _same_storage(t5, want.text_encoders[2])
+    clip = loaded.bundle.text_encoders[0]
+    assert clip.text_model.final_layer_norm.weight.dtype == torch.float32  # the CLIPs are widened
+
+
+RESIDENT = """
+import sys, torch
+from pathlib import Path
+import torchao.quantization  # imported before the first count, as loading the first part would
+from transformers import T5Config, T5EncoderModel
+from vramfit.memory.quantize import storage_bytes
+from vramfit.models import parts
+resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+start = resident()
+model = parts.t5_file_encoder(Path(sys.argv[1]), "", "int8", own_file=True)
+print((resident() - start) / storage_bytes(model))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)")
+def test_resident_memory_after_loading_is_the_stored_t5(tmp_path):
+    """A fresh process: once a float8 t5xxl file is loaded stored int8, its resident memory has grown
+    by the stored encoder, not by the parts' freed bf16 tensors left in the C heap between them."""
+    config = T5Config(vocab_size=256, d_model=1024, d_kv=64, num_heads=16, d_ff=4096, num_layers=4,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in T5EncoderModel(config).state_dict().items()}
+    save_file({k: torch.full(s, 0.25, dtype=torch.float8_e4m3fn) for k, s in shapes.items()},
+              str(tmp_path / "t5.safetensors"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RESIDENT, str(tmp_path / "t5.safetensors")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth = float(out.stdout.split()[-1])
+    assert growth < 1.4, growth  # 1.12 measured; 1.89 with the freed pages left in the heap
