@@ -224,3 +224,15 @@ def test_a_plan_for_a_gpu_budget_counts_no_device_memory_on_the_host(cache_root)
     assert "device (CPU run)" not in planned
     on_cpu = host_prediction(facts, with_values(cfg, {"train.device": "cpu"}), for_gpu=True).phase("train")
     assert on_cpu.parts["device (CPU run)"] > 0
+
+
+def test_a_host_budget_without_a_gpu_budget_is_checked_before_anything_loads(images, tmp_path, cache_root, capsys):
+    """No plan chooses settings without memory.vram_budget: the settings as written are checked
+    against memory.host_budget, and a run over it stops naming the key, with nothing written."""
+    out = tmp_path / "run"
+    code = main(["train", "--no-progress", "--set", "model.path=tiny:sdxl", "--set", f"data.path={images}",
+                 "--set", "data.resolution=64", "--set", "data.min_size=64", "--set", f"cache.dir={cache_root}",
+                 "--set", "train.device=cpu", "--set", "memory.host_budget=1MiB", "--set", f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert code != 0 and "memory.host_budget is 0.00 GiB" in err and "Traceback" not in err
+    assert not (out / "run.json").exists()

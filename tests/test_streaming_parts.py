@@ -161,6 +161,7 @@ class _SGD:
     wherever each parameter's values lie when it is handed over."""
 
     stepping = True
+    discarded = 0  # steps skipped so far (none here)
 
     def __init__(self, lr: float):
         self.lr, self.stepped_on = lr, []

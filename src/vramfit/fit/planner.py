@@ -1150,3 +1150,17 @@ def fit_to_budget(cfg: RunConfig, cache_root=None) -> RunConfig:
     for reason in choice.reasons:
         log.info("  %s", reason)
     return choice.config
+
+
+def check_host_budget(cfg: RunConfig, gpu: bool, cache_root=None) -> None:
+    """memory.host_budget set without memory.vram_budget (no plan chooses settings): raises PlanError
+    naming the phase predicted over it, before any weight loads. `gpu`: the run trains on a GPU."""
+    if cfg.memory.host_budget is None or budget_of(cfg) is not None:
+        return
+    host_budget, _ = host_budget_of(cfg)
+    worst = max(host_prediction(read_facts(cfg, cache_root), cfg, for_gpu=gpu).phases, key=lambda p: p.peak)
+    if worst.peak > host_budget:
+        raise PlanError(f"memory.host_budget is {host_budget / GIB:.2f} GiB; the {worst.name} phase is predicted "
+                        f"at {worst.peak / GIB:.2f} GiB of host memory with the settings as written; give "
+                        "memory.host_budget at least that where the machine has it, or memory.vram_budget to "
+                        "have the planner choose settings that fit both")

@@ -23,7 +23,7 @@ from vramfit.config import ConfigError
 from vramfit.config.rules import graph_clashes, process_problems, streamed_sums_on_device
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import ModelFacts, read_facts
-from vramfit.fit.planner import MARGIN, budget_of, fit_to_budget, predict, with_values
+from vramfit.fit.planner import MARGIN, budget_of, check_host_budget, fit_to_budget, predict, with_values
 from vramfit.memory.accounting import pick_device
 from vramfit.train.distributed import launched_world
 
@@ -80,12 +80,15 @@ def resident_by_default(cfg: RunConfig) -> RunConfig:
 
 def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None) -> RunConfig:
     """The run's config for `env`: automatic values, the multi-process check, the budget's plan
-    (which chooses memory.resident_blocks; without a budget it is 0)."""
+    (which chooses memory.resident_blocks; without a budget it is 0), and memory.host_budget checked
+    where no plan chose for it."""
     cfg = with_automatic_values(cfg, env)
     problems = process_problems(cfg, env.world)
     if problems:
         raise ConfigError(problems, f"config for {env.world} processes")
-    return with_grad_sums(resident_by_default(fit_to_budget(cfg, cache_root)), env, cache_root)
+    cfg = with_grad_sums(resident_by_default(fit_to_budget(cfg, cache_root)), env, cache_root)
+    check_host_budget(cfg, env.device.type == "cuda", cache_root)
+    return cfg
 
 
 def with_grad_sums(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None,

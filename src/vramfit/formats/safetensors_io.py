@@ -283,13 +283,21 @@ def temp_path(path: Path) -> Path:
 def save_atomic(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file so that the target is either the old file or the complete new one."""
     path = Path(path)
+    with _replacing(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """The temporary path a write of `path` fills inside the block (a full disk named for `path`);
+    after it, made the file atomically (mode, rename, the folder synced); removed on any error."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
         with _no_room_names(path):
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+            yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -326,23 +334,13 @@ def save_atomic_lazy(entries: Mapping[str, Lazy], path: Path, metadata: dict[str
         offset += size
     text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        with _no_room_names(path):
-            with open(tmp, "wb") as fh:
-                fh.write(struct.pack("<Q", len(text)))
-                fh.write(text)
-                for key in order:
-                    _write_tensor(fh, key, entries[key])
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with _replacing(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for key in order:
+            _write_tensor(fh, key, entries[key])
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _write_tensor(fh: IO[bytes], key: str, entry: Lazy) -> None:
