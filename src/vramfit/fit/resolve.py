@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import torch
 
 from vramfit.config import ConfigError
@@ -35,13 +34,12 @@ class Environment:
     device: torch.device
     world: int = 1  # processes launched (torchrun / accelerate launch)
     gpu_bytes: Optional[int] = None  # the training GPU's memory
-    host_bytes: Optional[int] = None  # this machine's memory
 
     @classmethod
     def detect(cls, cfg: RunConfig) -> "Environment":
         device = pick_device(cfg.train.device)
         gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        return cls(device, launched_world(), gpu, psutil.virtual_memory().total)
+        return cls(device, launched_world(), gpu)
 
 
 def graphs_by_default(cfg: RunConfig, env: Environment) -> bool:
