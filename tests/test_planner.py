@@ -421,13 +421,13 @@ def test_streamed_weights_set_by_hand_step_in_backward_and_after_it_only_where_n
 def test_the_samples_phase_counts_the_grid_in_the_dtype_the_grid_runs_in(mode, precision, base):
     """train/samples.py runs a grid's encoders and VAE in `grid_dtype` of the placed denoiser (a
     LoRA's base: fp32 unless full_bf16); the planner's samples phase counts that width."""
-    from vramfit.fit.planner import grid_item_bytes
+    from vramfit.fit.model_facts import weight_item_bytes
     from vramfit.train.samples import grid_dtype
 
     cfg = _cfg(model={"path": "tiny:ssd1b"}, train={"mode": mode, "precision": precision},
                lora={"base_quantization": base})
     _, bundle, _ = _placed(cfg)
-    assert grid_item_bytes(cfg) == torch.empty((), dtype=grid_dtype(bundle.denoiser)).element_size()
+    assert weight_item_bytes(cfg) == torch.empty((), dtype=grid_dtype(bundle.denoiser)).element_size()
 
 
 def test_a_full_fine_tune_streams_with_graphs_before_anything_without_them(sd3m, monkeypatch):

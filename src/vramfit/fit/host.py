@@ -56,7 +56,8 @@ import torch
 
 from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
-from vramfit.fit.model_facts import EncoderFacts, ModelFacts, encoder_bytes
+from vramfit.fit.model_facts import (EncoderFacts, ModelFacts, encoder_bytes, sampled_encoder_bytes,
+                                     weight_item_bytes)
 from vramfit.train.distributed import launched_world
 
 GIB = 2**30
@@ -180,17 +181,9 @@ def prepared_encoders(facts: ModelFacts, cfg: RunConfig, cpu: bool) -> dict[str,
 
 
 def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
-    """The encoders a sample grid reloads, in the grid's dtype (`item` bytes a value; T5 as
-    model.t5_precision stores it, its other weights in the grid's dtype)."""
-    total = 0
-    for e in facts.encoders:
-        if e.kind != "t5":
-            total += item * e.params
-        elif cfg.model.t5_precision != "none":
-            stored = encoder_bytes(e, cfg.model.t5_precision)[0]
-            widened = 0 if cfg.model.t5_precision == "bf16" else (item - 2) * (e.params - e.linear_numel)
-            total += stored + widened
-    return total
+    """The encoders a sample grid reloads, in the grid's dtype (`item` bytes a value)."""
+    return sum(sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
+               if e.kind != "t5" or cfg.model.t5_precision != "none")
 
 
 def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
@@ -228,7 +221,7 @@ def placed_by_layer(facts: ModelFacts, cfg: RunConfig, loaded: int, cpu: bool) -
     widens each)."""
     if cfg.train.mode != "lora" or cfg.lora.base_quantization == "none":
         return 0
-    item = 2 if cfg.train.precision == "full_bf16" else 4
+    item = weight_item_bytes(cfg)
     tensors = [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
     floats = sum(t.numel() for t in tensors if t.is_floating_point())
     layers = [sum(p.numel() for p in m.parameters()) for m in facts.denoiser.modules()
@@ -282,7 +275,7 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
                "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
     add("train", max(steady, placing, key=lambda d: sum(d.values())))
     if grids:
-        item = 2 if cfg.train.precision == "full_bf16" else 4
+        item = weight_item_bytes(cfg)
         reloaded = 0 if cfg.cache.latents and cfg.cache.text else \
             facts.vae_params * item + _grid_encoders(facts, cfg, item)
         add("samples", {**steady, "grid models": reloaded})

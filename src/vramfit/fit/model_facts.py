@@ -217,6 +217,24 @@ class UnknownLayout(ValueError):
     """A layout name no family ships; the message lists the known ones."""
 
 
+def weight_item_bytes(cfg: RunConfig) -> int:
+    """Bytes a value of the denoiser's weights as training holds them (and a sample grid's models):
+    bf16 under full_bf16, fp32 otherwise."""
+    return 2 if cfg.train.precision == "full_bf16" else 4
+
+
+def sampled_encoder_bytes(enc: EncoderFacts, t5_precision: str, item: int) -> int:
+    """An encoder's bytes while a sample grid encodes: cast to the grid's dtype (`item` bytes a
+    value), then T5 stored as model.t5_precision asks (bf16 casts it back; a quantized one keeps
+    its other weights in the grid's dtype)."""
+    if enc.kind != "t5":
+        return item * enc.params
+    stored = encoder_bytes(enc, t5_precision)[0]
+    if t5_precision == "bf16":
+        return stored
+    return stored + (item - 2) * (enc.params - enc.linear_numel)
+
+
 def shipped_layouts() -> dict[str, tuple[str, tuple]]:
     """{name: (family, (denoiser, VAE, encoder configs))} of every family's shipped layouts."""
     return {name: (family, parts) for family, fam in FAMILIES.items()

@@ -79,8 +79,8 @@ from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
 from vramfit.memory.accounting import pick_device
 from vramfit.memory.checkpointing import recomputed_blocks
-from vramfit.fit.model_facts import (ModelFacts, encoder_bytes, encoder_device_bytes, quantized_linear_bytes,
-                                     read_facts, state_bytes)
+from vramfit.fit.model_facts import (ModelFacts, encoder_device_bytes, quantized_linear_bytes, read_facts,
+                                     sampled_encoder_bytes, state_bytes, weight_item_bytes)
 from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
 from vramfit.memory.offload import block_modules, resident_blocks, split_units
 from vramfit.models.adapter import t5_tokens
@@ -263,7 +263,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
     first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS). The
     blocks memory.resident_blocks keeps (the streamer's own pick, units.py `resident_blocks`; None
     as 0) are resident."""
-    dtype_bytes = 2 if cfg.train.precision == "full_bf16" else 4
+    dtype_bytes = weight_item_bytes(cfg)
     lora = cfg.train.mode == "lora"
     method = cfg.lora.base_quantization if lora else "none"
     quantized: dict[int, int] = {}
@@ -528,7 +528,7 @@ def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
     item = 4 if cfg.train.precision == "fp32" else 2
     act = {"text encoder activations": sum(20 * item * batch * 77 * e.hidden * e.layers for e in clips)}
     if cfg.text_encoder_training == "full":
-        weight = 2 if cfg.train.precision == "full_bf16" else 4
+        weight = weight_item_bytes(cfg)
         state, name = 0, cfg.train.optimizer
         for e in clips:
             rows, hidden = max(e.linear_rows, 1), max(e.hidden, 1)
@@ -553,8 +553,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     runs every model in the dtype of the denoiser's frozen weights (all its weights when none is
     frozen: train/samples.py `grid_dtype`), which is bf16 under full_bf16 and fp32 otherwise (a
     LoRA's base too): fp32 doubles every term but the weights."""
-    item = grid_item_bytes(cfg)
-    encoders = sorted(_sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
+    item = weight_item_bytes(cfg)
+    encoders = sorted(sampled_encoder_bytes(e, cfg.model.t5_precision, item) for e in facts.encoders
                       if e.kind != "t5" or cfg.model.t5_precision != "none")
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
     family = FAMILIES[facts.family]
@@ -568,23 +568,6 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     return {"optimizer state": terms["optimizer state"], "ema": terms["ema"],
             **max(stages, key=lambda st: sum(st.values())),
             "workspace": WORKSPACE}
-
-
-def grid_item_bytes(cfg: RunConfig) -> int:
-    """Bytes a value in a sample grid's models: the frozen base is bf16 under full_bf16, fp32 otherwise."""
-    return 2 if cfg.train.precision == "full_bf16" else 4
-
-
-def _sampled_encoder_bytes(enc, t5_precision: str, item: int) -> int:
-    """An encoder's bytes on the GPU while a grid encodes: cast to the grid's dtype (`item` bytes a
-    value), then T5 stored as model.t5_precision asks (bf16 casts it back; a quantized one keeps
-    its other weights in the grid's dtype)."""
-    if enc.kind != "t5":
-        return item * enc.params
-    stored = encoder_bytes(enc, t5_precision)[0]
-    if t5_precision == "bf16":
-        return stored
-    return stored + (item - 2) * (enc.params - enc.linear_numel)
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:
@@ -1066,7 +1049,7 @@ def host_prediction(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUN
     placed = 0
     # a quantized LoRA base is placed a layer at a time, never cast whole (fit/host.py placed_by_layer)
     if cfg.memory.stream_weights and (cfg.train.mode != "lora" or cfg.lora.base_quantization == "none"):
-        item = 2 if cfg.train.precision == "full_bf16" else 4  # cast in CPU memory before it is placed
+        item = weight_item_bytes(cfg)  # cast in CPU memory before it is placed
         placed = item * sum(t.numel() for t in [*facts.denoiser.parameters(), *facts.denoiser.buffers()]
                             if t.is_floating_point())
     offloaded = 0
