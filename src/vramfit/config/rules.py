@@ -61,10 +61,12 @@ def graph_clashes(cfg: Any) -> list[str]:
         ("train.optimizer_in_backward with train.grad_accum > 1",
          cfg.train.optimizer_in_backward and cfg.train.grad_accum > 1),
         ("lora.dropout", cfg.train.mode == "lora" and cfg.lora.dropout > 0),
-        ("lora.text_encoder_rank (the trained text encoders run before the recorded denoiser, with the "
-         "host's tokenizing between)", cfg.train.mode == "lora" and cfg.lora.text_encoder_rank > 0),
-        ("train.text_encoders = 'full' (the trained text encoders run before the recorded denoiser, with the "
-         "host's tokenizing between)", cfg.train.mode == "full" and cfg.train.text_encoders == "full")) if on]
+        (f"{TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)} (the trained text encoders run before the "
+         "recorded denoiser, with the host's tokenizing between)", cfg.text_encoder_training is not None)) if on]
+
+
+# the setting that trains the text encoders, by RunConfig.text_encoder_training
+TRAINED_ENCODERS_KEY = {"lora": "lora.text_encoder_rank", "full": "train.text_encoders = 'full'"}
 
 
 def _compile(cfg: Any) -> Optional[str]:
