@@ -59,7 +59,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
                    help="continue from the newest state in output.dir/state (latest) or a state folder")
     p.add_argument("--gpus", type=int, metavar="N", help="train on N GPUs of this machine (data-parallel; "
                    "starts the same command through accelerate launch; docs/multi-gpu.md)")
-    p = sub.add_parser("plan", help="predict each phase's peak GPU memory; with --vram (or "
+    p = sub.add_parser("plan", help="predict each phase's peak GPU and host memory; with --vram (or "
                        "memory.vram_budget) choose the fastest settings that fit")
     _add_config_args(p)
     p.add_argument("--vram", metavar="SIZE", help="GPU memory to plan for, e.g. 8GiB or 7.5GB")

@@ -618,8 +618,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `generate` subcommand (sets func=run_generate)."""
     p = subparsers.add_parser(
         "generate", help="render images from a model, with LoRAs; --compare shows base vs fine-tuned",
-        description="Render images from an SDXL-family or SD3 model, optionally with LoRAs (each at its "
-        "own scale). Image i is rendered with seed SEED+i, so the same command gives the same images. "
+        description="Render images from an SDXL-family, SD3, SD3.5 or Flux.1 model, optionally with LoRAs "
+        "(each at its own scale). Image i is rendered with seed SEED+i, so the same command gives the same images. "
         "On CUDA the models are moved to the GPU one at a time to keep memory low.")
     p.add_argument("--model", required=True,
                    help="single-file .safetensors, diffusers folder, repo id or tiny:<name>")
