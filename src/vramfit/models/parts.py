@@ -96,6 +96,34 @@ def only(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
+# Key plans of a transformer's single-file layout: {file key: (the state dict keys it is made of, a
+# function of their tensors)}, built by each family (models/sd3/mmdit.py, models/flux/bfl.py) from
+# these pieces, applied whole (`apply_plan`) or a tensor at a time as it is written (`lazy_state`).
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """(shift, scale) <-> (scale, shift) halves along dim 0; applying it twice is the identity."""
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def first_part(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def swapped_part(parts: list[torch.Tensor]) -> torch.Tensor:
+    return swap_halves(parts[0])
+
+
+def stacked_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def apply_plan(sd: Mapping[str, torch.Tensor], plan: Mapping[str, tuple[tuple[str, ...], Callable]]
+               ) -> dict[str, torch.Tensor]:
+    """The file's state dict that `plan` makes of `sd`, all at once."""
+    return {name: make([sd[k] for k in keys]) for name, (keys, make) in plan.items()}
+
+
 def lazy_state(model: torch.nn.Module, plan: Mapping[str, tuple[tuple[str, ...], Callable]],
                dtype: torch.dtype, prefix: str = "") -> dict[str, Lazy]:
     """{prefix + file key: Lazy} of `model`'s weights as a single file names them (`plan`: {file key:

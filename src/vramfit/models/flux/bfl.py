@@ -13,6 +13,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from vramfit.models.parts import apply_plan, first_part, stacked_parts, swap_halves, swapped_part
+
 # whole-tensor renames: diffusers module -> BFL module (each with .weight and .bias where present)
 TOP_NAMES = {
     "x_embedder": "img_in", "context_embedder": "txt_in",
@@ -47,11 +49,6 @@ def _param(bfl_module: str, suffix: str) -> str:
     return bfl_module + (".scale" if bfl_module.endswith("_norm") and suffix == "weight" else "." + suffix)
 
 
-def _swap(t: torch.Tensor) -> torch.Tensor:
-    a, b = t.chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
 def _blocks(keys, prefix: str) -> list[int]:
     found = sorted({int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)})
     if found != list(range(len(found))):
@@ -61,19 +58,7 @@ def _blocks(keys, prefix: str) -> list[int]:
 
 def diffusers_to_bfl(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A FluxTransformer2DModel state dict in BFL keys; every tensor is used once."""
-    return {name: make([sd[k] for k in keys]) for name, (keys, make) in bfl_plan(sd).items()}
-
-
-def _first(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0]
-
-
-def _swapped(parts: list[torch.Tensor]) -> torch.Tensor:
-    return _swap(parts[0])
-
-
-def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, dim=0)
+    return apply_plan(sd, bfl_plan(sd))
 
 
 def bfl_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...], Callable]]:
@@ -90,24 +75,24 @@ def bfl_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...],
     for d, b in [*TOP_NAMES.items(), SWAPPED]:
         for suffix in ("weight", "bias"):
             if f"{d}.{suffix}" in sd:
-                out[f"{b}.{suffix}"] = (take(f"{d}.{suffix}"), _swapped if d == SWAPPED[0] else _first)
+                out[f"{b}.{suffix}"] = (take(f"{d}.{suffix}"), swapped_part if d == SWAPPED[0] else first_part)
     for i in _blocks(sd, D_DOUBLE):
         src, dst = f"{D_DOUBLE}{i}.", f"{DOUBLE}{i}."
         for d, b in DOUBLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
-                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), _first)
+                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), first_part)
         for b, parts in DOUBLE_FUSED.items():
             for suffix in ("weight", "bias"):
-                out[f"{dst}{b}.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in parts)), _stacked)
+                out[f"{dst}{b}.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in parts)), stacked_parts)
     for i in _blocks(sd, D_SINGLE):
         src, dst = f"{D_SINGLE}{i}.", f"{SINGLE}{i}."
         for d, b in SINGLE_NAMES.items():
             for suffix in ("weight", "bias"):
                 if src + f"{d}.{suffix}" in sd:
-                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), _first)
+                    out[dst + _param(b, suffix)] = (take(src + f"{d}.{suffix}"), first_part)
         for suffix in ("weight", "bias"):
-            out[f"{dst}linear1.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in SINGLE_FUSED)), _stacked)
+            out[f"{dst}linear1.{suffix}"] = (take(*(f"{src}{p}.{suffix}" for p in SINGLE_FUSED)), stacked_parts)
     left = sorted(set(sd) - used)
     if left:
         raise ValueError(f"Flux transformer keys with no BFL name: {left[:5]}")
@@ -153,7 +138,7 @@ def bfl_to_diffusers(sd: Mapping[str, torch.Tensor], config: Mapping) -> dict[st
         for suffix in ("weight", "bias"):
             if f"{b}.{suffix}" in sd:
                 t = take(f"{b}.{suffix}")
-                out[f"{d}.{suffix}"] = _swap(t) if d == SWAPPED[0] else t
+                out[f"{d}.{suffix}"] = swap_halves(t) if d == SWAPPED[0] else t
     for i in _blocks(sd, DOUBLE):
         src, dst = f"{DOUBLE}{i}.", f"{D_DOUBLE}{i}."
         for d, b in DOUBLE_NAMES.items():

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from vramfit.formats.keys import UnmappedKeysError
+from vramfit.models.parts import apply_plan, first_part, stacked_parts, swap_halves, swapped_part
 
 SAI_PREFIX = "model.diffusion_model."
 HEAD_DIM = 64  # every released SD3/SD3.5 transformer uses 64 channels per head
@@ -126,12 +127,6 @@ def _leaf(module: str, leaf: str) -> str:
     return f"{module}.{leaf}" if leaf else module
 
 
-def swap_scale_shift(t: torch.Tensor) -> torch.Tensor:
-    """(shift, scale) <-> (scale, shift) halves along dim 0; applying it twice is the identity."""
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def sai_to_diffusers_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """SAI MMDiT state dict (``model.diffusion_model.`` stripped or not) -> ``SD3Transformer2DModel`` keys."""
     sd = _strip(sd)
@@ -151,25 +146,13 @@ def sai_to_diffusers_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
                 out[name] = part.clone()  # own storage: views of one tensor cannot be saved apart
         else:
             name, swap = rename[key]
-            out[name] = swap_scale_shift(t) if swap else t
+            out[name] = swap_halves(t) if swap else t
     return out
 
 
 def diffusers_to_sai_mmdit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``SD3Transformer2DModel`` state dict -> SAI MMDiT keys (without ``model.diffusion_model.``)."""
-    return {name: make([sd[k] for k in keys]) for name, (keys, make) in sai_plan(sd).items()}
-
-
-def _first(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0]
-
-
-def _swapped(parts: list[torch.Tensor]) -> torch.Tensor:
-    return swap_scale_shift(parts[0])
-
-
-def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, dim=0)
+    return apply_plan(sd, sai_plan(sd))
 
 
 def sai_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...], Callable]]:
@@ -188,9 +171,9 @@ def sai_plan(sd: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[str, ...],
     for key in sd:
         if key in rename:
             name, swap = rename[key]
-            plan[name] = ((key,), _swapped if swap else _first)
+            plan[name] = ((key,), swapped_part if swap else first_part)
     for name, sources in joined.items():
-        plan[name] = (tuple(sources), _stacked)
+        plan[name] = (tuple(sources), stacked_parts)
     return plan
 
 
