@@ -56,12 +56,11 @@ import torch
 
 from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
+from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
 from vramfit.fit.model_facts import (EncoderFacts, ModelFacts, encoder_bytes, sampled_encoder_bytes,
                                      weight_item_bytes)
 from vramfit.train.distributed import launched_world
 
-GIB = 2**30
-MIB = 2**20
 BASELINE = 470 * MIB  # about: RSS after importing torch (CPU build), vramfit.run, diffusers, transformers
 HOST_MARGIN = 0.10  # of the machine's memory left to the system by default ...
 HOST_MARGIN_MIN = 2 * GIB  # ... and at least this much
@@ -112,37 +111,18 @@ class DenoiserHost:
     adapter: int = 0  # a LoRA's trained tensors, as its file is written
 
 
-@dataclass
-class HostEstimate:
-    name: str
-    peak: int
-    parts: dict[str, int]
-
-
-@dataclass
-class HostPrediction:
-    phases: list[HostEstimate]
-
-    @property
-    def peak(self) -> int:
-        return max(p.peak for p in self.phases)
-
-    def phase(self, name: str) -> Optional[HostEstimate]:
-        return next((p for p in self.phases if p.name == name), None)
+class HostPrediction(Phases):
+    """Peak host memory by phase."""
 
     def table(self, gpu: Optional[dict[str, int]] = None) -> str:
         """One row per phase, indented under the GPU tables: the predicted host peak, the device's
         peak beside it (`gpu`: by phase) and the host terms."""
         rows = [f"  {'host phase':<14}{'device':>9}{'host':>9}   host terms"]
         for p in self.phases:
-            device = _size(gpu[p.name]) if gpu and p.name in gpu else "-"
-            terms = ", ".join(f"{k} {_size(v)}" for k, v in p.parts.items() if v)
-            rows.append(f"  {p.name:<14}{device:>9}{_size(p.peak):>9}   {terms}")
+            device = size_text(gpu[p.name]) if gpu and p.name in gpu else "-"
+            terms = ", ".join(f"{k} {size_text(v)}" for k, v in p.parts.items() if v)
+            rows.append(f"  {p.name:<14}{device:>9}{size_text(p.peak):>9}   {terms}")
         return "\n".join(rows)
-
-
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f}G" if n >= GIB // 10 else f"{n / MIB:.1f}M"
 
 
 def _clip_bytes(enc: EncoderFacts, cpu: bool) -> int:
@@ -248,7 +228,7 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
             parts["device (CPU run)"] = device[name]
         if processes > 1:
             parts[f"{processes - 1} more processes"] = (processes - 1) * sum(parts.values())
-        phases.append(HostEstimate(name, sum(parts.values()), parts))
+        phases.append(PhaseEstimate(name, sum(parts.values()), parts))
 
     add("load", {"denoiser": loaded, "vae": vae, **loaded_encoders(facts, cfg, cpu)})
     encoders = prepared_encoders(facts, cfg, cpu)

@@ -81,6 +81,7 @@ from vramfit.memory.accounting import pick_device
 from vramfit.memory.checkpointing import recomputed_blocks
 from vramfit.fit.model_facts import (ModelFacts, encoder_device_bytes, quantized_linear_bytes, read_facts,
                                      sampled_encoder_bytes, state_bytes, weight_item_bytes)
+from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
 from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
 from vramfit.memory.offload import block_modules, resident_blocks, split_units
 from vramfit.models.adapter import t5_tokens
@@ -91,8 +92,6 @@ from vramfit.optim.wrapped import WrappedOptimizer
 from vramfit.train.distributed import composition_problems, launched_world
 from vramfit.train.lora import conv_modules, target_modules
 
-GIB = 2**30
-MIB = 2**20
 MARGIN = 0.10  # a choice must fit in budget x (1 - MARGIN): prediction error and fragmentation
 
 VAE_IMAGE_CHANNELS = 3  # the image, on the device in the VAE's dtype while its tiles encode
@@ -305,31 +304,15 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
     return tensors, sorted(unit_sizes, reverse=True)
 
 
-@dataclass
-class PhaseEstimate:
-    name: str
-    peak: int
-    parts: dict[str, int]
-
-
-@dataclass
-class Prediction:
-    phases: list[PhaseEstimate]
-
-    @property
-    def peak(self) -> int:
-        return max(p.peak for p in self.phases)
+class Prediction(Phases):
+    """The planner's peak GPU memory by phase."""
 
     def table(self) -> str:
         rows = [f"{'phase':<14}{'predicted':>11}   terms"]
         for p in self.phases:
-            terms = ", ".join(f"{k} {_size(v)}" for k, v in p.parts.items() if v)
-            rows.append(f"{p.name:<14}{_size(p.peak):>11}   {terms}")
+            terms = ", ".join(f"{k} {size_text(v)}" for k, v in p.parts.items() if v)
+            rows.append(f"{p.name:<14}{size_text(p.peak):>11}   {terms}")
         return "\n".join(rows)
-
-
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f}G" if n >= GIB // 10 else f"{n / MIB:.1f}M"
 
 
 def all_buckets(cfg: RunConfig) -> list[tuple[int, int]]:
@@ -1101,7 +1084,7 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
                      "off, captions are encoded each step")
     host = ema_host_bytes(facts, cfg)
     if host:
-        lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {_size(host)}")
+        lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {size_text(host)}")
     host_budget, host_source = host_budget_of(cfg)
     host_title = (f"predicted peak host memory (RSS) by phase{{}}, the device's beside it; host budget "
                   f"{host_budget / GIB:.2f} GiB ({host_source}):")
