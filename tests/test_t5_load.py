@@ -215,4 +215,4 @@ def test_resident_memory_after_loading_is_the_stored_t5(tmp_path):
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     growth = float(out.stdout.split()[-1])
-    assert growth < 1.4, growth  # 1.12 measured; 1.89 with the freed pages left in the heap
+    assert growth < 1.4, growth  # the freed bf16 parts left in the heap make it nearly 2x
