@@ -12,13 +12,13 @@ from vramfit.config.load import load_config
 
 
 @pytest.mark.parametrize("model,extra,rel", [
-    ("tiny:ssd1b", ["train.precision=fp32"], 1e-5),
     ("tiny:sd3", ["train.precision=fp32"], 1e-5),
     # an nf4 base's widening cannot be traced: those linears run eagerly between compiled parts
     ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"], 1e-5),
-    # int8 weights are fixed-size guards: one compilation per resnet width, under the raised limit;
-    # in bf16 the compiled graphs round differently from eager ones (4e-4 relative seen by step 2)
-    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4"], 2e-3),
+    # the UNet's blocks; int8 weights are fixed-size guards: one compilation per resnet width, under
+    # the raised limit. In fp32, as the eager run (in bf16 compiled graphs round differently)
+    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4", "train.precision=fp32"],
+     1e-5),
 ])
 def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, monkeypatch, model, extra, rel, capfd):
     # Dynamo captures each block and AOT autograd builds its backward, as on a GPU; the aot_eager
