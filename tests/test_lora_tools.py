@@ -130,16 +130,42 @@ def test_merge_takes_dora_and_text_encoder_lora_as_peft_merges_them(images, tmp_
         _same_weights(got.denoiser.state_dict(), _peft_merged(base.denoiser, unet, dora, scale),
                       original.denoiser.state_dict())
         for i, encoder in enumerate(base.text_encoders):
-            names = {n for n, _ in encoder.named_modules()}
-            state = {}
-            for key, t in raw.items():
-                if key.startswith(TEXT_ENCODERS[i] + "."):
-                    key = key.split(".", 1)[1]  # text_model.<...>, which CLIPTextModel may not have
-                    state[key if key.rsplit(".lora_", 1)[0] in names else key[len("text_model."):]] = t
+            state = _encoder_lora(raw, TEXT_ENCODERS[i], encoder)
             config = LoraConfig(r=2, lora_alpha=2,
                                 target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
             _same_weights(got.text_encoders[i].state_dict(), _peft_merged(encoder, state, config, scale),
                           original.text_encoders[i].state_dict())
+
+
+def _encoder_lora(raw: dict, component: str, encoder: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A diffusers file's LoRA of one text encoder under the encoder's own module names (the file's
+    `text_model.<...>`, which CLIPTextModel may not have)."""
+    names = {n for n, _ in encoder.named_modules()}
+    state = {}
+    for key, t in raw.items():
+        if key.startswith(component + "."):
+            key = key.split(".", 1)[1]
+            state[key if key.rsplit(".lora_", 1)[0] in names else key[len("text_model."):]] = t
+    return state
+
+
+def test_merge_writes_a_flux_clip_text_encoder_lora_into_the_checkpoint(images, tmp_path, cache_root):
+    """Flux.1's kohya file (lora_te1_) merged at 0.5: its CLIP-L equals peft's merge of the diffusers
+    file's text_encoder LoRA, T5 is the source's."""
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", *LORA[:-1], "lora.text_encoder_rank=2",
+                           "train.precision=fp32", model="tiny:flux")) == 0
+    merged = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", "tiny:flux", f"{out / 'm-kohya.safetensors'}:0.5", "--out", str(merged),
+                 "--dtype", "fp32"]) == 0
+    got, original = load_model(str(merged))[1], load_model("tiny:flux")[1]
+    clip = load_model("tiny:flux")[1].text_encoders[0]
+    state = _encoder_lora(load_file(str(out / "m.safetensors")), "text_encoder", clip)
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
+    _same_weights(got.text_encoders[0].state_dict(), _peft_merged(clip, state, config, 0.5),
+                  original.text_encoders[0].state_dict())
+    t5, source = got.text_encoders[1].state_dict(), original.text_encoders[1].state_dict()
+    assert all(torch.equal(t5[k], source[k]) for k in source)
 
 
 @pytest.mark.parametrize("kind, scale", [("lokr", 1.0), ("loha", 0.5)])
