@@ -35,15 +35,19 @@ def trained(tmp_path_factory, cache_root):
     return root / "run"
 
 
-def _peft_merged(model: torch.nn.Module, state: dict, config, scale: float) -> dict[str, torch.Tensor]:
-    """`model`'s weights after peft injects the adapter `state` (peft keys), scales it by `scale` and
-    merges it (a DoRA's magnitudes as the file has them)."""
-    inject_adapter_in_model(config, model)
-    assert not set_peft_model_state_dict(model, state).unexpected_keys
+def _peft_merged(model: torch.nn.Module, state: dict, config, scales: list[float]) -> dict[str, torch.Tensor]:
+    """`model`'s weights after peft injects the adapter `state` (peft keys) once per scale, scales
+    each and merges them in turn (a DoRA's magnitudes as the file has them)."""
+    names = [f"a{i}" for i in range(len(scales))]
+    for name in names:
+        inject_adapter_in_model(config, model, adapter_name=name)
+        assert not set_peft_model_state_dict(model, state, adapter_name=name).unexpected_keys
     for module in model.modules():
-        if hasattr(module, "scale_layer") and hasattr(module, "merge"):
-            module.scale_layer(scale)
-            module.merge()
+        if hasattr(module, "set_scale") and hasattr(module, "merge"):
+            module.set_adapter(names)
+            for name, scale in zip(names, scales):
+                module.set_scale(name, scale)
+            module.merge(adapter_names=names)
     return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
 
 
@@ -106,9 +110,11 @@ def test_merge_equals_peft_merge_and_extract_recovers_the_lora(trained, tmp_path
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0" and meta["ss_network_dim"] == "4"
 
 
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # two adapters, on purpose
 def test_merge_takes_dora_and_text_encoder_lora_as_peft_merges_them(images, tmp_path, cache_root):
-    """A DoRA with a text-encoder LoRA, both formats: the merged UNet and CLIP encoders equal peft's
-    merge of the diffusers file's tensors (kohya's dora_scale at scale 1, the diffusers file at 0.5).
+    """A DoRA with a text-encoder LoRA: the merged UNet and CLIP encoders equal peft's merge of the
+    diffusers file's tensors, for the kohya file (dora_scale) at 1 and for it at 1 followed by the
+    diffusers file at 0.5 (each DoRA's norm is of the unmerged weight, as peft merges two).
     Trained in fp32: a kohya dora_scale holds the base's row norms in the training precision."""
     out = tmp_path / "run"
     assert main(train_args(images, out, cache_root / "lt", *LORA, "lora.type=dora",
@@ -121,19 +127,20 @@ def test_merge_takes_dora_and_text_encoder_lora_as_peft_merges_them(images, tmp_
     dora = LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=sorted(
         {k.rsplit(".lora_", 1)[0] for k in unet}))
     original = load_model("tiny:sdxl")[1]
-    for name, scale in (("m.safetensors", 1.0), ("m-diffusers.safetensors", 0.5)):
-        merged = tmp_path / f"merged-{scale}.safetensors"
-        assert main(["lora", "merge", "tiny:sdxl", f"{out / name}:{scale}", "--out", str(merged),
-                     "--dtype", "fp32"]) == 0
+    for files, scales in (([out / "m.safetensors"], [1.0]),
+                          ([out / "m.safetensors", out / "m-diffusers.safetensors"], [1.0, 0.5])):
+        merged = tmp_path / f"merged-{len(files)}.safetensors"
+        assert main(["lora", "merge", "tiny:sdxl", *[f"{f}:{s}" for f, s in zip(files, scales)], "--out",
+                     str(merged), "--dtype", "fp32"]) == 0
         _, got = load_model(str(merged))  # as `vramfit generate` and `train` load it
         _, base = load_model("tiny:sdxl")
-        _same_weights(got.denoiser.state_dict(), _peft_merged(base.denoiser, unet, dora, scale),
+        _same_weights(got.denoiser.state_dict(), _peft_merged(base.denoiser, unet, dora, scales),
                       original.denoiser.state_dict())
         for i, encoder in enumerate(base.text_encoders):
             state = _encoder_lora(raw, TEXT_ENCODERS[i], encoder)
             config = LoraConfig(r=2, lora_alpha=2,
                                 target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
-            _same_weights(got.text_encoders[i].state_dict(), _peft_merged(encoder, state, config, scale),
+            _same_weights(got.text_encoders[i].state_dict(), _peft_merged(encoder, state, config, scales),
                           original.text_encoders[i].state_dict())
 
 
@@ -162,7 +169,7 @@ def test_merge_writes_a_flux_clip_text_encoder_lora_into_the_checkpoint(images, 
     clip = load_model("tiny:flux")[1].text_encoders[0]
     state = _encoder_lora(load_file(str(out / "m.safetensors")), "text_encoder", clip)
     config = LoraConfig(r=2, lora_alpha=2, target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
-    _same_weights(got.text_encoders[0].state_dict(), _peft_merged(clip, state, config, 0.5),
+    _same_weights(got.text_encoders[0].state_dict(), _peft_merged(clip, state, config, [0.5]),
                   original.text_encoders[0].state_dict())
     t5, source = got.text_encoders[1].state_dict(), original.text_encoders[1].state_dict()
     assert all(torch.equal(t5[k], source[k]) for k in source)
