@@ -3,6 +3,8 @@ own merge (LoRA, DoRA, LoHa, LoKr, text-encoder LoRA), extraction recovers a mer
 gives the best lower-rank product."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
@@ -133,7 +135,7 @@ def test_merge_takes_dora_and_text_encoder_lora_as_peft_merges_them(images, tmp_
         assert main(["lora", "merge", "tiny:sdxl", *[f"{f}:{s}" for f, s in zip(files, scales)], "--out",
                      str(merged), "--dtype", "fp32"]) == 0
         _, got = load_model(str(merged))  # as `vramfit generate` and `train` load it
-        _, base = load_model("tiny:sdxl")
+        base = copy.deepcopy(original)
         _same_weights(got.denoiser.state_dict(), _peft_merged(base.denoiser, unet, dora, scales),
                       original.denoiser.state_dict())
         for i, encoder in enumerate(base.text_encoders):
@@ -166,7 +168,7 @@ def test_merge_writes_a_flux_clip_text_encoder_lora_into_the_checkpoint(images, 
     assert main(["lora", "merge", "tiny:flux", f"{out / 'm-kohya.safetensors'}:0.5", "--out", str(merged),
                  "--dtype", "fp32"]) == 0
     got, original = load_model(str(merged))[1], load_model("tiny:flux")[1]
-    clip = load_model("tiny:flux")[1].text_encoders[0]
+    clip = copy.deepcopy(original.text_encoders[0])
     state = _encoder_lora(load_file(str(out / "m.safetensors")), "text_encoder", clip)
     config = LoraConfig(r=2, lora_alpha=2, target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
     _same_weights(got.text_encoders[0].state_dict(), _peft_merged(clip, state, config, [0.5]),
@@ -232,6 +234,16 @@ def test_lora_tools_refuse_bad_input_with_the_file_named(trained, tmp_path, caps
                  str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "third.safetensors" in err and "text_encoder_3" in err and "CLIP text encoders only" in err
+    assert not (tmp_path / "o.safetensors").exists()
+    # a DoRA scale on the input axis (LyCORIS can write one; ComfyUI applies it per input column)
+    wd_in = dict(load_file(str(trained / "m.safetensors")))
+    down = next(k for k in wd_in if k.endswith("lora_down.weight") and wd_in[k].dim() == 2)
+    wd_in[down.replace("lora_down.weight", "dora_scale")] = torch.ones(1, wd_in[down].shape[1])
+    save_file(wd_in, str(tmp_path / "wd_in.safetensors"))
+    assert main(["lora", "merge", "tiny:sdxl", str(tmp_path / "wd_in.safetensors"), "--out",
+                 str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "wd_in.safetensors" in err and "not one value per output row" in err
     assert not (tmp_path / "o.safetensors").exists()
     # not a plain LoRA (a DoRA magnitude vector)
     dora = dict(load_file(str(trained / "m-diffusers.safetensors")))

@@ -18,7 +18,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -88,10 +88,13 @@ def _magnitude(parts: dict, base: torch.Tensor, delta: torch.Tensor, what: str) 
     if "lora_magnitude_vector" in parts:
         magnitude = parts["lora_magnitude_vector"].float().reshape(-1)
     elif "dora_scale" in parts:
+        scale = parts["dora_scale"]
+        if scale.dim() < 2 or scale.shape[0] != base.shape[0] or scale[0].numel() != 1:
+            raise ValueError(f"{what}: a dora_scale of shape {tuple(scale.shape)}, not one value per output "
+                             f"row of its {tuple(base.shape)} weight (ComfyUI's output axis, which vramfit "
+                             "writes); merge takes no other DoRA layout")
         rows = _rows(base)
-        magnitude = parts["dora_scale"].float().reshape(-1)
-        if magnitude.numel() == rows.numel():
-            magnitude = magnitude * _rows(base + delta) / (rows + torch.finfo(torch.float32).eps)
+        magnitude = scale.float().reshape(-1) * _rows(base + delta) / (rows + torch.finfo(torch.float32).eps)
     else:
         return None
     if magnitude.numel() != base.shape[0]:
@@ -102,7 +105,7 @@ def _magnitude(parts: dict, base: torch.Tensor, delta: torch.Tensor, what: str) 
 
 def add_products(model: torch.nn.Module, state: dict, alphas: dict, scale: float, what: str,
                  adapters: Optional[dict] = None, unmerged: Optional[dict] = None,
-                 keep: Sequence[str] = ()) -> int:
+                 keep: Collection[str] = ()) -> int:
     """Merge an adapter at `scale` into `model`'s weights; returns the number of modules. `state`:
     peft-key LoRA pairs (W += scale * alpha/r * B @ A); `adapters`: LoadedLora.adapters, LoHa / LoKr
     modules (W += scale * their change) and DoRA magnitudes m of pairs, merged as peft merges a DoRA
