@@ -1,6 +1,6 @@
 """Follow-ups of the adapter types and the EMA: the fit probe holds a GPU EMA, LyCORIS files say
-what kohya's trainer says of them, an earlier run's EMA files are named before they are written
-over, and `vramfit lora merge` refuses what is not a plain LoRA, naming the file."""
+what kohya's trainer says of them, and an earlier run's EMA files are named before they are written
+over."""
 from __future__ import annotations
 
 import copy
@@ -12,16 +12,15 @@ import torch
 
 from conftest import SIZE, train_args
 from vramfit.cli import main
-from vramfit.config.schema import LoraSettings, ModelConfig, RunConfig
+from vramfit.config.schema import ModelConfig, RunConfig
 from vramfit.fit import probe
 from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import GIB, _factor_pair, adapter_temporaries, device_terms, with_values
 from vramfit.formats import lora as L
 from vramfit.formats.safetensors_io import read_header
 from vramfit.models.registry import FAMILIES, detect_family
-from vramfit.models.sdxl import kohya as K
 from vramfit.models.sources import resolve_source
-from vramfit.train.lora import apply_lora, lora_state
+from vramfit.train.lora import apply_lora
 from vramfit.train.setup import save_lora_files
 
 CPU = torch.device("cpu")
@@ -128,30 +127,6 @@ def test_the_earlier_run_warning_names_its_ema_files(tmp_path, cache_root, caplo
     assert ("(run.json, m.safetensors, 1 intermediate checkpoint (m-step*), m-ema.safetensors, "
             "m-ema-kohya.safetensors, 2 intermediate checkpoints (m-ema-step*))") in warned[0]
     assert (out / "m-ema.safetensors").read_bytes() == b"earlier"
-
-
-# ---- merge refuses DoRA, LoKr and LoHa ------------------------------------------------------------
-
-@pytest.mark.parametrize("kind, fmt", [("dora", "kohya"), ("dora", "diffusers"), ("lokr", "kohya"),
-                                       ("loha", "kohya")])
-def test_merge_refuses_adapters_that_are_not_a_plain_product(sdxl, tmp_path, capsys, kind, fmt):
-    """A DoRA's magnitude rescales each output row of the merged weight: adding B @ A alone would
-    give another model. Refused like resize refuses them, the file named, nothing written."""
-    model = copy.deepcopy(sdxl.denoiser).float()
-    apply_lora(model, LoraSettings(type=kind, rank=4))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.01)
-    state, config = lora_state(model), dict(model.config)
-    tensors = K.to_kohya_sdxl(state, config, 4.0) if fmt == "kohya" else L.to_diffusers(state, "unet", 4.0)
-    path = tmp_path / f"{kind}.safetensors"
-    L.save_lora(path, tensors)
-    out = tmp_path / "merged.safetensors"
-    assert main(["lora", "merge", "tiny:sdxl", str(path), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert f"{kind}.safetensors" in err and "not a plain LoRA" in err and "merge takes LoRA files only" in err
-    assert not out.exists()
 
 
 # ---- the planner's adapter bytes ------------------------------------------------------------------

@@ -1,27 +1,63 @@
 """`vramfit lora merge | extract | resize` through the CLI on tiny models: merged weights equal peft's
-own merge, extraction recovers a merged LoRA, resizing gives the best lower-rank product."""
+own merge (LoRA, DoRA, LoHa, LoKr, text-encoder LoRA), extraction recovers a merged LoRA, resizing
+gives the best lower-rank product."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from conftest import train_args
+from conftest import SIZE, train_args
 from vramfit.cli import main
-from vramfit.formats.lora import load_lora, lora_config_kwargs
+from vramfit.config.schema import LoraSettings
+from vramfit.data.synth import make_synthetic_dataset
+from vramfit.formats.lora import TEXT_ENCODERS, load_lora, lora_config_kwargs, save_lora
 from vramfit.lora_tools import load_model
 from vramfit.models.registry import FAMILIES
+from vramfit.train.lora import apply_lora, lora_state
 
 LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m", "save.formats=['lora_kohya', 'lora']")
 
 
-@pytest.fixture
-def trained(images, tmp_path, cache_root):
-    """A tiny:sdxl LoRA of rank 4 after two steps, in kohya (m.safetensors) and diffusers keys."""
-    out = tmp_path / "run"
-    assert main(train_args(images, out, cache_root / "lt", *LORA, model="tiny:sdxl")) == 0
-    return out
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_root):
+    """A tiny:sdxl LoRA of rank 4 after two steps, in kohya (m.safetensors) and diffusers keys: one
+    run for the tests that only read it."""
+    root = tmp_path_factory.mktemp("trained")
+    make_synthetic_dataset(root / "images", n=4, size=SIZE, seed=1)
+    with pytest.MonkeyPatch.context() as env:  # conftest's per-test isolation, for this module's run
+        env.setenv("XDG_CACHE_HOME", str(cache_root / "xdg"))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_HOME", str(cache_root / "hf"))
+        args = train_args(root / "images", root / "run", cache_root / "lt", *LORA, model="tiny:sdxl")
+        assert main(args) == 0
+    return root / "run"
+
+
+def _peft_merged(model: torch.nn.Module, state: dict, config, scales: list[float]) -> dict[str, torch.Tensor]:
+    """`model`'s weights after peft injects the adapter `state` (peft keys) once per scale, scales
+    each and merges them in turn (a DoRA's magnitudes as the file has them)."""
+    names = [f"a{i}" for i in range(len(scales))]
+    for name in names:
+        inject_adapter_in_model(config, model, adapter_name=name)
+        assert not set_peft_model_state_dict(model, state, adapter_name=name).unexpected_keys
+    for module in model.modules():
+        if hasattr(module, "set_scale") and hasattr(module, "merge"):
+            module.set_adapter(names)
+            for name, scale in zip(names, scales):
+                module.set_scale(name, scale)
+            module.merge(adapter_names=names)
+    return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+def _same_weights(got: dict, want: dict, original: dict) -> None:
+    assert set(got) == set(want)
+    assert any(not torch.equal(want[k], original[k]) for k in want)  # the adapter changed something
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def _products(path, config) -> dict[str, torch.Tensor]:
@@ -76,6 +112,97 @@ def test_merge_equals_peft_merge_and_extract_recovers_the_lora(trained, tmp_path
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0" and meta["ss_network_dim"] == "4"
 
 
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # two adapters, on purpose
+def test_merge_takes_dora_and_text_encoder_lora_as_peft_merges_them(images, tmp_path, cache_root):
+    """A DoRA with a text-encoder LoRA: the merged UNet and CLIP encoders equal peft's merge of the
+    diffusers file's tensors, for the kohya file (dora_scale) at 1 and for it at 1 followed by the
+    diffusers file at 0.5 (each DoRA's norm is of the unmerged weight, as peft merges two).
+    Trained in fp32: a kohya dora_scale holds the base's row norms in the training precision."""
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", *LORA, "lora.type=dora",
+                           "lora.text_encoder_rank=2", "train.precision=fp32", model="tiny:sdxl")) == 0
+    raw = load_file(str(out / "m-diffusers.safetensors"))  # alpha / rank folded into lora_B: scale 1
+    kohya = load_file(str(out / "m.safetensors"))
+    assert any(k.endswith(".dora_scale") for k in kohya) and any(k.startswith("lora_te2_") for k in kohya)
+    unet = {k[len("unet."):]: v for k, v in raw.items() if k.startswith("unet.")}
+    assert any(k.endswith(".lora_magnitude_vector") for k in unet)
+    dora = LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=sorted(
+        {k.rsplit(".lora_", 1)[0] for k in unet}))
+    original = load_model("tiny:sdxl")[1]
+    for files, scales in (([out / "m.safetensors"], [1.0]),
+                          ([out / "m.safetensors", out / "m-diffusers.safetensors"], [1.0, 0.5])):
+        merged = tmp_path / f"merged-{len(files)}.safetensors"
+        assert main(["lora", "merge", "tiny:sdxl", *[f"{f}:{s}" for f, s in zip(files, scales)], "--out",
+                     str(merged), "--dtype", "fp32"]) == 0
+        _, got = load_model(str(merged))  # as `vramfit generate` and `train` load it
+        base = copy.deepcopy(original)
+        _same_weights(got.denoiser.state_dict(), _peft_merged(base.denoiser, unet, dora, scales),
+                      original.denoiser.state_dict())
+        for i, encoder in enumerate(base.text_encoders):
+            state = _encoder_lora(raw, TEXT_ENCODERS[i], encoder)
+            config = LoraConfig(r=2, lora_alpha=2,
+                                target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
+            _same_weights(got.text_encoders[i].state_dict(), _peft_merged(encoder, state, config, scales),
+                          original.text_encoders[i].state_dict())
+
+
+def _encoder_lora(raw: dict, component: str, encoder: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A diffusers file's LoRA of one text encoder under the encoder's own module names (the file's
+    `text_model.<...>`, which CLIPTextModel may not have)."""
+    names = {n for n, _ in encoder.named_modules()}
+    state = {}
+    for key, t in raw.items():
+        if key.startswith(component + "."):
+            key = key.split(".", 1)[1]
+            state[key if key.rsplit(".lora_", 1)[0] in names else key[len("text_model."):]] = t
+    return state
+
+
+def test_merge_writes_a_flux_clip_text_encoder_lora_into_the_checkpoint(images, tmp_path, cache_root):
+    """Flux.1's kohya file (lora_te1_) merged at 0.5: its CLIP-L equals peft's merge of the diffusers
+    file's text_encoder LoRA, T5 is the source's."""
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "lt", *LORA[:-1], "lora.text_encoder_rank=2",
+                           "train.precision=fp32", model="tiny:flux")) == 0
+    merged = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", "tiny:flux", f"{out / 'm-kohya.safetensors'}:0.5", "--out", str(merged),
+                 "--dtype", "fp32"]) == 0
+    got, original = load_model(str(merged))[1], load_model("tiny:flux")[1]
+    clip = copy.deepcopy(original.text_encoders[0])
+    state = _encoder_lora(load_file(str(out / "m.safetensors")), "text_encoder", clip)
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in state}))
+    _same_weights(got.text_encoders[0].state_dict(), _peft_merged(clip, state, config, [0.5]),
+                  original.text_encoders[0].state_dict())
+    t5, source = got.text_encoders[1].state_dict(), original.text_encoders[1].state_dict()
+    assert all(torch.equal(t5[k], source[k]) for k in source)
+
+
+@pytest.mark.parametrize("kind, scale", [("lokr", 1.0), ("loha", 0.5)])
+def test_merge_takes_lokr_and_loha_files_as_peft_merges_them(tmp_path, kind, scale):
+    """A LoKr / LoHa (linears and convolutions, alpha != rank) exported as a run saves it (kohya /
+    LyCORIS keys): the merged UNet equals peft's own merge of the adapter at that scale."""
+    family, base = load_model("tiny:sdxl")
+    model, original = base.denoiser, {k: v.clone() for k, v in base.denoiser.state_dict().items()}
+    apply_lora(model, LoraSettings(type=kind, rank=4, alpha=6.0, conv_rank=2, conv_alpha=3.0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every factor off its initial value (LoKr's w1 starts at zero)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    path = tmp_path / f"{kind}.safetensors"
+    save_lora(path, family.lora_tensors("lora_kohya", lora_state(model), dict(model.config), 6.0))
+    merged = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", "tiny:sdxl", f"{path}:{scale}", "--out", str(merged),
+                 "--dtype", "fp32"]) == 0
+    for module in model.modules():
+        if hasattr(module, "scale_layer") and hasattr(module, "merge"):
+            module.scale_layer(scale)
+            module.merge()
+    want = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items()}
+    got = load_model(str(merged))[1].denoiser.state_dict()
+    _same_weights(got, {k: want[k] for k in got}, original)
+
+
 def test_resize_gives_the_best_lower_rank_product_in_the_same_format(trained, tmp_path, capsys):
     for name in ("m.safetensors", "m-diffusers.safetensors"):
         out = tmp_path / f"r2-{name}"
@@ -98,6 +225,26 @@ def test_lora_tools_refuse_bad_input_with_the_file_named(trained, tmp_path, caps
     assert main(["lora", "merge", "tiny:sd3", str(trained / "m.safetensors"), "--out", str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "m.safetensors" in err and "tiny:sd3" in err
+    # a text-encoder LoRA for an encoder the checkpoint lacks (SDXL has two)
+    third = dict(load_file(str(trained / "m-diffusers.safetensors")))
+    third["text_encoder_3.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight"] = torch.zeros(2, 8)
+    third["text_encoder_3.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight"] = torch.zeros(8, 2)
+    save_file(third, str(tmp_path / "third.safetensors"))
+    assert main(["lora", "merge", "tiny:sdxl", str(tmp_path / "third.safetensors"), "--out",
+                 str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "third.safetensors" in err and "text_encoder_3" in err and "CLIP text encoders only" in err
+    assert not (tmp_path / "o.safetensors").exists()
+    # a DoRA scale on the input axis (LyCORIS can write one; ComfyUI applies it per input column)
+    wd_in = dict(load_file(str(trained / "m.safetensors")))
+    down = next(k for k in wd_in if k.endswith("lora_down.weight") and wd_in[k].dim() == 2)
+    wd_in[down.replace("lora_down.weight", "dora_scale")] = torch.ones(1, wd_in[down].shape[1])
+    save_file(wd_in, str(tmp_path / "wd_in.safetensors"))
+    assert main(["lora", "merge", "tiny:sdxl", str(tmp_path / "wd_in.safetensors"), "--out",
+                 str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "wd_in.safetensors" in err and "not one value per output row" in err
+    assert not (tmp_path / "o.safetensors").exists()
     # not a plain LoRA (a DoRA magnitude vector)
     dora = dict(load_file(str(trained / "m-diffusers.safetensors")))
     first = next(k for k in dora if k.endswith("lora_A.weight"))

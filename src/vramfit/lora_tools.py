@@ -1,7 +1,8 @@
 """`vramfit lora merge | extract | resize`: LoRA files and checkpoints made from one another.
 
-* merge: adds each LoRA's scaled low-rank product to the denoiser's weights and saves the checkpoint
-  in its own layout through the family (a single file in, a single file out).
+* merge: adds each adapter's scaled weight change to the denoiser's weights (LoRA, LoHa, LoKr; a
+  DoRA's with its magnitudes, as peft merges it) and a text-encoder LoRA's to the CLIP encoders, and
+  saves the checkpoint in its own layout through the family (a single file in, a single file out).
 * extract: the best LoRA of a given rank (truncated SVD, per linear layer) of the difference between
   a fine-tuned checkpoint and its base, written in the family's LoRA formats.
 * resize: each layer's product re-factored at a lower rank the same way, key names kept, so a file
@@ -17,14 +18,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
 
 from vramfit.config.schema import ModelConfig
 from vramfit.formats.lora import (
-    DIFFUSERS_METADATA_KEY, LORA_FILE_SUFFIXES, load_lora, lora_scale_metadata, save_lora,
+    DIFFUSERS_METADATA_KEY, DORA_PARTS, LOHA_PARTS, LOKR_PARTS, LORA_FILE_SUFFIXES, TEXT_ENCODERS, load_lora,
+    lora_scale_metadata, lycoris_delta, peft_modules, save_lora,
 )
 from vramfit.formats.safetensors_io import read_header
 from vramfit.generate import generate_device
@@ -48,8 +50,8 @@ def load_model(path: str, tokenizers: Optional[str] = None):
 
 
 def _refuse_non_lora(path, keys, tool: str) -> None:
-    """Refuse a file holding DoRA, LoKr or LoHa tensors: their update is not a plain low-rank
-    product (a DoRA's magnitude rescales each output row of the merged weight)."""
+    """Refuse a file holding DoRA, LoKr or LoHa tensors where a tool re-factors low-rank products:
+    theirs are none (a DoRA's magnitude rescales each output row of the merged weight)."""
     odd = sorted(k for k in keys if any(part in k for part in _NOT_LORA))
     if odd:
         raise ValueError(f"{path}: holds adapter tensors that are not a plain LoRA (e.g. {odd[0]!r}: DoRA, "
@@ -62,47 +64,179 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 # ---- merge --------------------------------------------------------------------------------------
 
-def add_products(model: torch.nn.Module, state: dict, alphas: dict, scale: float, what: str) -> int:
-    """W += scale * alpha/r * B @ A for every module of a peft-key LoRA `state`; returns the count.
-    Every module must be in `model` (a LoRA for another layout is refused, nothing changed)."""
+def _rows(weight: torch.Tensor) -> torch.Tensor:
+    """Each output row's (channel's) L2 norm: peft's DoRA weight norm (all dims but the output)."""
+    return weight.reshape(weight.shape[0], -1).norm(dim=1)
+
+
+def _delta(name: str, weight: torch.Tensor, pairs: dict, alphas: dict, parts: dict) -> torch.Tensor:
+    """One module's weight change at scale 1 (fp32, the weight's shape): alpha/r * B @ A of a pair,
+    or a LoHa / LoKr module's as ComfyUI and A1111 compute it (formats/lora.py lycoris_delta)."""
+    if name in pairs:
+        down, up = pairs[name]["A"].float(), pairs[name]["B"].float()
+        rank = down.shape[0]
+        return (up.flatten(1) @ down.flatten(1) * (alphas.get(name, rank) / rank)).reshape(weight.shape)
+    alpha = float(parts["alpha"].item()) if "alpha" in parts else None
+    factors = {k: v for k, v in parts.items() if k != "alpha"}
+    return lycoris_delta(factors, alpha, weight.shape)
+
+
+def _magnitude(parts: dict, base: torch.Tensor, delta: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+    """A DoRA module's trained magnitude per output row (fp32), or None for another module: peft's
+    lora_magnitude_vector, or recovered from a kohya dora_scale (ComfyUI's m * (|W| + eps) / |W + dW|,
+    train/lora.py) against the unmerged `base` and the file's own change `delta`."""
+    if "lora_magnitude_vector" in parts:
+        magnitude = parts["lora_magnitude_vector"].float().reshape(-1)
+    elif "dora_scale" in parts:
+        scale = parts["dora_scale"]
+        if scale.dim() < 2 or scale.shape[0] != base.shape[0] or scale[0].numel() != 1:
+            raise ValueError(f"{what}: a dora_scale of shape {tuple(scale.shape)}, not one value per output "
+                             f"row of its {tuple(base.shape)} weight (ComfyUI's output axis, which vramfit "
+                             "writes); merge takes no other DoRA layout")
+        rows = _rows(base)
+        magnitude = scale.float().reshape(-1) * _rows(base + delta) / (rows + torch.finfo(torch.float32).eps)
+    else:
+        return None
+    if magnitude.numel() != base.shape[0]:
+        raise ValueError(f"{what}: a DoRA magnitude of {magnitude.numel()} values for a layer with "
+                         f"{base.shape[0]} outputs; is it a LoRA for another model?")
+    return magnitude
+
+
+def add_products(model: torch.nn.Module, state: dict, alphas: dict, scale: float, what: str,
+                 adapters: Optional[dict] = None, unmerged: Optional[dict] = None,
+                 keep: Collection[str] = ()) -> int:
+    """Merge an adapter at `scale` into `model`'s weights; returns the number of modules. `state`:
+    peft-key LoRA pairs (W += scale * alpha/r * B @ A); `adapters`: LoadedLora.adapters, LoHa / LoKr
+    modules (W += scale * their change) and DoRA magnitudes m of pairs, merged as peft merges a DoRA
+    whose scale was multiplied by `scale`: W' = m * (W + s dW) / |W0 + s dW| per output row, W0 the
+    weight before any file of this merge (`unmerged` holds it for modules an earlier file changed;
+    the modules in `keep` have theirs stored there before they change). So for DoRA a scale scales
+    the direction's change only: the rows keep the trained magnitudes, and scale 0 is the base
+    with each row rescaled to its magnitude, not the base. Every module must be in `model` (a LoRA
+    for another layout is refused, nothing changed)."""
+    adapters, unmerged = adapters or {}, {} if unmerged is None else unmerged
     modules = dict(model.named_modules())
-    names = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    pairs = peft_modules(state, what)
+    names = sorted({*pairs, *adapters})
     missing = [n for n in names if n not in modules or not hasattr(modules[n], "weight")]
     if missing:
         raise ValueError(f"{what}: {len(missing)} LoRA module(s) are not layers of this model, e.g. "
                          f"{missing[0]!r}; is it a LoRA for another model?")
+    orphans = [n for n in names if n not in pairs and not set(adapters[n]) & {*LOHA_PARTS, *LOKR_PARTS}]
+    if orphans:
+        raise ValueError(f"{what}: module {orphans[0]!r} has a DoRA magnitude but no lora_A / lora_B "
+                         "(lora_down / lora_up); the file is incomplete")
     for name in names:
         weight = modules[name].weight
-        down, up = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()
-        rank = down.shape[0]
-        delta = up.flatten(1) @ down.flatten(1) * (scale * alphas.get(name, rank) / rank)
         with torch.no_grad():
-            weight.add_(delta.reshape(weight.shape).to(weight.device, weight.dtype))
+            if name in keep and name not in unmerged:
+                unmerged[name] = weight.detach().clone()
+            current = weight.detach().float()
+            try:
+                delta = _delta(name, current, pairs, alphas, adapters.get(name, {})).to(current.device)
+            except (KeyError, RuntimeError) as exc:
+                raise ValueError(f"{what}: module {name!r}: its tensors do not make a change of its "
+                                 f"{tuple(weight.shape)} weight ({exc}); is it a LoRA for another "
+                                 "model?") from None
+            base = unmerged[name].float() if name in unmerged else current
+            magnitude = _magnitude(adapters.get(name, {}), base, delta, f"{what}: module {name!r}")
+            if magnitude is None:
+                merged = current + scale * delta
+            else:
+                factor = magnitude.to(current.device) / _rows(base + scale * delta)
+                merged = factor.reshape(-1, *[1] * (current.dim() - 1)) * (current + scale * delta)
+            weight.copy_(merged.to(weight.dtype))
     return len(names)
+
+
+def _encoder_state(lora, component: str, encoder: torch.nn.Module) -> tuple[dict, dict]:
+    """A text encoder's LoRA (state, alphas) under `encoder`'s own module names: files name CLIP's
+    modules `text_model.<...>`, which CLIPTextModel of recent transformers drops."""
+    names = {n for n, _ in encoder.named_modules()}
+
+    def own(module: str) -> str:
+        if module in names:
+            return module
+        short = module.removeprefix("text_model.")
+        return short if short in names else "text_model." + short
+
+    state, alphas = lora.text_encoders[component], lora.text_encoder_alphas.get(component, {})
+    renamed = {}
+    for key, t in state.items():
+        module, _, part = key.rpartition(".lora_")
+        renamed[f"{own(module)}.lora_{part}"] = t
+    return renamed, {own(m): a for m, a in alphas.items()}
+
+
+def _model_type(encoder) -> str:
+    return str(getattr(getattr(encoder, "config", None), "model_type", ""))
+
+
+def _check_encoders(bundle, lora, path, model_path: str) -> None:
+    """Refuse a text-encoder LoRA for an encoder that is not one of the model's leading CLIP
+    encoders: the saved file carries merged encoders only where training writes trained ones."""
+    for component in sorted(lora.text_encoders):
+        index = TEXT_ENCODERS.index(component)
+        leading = bundle.text_encoders[:index + 1]
+        if len(leading) <= index or not all(_model_type(e).startswith("clip") for e in leading):
+            has = f"a {_model_type(leading[index])} encoder" if len(leading) > index else "no such encoder"
+            raise ValueError(f"{path}: a LoRA of {component} (text encoder {index + 1}), but {model_path} "
+                             f"has {has} there; merge writes merged CLIP text encoders only. Merge a LoRA "
+                             "without it")
+
+
+def _merge_encoders(bundle, lora, scale: float, path) -> int:
+    """Merge a file's text-encoder LoRA into the bundle's CLIP encoders (TEXT_ENCODERS order) and
+    mark them for saving as train.text_encoders = "full" marks trained ones (models/parts.py
+    trained_encoder_states writes the leading bundle.extra["text_encoders_trained"])."""
+    count = 0
+    for component in sorted(lora.text_encoders):
+        index = TEXT_ENCODERS.index(component)
+        encoder = bundle.text_encoders[index]
+        state, alphas = _encoder_state(lora, component, encoder)
+        count += add_products(encoder, state, alphas, scale, f"{path} ({component})")
+        trained = int(bundle.extra.get("text_encoders_trained") or 0)
+        bundle.extra["text_encoders_trained"] = max(index + 1, trained)
+        bundle.extra["text_encoder_training"] = "full"
+    return count
+
+
+def _read_lora(path: Path, model_path: str, family, bundle):
+    """A LoRA file as merge reads it (DoRA, LoHa and LoKr modules too), checked against the model."""
+    try:
+        lora = load_lora(path, FAMILIES.values(), unet_config=dict(bundle.denoiser.config), adapters=True)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a LoRA vramfit can merge into {model_path} (a {family.display_name} "
+                         f"checkpoint, layout {bundle.layout}): {exc}") from None
+    if lora.family not in (None, bundle.family):
+        raise ValueError(f"{path}: a {FAMILIES[lora.family].display_name} LoRA, but {model_path} is a "
+                         f"{family.display_name} checkpoint")
+    _check_encoders(bundle, lora, path, model_path)
+    return lora
 
 
 def merge(model_path: str, loras: Sequence[tuple[Path, float]], out: Path, dtype: str = "bf16",
           tokenizers: Optional[str] = None) -> dict:
-    """Merge `loras` ((file, scale), ...) into the checkpoint at `model_path`; save it to `out`."""
+    """Merge `loras` ((file, scale), ...): LoRA, DoRA, LoHa and LoKr files, text-encoder LoRAs
+    included, into the checkpoint at `model_path`; save it to `out`. Every file is read and checked
+    before any weight changes; merged text encoders are written into the saved file. A DoRA's scale
+    scales its direction's change, not its magnitudes (add_products)."""
     if Path(out).resolve() == Path(model_path).expanduser().resolve():
         raise ValueError(f"{out}: the output would overwrite the input checkpoint; give another path")
     family, bundle = load_model(model_path, tokenizers)
+    read = [(path, scale, _read_lora(path, model_path, family, bundle)) for path, scale in loras]
+    # DoRA's norms are of the weights before this merge: kept for modules an earlier file changes
+    last_dora = {m: i for i, (_, _, lora) in enumerate(read) for m, parts in lora.adapters.items()
+                 if set(parts) & set(DORA_PARTS)}
+    unmerged: dict[str, torch.Tensor] = {}
     merged = {}
-    for path, scale in loras:
-        _refuse_non_lora(path, read_header(path)[0], "merge")  # before a reader says less of them
-        try:
-            lora = load_lora(path, FAMILIES.values(), unet_config=dict(bundle.denoiser.config))
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a LoRA vramfit can merge into {model_path} (a {family.display_name} "
-                             f"checkpoint, layout {bundle.layout}): {exc}") from None
-        if lora.text_encoders:
-            raise ValueError(f"{path}: the LoRA also holds text-encoder layers ({', '.join(lora.text_encoders)}); "
-                             "merging those is not supported: the saved checkpoint carries the source's text "
-                             "encoders unchanged. Merge a denoiser-only LoRA")
-        if lora.family not in (None, bundle.family):
-            raise ValueError(f"{path}: a {FAMILIES[lora.family].display_name} LoRA, but {model_path} is a "
-                             f"{family.display_name} checkpoint")
-        merged[str(path)] = add_products(bundle.denoiser, lora.state, lora.alphas, scale, str(path))
+    for i, (path, scale, lora) in enumerate(read):
+        keep = {m for m, last in last_dora.items() if last > i}
+        merged[str(path)] = add_products(bundle.denoiser, lora.state, lora.alphas, scale, str(path),
+                                         lora.adapters, unmerged, keep)
+        merged[str(path)] += _merge_encoders(bundle, lora, scale, path)
+    unmerged.clear()
     meta = {"vramfit.merged_loras": json.dumps([[str(p), s] for p, s in loras])}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     family.save_single_file(bundle, Path(out), DTYPES[dtype], meta)

@@ -58,6 +58,7 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig JSON in __metadata__
 
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")  # peft's DoRA
 # kohya text-encoder module names (HF CLIP / T5 paths with "." -> "_").
 _KOHYA_CLIP = re.compile(
     r"^text_model_encoder_layers_(\d+)_(self_attn_(?:q|k|v|out)_proj|mlp_fc[12])$")
@@ -445,6 +446,9 @@ class LoadedLora:
     text_encoders: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     text_encoder_alphas: dict[str, dict[str, float]] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    # load_lora(adapters=True): {denoiser module: {part: tensor}} of DoRA magnitudes (beside the
+    # module's pair in `state`) and LoHa / LoKr modules (their factors and kohya `alpha`)
+    adapters: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator:
         return iter((self.state, self.alphas, self.family))
@@ -518,13 +522,34 @@ def _diffusers_alphas(meta: Mapping[str, str], prefix: Optional[str], ranks: Map
     return out
 
 
+def _kohya_adapter_parts(tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, dict]]:
+    """(the plain LoRA keys of a kohya file's part, {kohya name: {part: tensor}} of its LoHa / LoKr
+    modules, alpha included, and of its DoRA modules' dora_scale)."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, _, part = key.partition(".")
+        groups.setdefault(name, {})[part] = t
+    plain, other = {}, {}
+    for name, parts in groups.items():
+        if set(parts) & {*LOHA_PARTS, *LOKR_PARTS}:
+            other[name] = parts
+            continue
+        if "dora_scale" in parts:
+            other[name] = {"dora_scale": parts.pop("dora_scale")}
+        plain.update({f"{name}.{part}": t for part, t in parts.items()})
+    return plain, other
+
+
 def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
-              unet_config: Optional[Mapping] = None) -> LoadedLora:
+              unet_config: Optional[Mapping] = None, adapters: bool = False) -> LoadedLora:
     """Read a LoRA in diffusers, raw peft or kohya layout into peft keys, as one of `families`
     (the registry's, models/registry.py) names its denoiser's modules.
 
     ``unet_config`` maps kohya names of the denoiser of that config; without it every layout the
     family ships is tried. Raises ValueError naming the file and an example key for anything else.
+    ``adapters``: read the denoiser's DoRA magnitudes and LoHa / LoKr modules too (into
+    ``LoadedLora.adapters``; a kohya file's for families whose kohya names are a renaming),
+    where otherwise they are refused.
     """
     path = Path(path)
     families = list(families)
@@ -543,6 +568,13 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
         unet_part = {k: v for k, v in raw.items() if k.startswith(KOHYA_UNET)}
         family = _kohya_reader(families, unet_part)
         names = family.kohya_names(unet_config)
+        other: dict[str, dict] = {}
+        if adapters:
+            unet_part, other = _kohya_adapter_parts(unet_part)
+            if other and names is None:
+                raise ValueError(f"{path}: DoRA / LoHa / LoKr modules (e.g. {sorted(other)[0]!r}) in a kohya "
+                                 f"{family.display_name} file, whose module names are not read one by one; "
+                                 f"save it in the diffusers layout ({family.denoiser_component}.* keys)")
         read = getattr(family, "read_kohya", None)  # where a kohya module is several of the family's
         if names is None and read is None:
             title = family.display_name
@@ -550,7 +582,7 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
                              f"supported; save {title} LoRAs in the diffusers layout "
                              f"({family.denoiser_component}.* lora_A/lora_B)")
         modules = kohya_modules(unet_part, str(path))
-        unknown = sorted(n for n in modules if n not in names) if names is not None else []
+        unknown = sorted(n for n in {*modules, *other} if n not in names) if names is not None else []
         if unknown:
             hint = "" if unet_config is not None else "; pass the UNet config of the model it was trained for"
             raise ValueError(f"{path}: {len(unknown)} kohya UNet module(s) not in the {family.display_name} "
@@ -572,11 +604,18 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
                     raise ValueError(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
                 te_state.setdefault(comp, {}).update(s)
                 te_alphas.setdefault(comp, {}).update(a)
-        return LoadedLora(state, alphas, family.name if state else None, fmt, te_state, te_alphas, dict(meta))
+        extra = {names[n]: parts for n, parts in other.items()}
+        return LoadedLora(state, alphas, family.name if state or extra else None, fmt, te_state, te_alphas,
+                          dict(meta), extra)
 
     parts: dict[Optional[str], dict] = {}
+    extra: dict[str, dict] = {}
     for key, t in raw.items():
         comp, rest = key.split(".", 1) if fmt == "diffusers" else (None, key)
+        magnitude = _MAGNITUDE.match(rest) if adapters and comp not in TEXT_ENCODERS else None
+        if magnitude:  # DoRA, as peft and diffusers name it
+            extra[magnitude["module"]] = {"lora_magnitude_vector": t}
+            continue
         parts.setdefault(comp, {})[_to_peft_key(rest)] = t
     denoisers = [c for c in parts if c in DENOISER_COMPONENTS or c is None]
     if len(denoisers) > 1:
@@ -597,7 +636,7 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
         if comp is not None and owner.denoiser_component != comp:
             raise ValueError(f"{path}: {comp}.* keys with modules of a {family} model "
                              f"(e.g. {sorted(ranks)[0]!r})")
-    return LoadedLora(state, alphas, family, fmt, te_state, te_alphas, dict(meta))
+    return LoadedLora(state, alphas, family, fmt, te_state, te_alphas, dict(meta), extra)
 
 
 def lora_config_kwargs(state: Mapping[str, torch.Tensor], alphas: Mapping[str, float]) -> dict:
