@@ -314,8 +314,9 @@ class SD3Family:
             encoders.append(t5_file_encoder(own or path, T5, t5_precision, own_file=bool(own)))
         return vae, encoders
 
-    def _load_diffusers(self, folder: Path, t5_precision: Optional[str] = None):
-        """The folder's models; its T5 as `load` says."""
+    def _load_diffusers(self, folder: Path, t5_precision: Optional[str] = None, transformer: bool = True):
+        """The folder's transformer (None without `transformer`: load_encoders reads it not again),
+        VAE and text encoders, its T5 as `load` says."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
@@ -323,27 +324,31 @@ class SD3Family:
         parts = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
                  "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection}
         for sub, cls in parts.items():
+            if sub == "transformer" and not transformer:
+                continue
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
             check_folder_shapes(cls, folder, sub)
         has_t5 = (folder / "text_encoder_3" / "config.json").is_file() and t5_precision != "none"
         if has_t5:
             check_folder_shapes(T5EncoderModel, folder, "text_encoder_3")
-        transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
-                                                            low_cpu_mem_usage=True)
+        denoiser = None
+        if transformer:
+            denoiser = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
+                                                             low_cpu_mem_usage=True).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         encoders = [CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder").eval(),
                     CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2").eval()]
         if has_t5:
             encoders.append(t5_folder_encoder(folder / "text_encoder_3", t5_precision))
-        return transformer.eval(), vae.eval(), encoders
+        return denoiser, vae.eval(), encoders
 
     def load_encoders(self, source: Source):
         """VAE and text encoders again, for saving after they were freed for training."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
             return self._single_file_encoders(source.path, header, source)
-        _, vae, encoders = self._load_diffusers(source.path)
+        _, vae, encoders = self._load_diffusers(source.path, transformer=False)
         return vae, encoders
 
     # ---- encoding ----------------------------------------------------------------------------
