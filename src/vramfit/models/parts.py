@@ -307,7 +307,9 @@ def _folder_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a transformers model folder as from_pretrained picks them:
     model.safetensors, else the shards model.safetensors.index.json names (each must be there)."""
     index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file() or not index.is_file():
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if not index.is_file():
         return _weight_files(folder)
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
