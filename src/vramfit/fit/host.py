@@ -10,12 +10,12 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - load: every model as loaded (models load into CPU memory before they move): the denoiser as the
   file stores it (facts.loaded_bytes: float8 widened to bf16; a diffusers folder in fp32; 2 bytes
   a value for a shipped layout), the VAE in cache.vae_dtype, the CLIPs as stored (widened to fp32
-  on a CPU run) and T5 stored as model.t5_precision asks while it loads, a part at a time (the
-  stored encoder and its largest part as read, widened to bf16 and being stored; "none": all of it
-  in bf16). A single file's parts are read a tensor at a time without a memory map
-  (formats/safetensors_io.py `read_tensors`): no second copy. Not counted: a diffusers folder's
-  from_pretrained maps each weight file while it loads (its pages resident meanwhile), and loads
-  its T5 whole before it is stored.
+  on a CPU run) and T5 stored as model.t5_precision asks while it loads, a part at a time, from a
+  single file or a diffusers folder alike (the stored encoder and its largest part as read, widened
+  to bf16 and being stored; "none": T5 is not read). A single file's parts and a folder's T5 are
+  read a tensor at a time without a memory map (formats/safetensors_io.py `read_tensors`): no
+  second copy. Not counted: a diffusers folder's from_pretrained maps its other weight files while
+  they load (their pages resident meanwhile).
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
   pinned: it stays counted).
@@ -131,18 +131,18 @@ def _clip_bytes(enc: EncoderFacts, cpu: bool) -> int:
 
 def loaded_encoders(facts: ModelFacts, cfg: RunConfig, cpu: bool) -> dict[str, int]:
     """Each encoder's bytes as loaded: CLIPs as stored (fp32 on a CPU run); T5 stored as
-    model.t5_precision asks while it loads ("none": widened to bf16, dropped after)."""
-    return {e.name: _t5_loading(e, cfg.model.t5_precision) if e.kind == "t5" else _clip_bytes(e, cpu)
-            for e in facts.encoders}
+    model.t5_precision asks while it loads ("none": not read, no term)."""
+    precision = cfg.model.t5_precision
+    return {e.name: _t5_loading(e, precision) if e.kind == "t5" else _clip_bytes(e, cpu)
+            for e in facts.encoders if e.kind != "t5" or precision != "none"}
 
 
 def _t5_loading(enc: EncoderFacts, precision: str) -> int:
-    """T5's peak while a single file's is read a part at a time (models/parts.py `t5_file_encoder`):
-    the stored encoder, plus its largest part (a block's feed-forward: three linears of the largest
-    size, gated) as read, widened to bf16 and being stored, whose quantizer's temporaries are about
-    2 bytes a value (int8, fp8) or 4 (nf4), measured on CPU."""
-    if precision == "none":
-        return 2 * enc.params
+    """T5's peak while it is read a part at a time, from a single file or a diffusers folder
+    (models/parts.py `t5_file_encoder`, `t5_folder_encoder`): the stored encoder, plus its largest
+    part (a block's feed-forward: three linears of the largest size, gated) as read, widened to bf16
+    and being stored, whose quantizer's temporaries are about 2 bytes a value (int8, fp8) or 4
+    (nf4), measured on CPU."""
     part = min(3 * enc.largest_linear, enc.linear_numel // max(enc.layers, 1))
     read = enc.stored_bytes / max(enc.params, 1)  # bytes a value as the file stores it
     temporaries = {"bf16": 0, "int8": 2, "fp8": 2, "nf4": 4}[precision]

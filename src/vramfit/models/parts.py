@@ -247,8 +247,7 @@ def t5_file_encoder(path: Path, prefix: str, precision: Optional[str] = None, ow
     t5xxl_*.safetensors, whose wrapper prefix is found as `encoder_file_prefix` finds it), as
     `t5_encoder`; with `precision` the file is read a part at a time (`_store_t5`), each stored so
     before the next is read: host memory holds the stored encoder and about one part as read and
-    widened, never the whole bfloat16 (or float8) encoder. Diffusers folders load T5 with from_pretrained,
-    whole, and store it after (the family's prepare_encoders)."""
+    widened, never the whole bfloat16 (or float8) encoder. A diffusers folder's T5: `t5_folder_encoder`."""
     header = read_header(path)[0]
     if own_file:
         found = encoder_file_prefix(header, prefix)
@@ -266,16 +265,78 @@ def t5_file_encoder(path: Path, prefix: str, precision: Optional[str] = None, ow
     return _t5_model(meta_tensors(header, prefix), take, path, prefix, precision)
 
 
-def _t5_model(shapes: Mapping[str, torch.Tensor], take: Callable[[list[str]], dict[str, torch.Tensor]],
-              path: Path, prefix: str, precision: Optional[str]):
-    """T5EncoderModel of the tensors `shapes` names (real or meta), read with `take`; see t5_encoder."""
+def t5_folder_encoder(folder: Path, precision: Optional[str] = None):
+    """The T5 encoder of a transformers folder (a diffusers folder's text_encoder_3/ or
+    text_encoder_2/). With `precision` its safetensors files (model.safetensors, or the shards its
+    model.safetensors.index.json names) are read a part at a time with its config.json, each part
+    stored so before the next is read, as `t5_file_encoder` reads a single file: host memory never
+    holds the whole encoder as from_pretrained loads it. Without one (or with no safetensors
+    file: from_pretrained reads pytorch_model.bin), from_pretrained's model."""
     # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
     from transformers import T5Config, T5EncoderModel
 
+    folder = Path(folder)
+    files = _folder_weight_files(folder)
+    if precision is None or not files:
+        return T5EncoderModel.from_pretrained(folder).eval()
     try:
-        config = T5Config(**t5_config_from_keys(shapes))
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+        config = T5Config.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: not a T5 config ({exc})") from None
+    where: dict[str, Path] = {}
+    shapes: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, t in meta_tensors(read_header(file)[0]).items():
+            if key in where:
+                raise CheckpointError(f"{folder}: tensor {key} is in both {where[key].name} and {file.name}; "
+                                      "the folder mixes two saves: download or copy it again")
+            where[key], shapes[key] = file, t
+
+    def take(keys: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for file in files:
+            wanted = {k for k in keys if where[k] == file}
+            if wanted:
+                out.update(read_tensors(file, wanted.__contains__))
+        return out
+
+    return _t5_model(shapes, take, folder, "", precision, config)
+
+
+def _folder_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a transformers model folder as from_pretrained picks them:
+    model.safetensors, else the shards model.safetensors.index.json names (each must be there)."""
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if not index.is_file():
+        return _weight_files(folder)
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if not all(isinstance(name, str) for name in names):
+            raise ValueError("its weight_map's values are not file names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: not a weight index ({type(exc).__name__}: {exc}); download or copy "
+                              "the folder again") from None
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: names {missing[0]}, which is not in {folder}; download or copy "
+                              "the folder again")
+    return [folder / name for name in names]
+
+
+def _t5_model(shapes: Mapping[str, torch.Tensor], take: Callable[[list[str]], dict[str, torch.Tensor]],
+              path: Path, prefix: str, precision: Optional[str], config=None):
+    """T5EncoderModel of the tensors `shapes` names (real or meta), read with `take`; see t5_encoder.
+    `config`: a T5Config (a folder's config.json), else read from the keys."""
+    # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
+    from transformers import T5Config, T5EncoderModel
+
+    if config is None:
+        try:
+            config = T5Config(**t5_config_from_keys(shapes))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
     with init_empty_weights():
         model = T5EncoderModel(config)
     check_shapes(model, shapes, "T5 encoder", path, lambda k: prefix + k)

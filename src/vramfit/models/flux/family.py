@@ -42,7 +42,7 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, merge_counts, require_tokenizers, save_encoder_folder,
-    t5_file_encoder, trained_encoder_states, warn_named_over_own,
+    t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.parts import lazy_state
 
@@ -113,13 +113,14 @@ class FluxFamily:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source, t5_precision: Optional[str] = None) -> ModelBundle:
-        """The model of `source`; a single file's T5 stored as `t5_precision` asks while it loads
-        (models/parts.py `t5_file_encoder`; None or "none": in bfloat16, as prepare_encoders finds it)."""
+        """The model of `source`; its T5 (a single file's or a folder's) stored as `t5_precision` asks
+        while it loads (models/parts.py `t5_file_encoder`, `t5_folder_encoder`; None: as the source
+        stores it, for prepare_encoders; "none": not read at all, no T5 in the bundle)."""
         warn_named_over_own(source, {"clip_l": CLIP_L})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source, t5_precision)
         else:
-            transformer, vae, encoders = self._load_diffusers(source.path)
+            transformer, vae, encoders = self._load_diffusers(source.path, t5_precision)
         tokenizers = self.load_tokenizers(require_tokenizers(source), t5=len(encoders) == 2)
         return ModelBundle(self.name, layout_name(dict(transformer.config)), source, transformer, vae,
                            encoders, tokenizers, self._scheduler(source),
@@ -198,7 +199,7 @@ class FluxFamily:
         """VAE, CLIP-L and (where there is one) T5: each from its own file where one is given
         (model.vae, model.clip_l, model.t5: BFL's ae.safetensors, ComfyUI's clip_l and t5xxl
         files), else from the single file (ComfyUI's all-in-one checkpoints). T5 is stored as
-        `t5_precision` asks while it loads, unless None or "none"."""
+        `t5_precision` asks while it loads, unless None; "none": no T5."""
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
@@ -220,36 +221,42 @@ class FluxFamily:
         own = files["clip_l"]
         clip = encoder_file_state(own, CLIP_L) if own else load_prefixed(path, CLIP_L)
         encoders = [clip_text_model(clip, "quick_gelu", False, own or path)]
-        stored = None if t5_precision == "none" else t5_precision
-        if files["t5"] or any(k.startswith(T5) for k in header):
-            encoders.append(t5_file_encoder(files["t5"] or path, T5, stored, own_file=bool(files["t5"])))
+        if (files["t5"] or any(k.startswith(T5) for k in header)) and t5_precision != "none":
+            own = files["t5"]
+            encoders.append(t5_file_encoder(own or path, T5, t5_precision, own_file=bool(own)))
         return vae, encoders
 
-    def _load_diffusers(self, folder: Path):
+    def _load_diffusers(self, folder: Path, t5_precision: Optional[str] = None, transformer: bool = True):
+        """The folder's transformer (None without `transformer`: load_encoders reads it not again),
+        VAE and text encoders, its T5 as `load` says."""
         # heavy: diffusers/transformers classes, kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
         parts = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
         for sub, cls in parts.items():
+            if sub == "transformer" and not transformer:
+                continue
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
             check_folder_shapes(cls, folder, sub)
-        has_t5 = (folder / "text_encoder_2" / "config.json").is_file()
+        has_t5 = (folder / "text_encoder_2" / "config.json").is_file() and t5_precision != "none"
         if has_t5:
             check_folder_shapes(T5EncoderModel, folder, "text_encoder_2")
-        transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer",
-                                                             low_cpu_mem_usage=True)
+        denoiser = None
+        if transformer:
+            denoiser = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer",
+                                                              low_cpu_mem_usage=True).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         encoders = [CLIPTextModel.from_pretrained(folder, subfolder="text_encoder").eval()]
         if has_t5:
-            encoders.append(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2").eval())
-        return transformer.eval(), vae.eval(), encoders
+            encoders.append(t5_folder_encoder(folder / "text_encoder_2", t5_precision))
+        return denoiser, vae.eval(), encoders
 
     def load_encoders(self, source: Source):
         if source.kind == "single_file":
             return self._single_file_encoders(source.path, read_header(source.path)[0], source)
-        _, vae, encoders = self._load_diffusers(source.path)
+        _, vae, encoders = self._load_diffusers(source.path, transformer=False)
         return vae, encoders
 
     def prepare_encoders(self, bundle: ModelBundle) -> None:

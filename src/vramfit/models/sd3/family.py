@@ -41,7 +41,8 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, load_clip_tokenizers, merge_counts, require_tokenizers,
-    save_encoder_folder, shipped_config, t5_file_encoder, trained_encoder_states, warn_named_over_own,
+    save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder, trained_encoder_states,
+    warn_named_over_own,
 )
 from vramfit.models.parts import lazy_state
 from vramfit.models.sd3.flow import (
@@ -172,14 +173,15 @@ class SD3Family:
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, source: Source, t5_precision: Optional[str] = None) -> ModelBundle:
-        """The model of `source`; a single file's T5 stored as `t5_precision` asks while it loads
-        (models/parts.py `t5_file_encoder`; None or "none": in bfloat16, as prepare_encoders finds it)."""
+        """The model of `source`; its T5 (a single file's or a folder's) stored as `t5_precision` asks
+        while it loads (models/parts.py `t5_file_encoder`, `t5_folder_encoder`; None: as the source
+        stores it, for prepare_encoders; "none": not read at all, no T5 in the bundle)."""
         warn_named_over_own(source, {"clip_l": CLIP_L, "clip_g": CLIP_G})
         if source.kind == "single_file":
             transformer, vae, encoders = self._load_single_file(source.path, source, t5_precision)
             scheduler = self._scheduler(None)
         else:
-            transformer, vae, encoders = self._load_diffusers(source.path)
+            transformer, vae, encoders = self._load_diffusers(source.path, t5_precision)
             scheduler = self._scheduler(source.path)
         tok_dir = require_tokenizers(source)
         tokenizers = self.load_tokenizers(tok_dir, t5=len(encoders) == 3)
@@ -270,7 +272,7 @@ class SD3Family:
     def _single_file_encoders(self, path: Path, header: dict, source: Optional[Source] = None,
                               t5_precision: Optional[str] = None):
         """VAE from the file; each text encoder from its own file (`encoder_files`), else from the
-        single file (T5 stored as `t5_precision` asks while it loads, unless None or "none")."""
+        single file (T5 stored as `t5_precision` asks while it loads, unless None; "none": no T5)."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL
 
@@ -307,12 +309,14 @@ class SD3Family:
         clip_g, where = part_state("clip_g", CLIP_G)
         enc2 = clip_text_model(clip_g, "gelu", True, where)
         encoders = [enc1, enc2]
-        if files.get("t5") or any(k.startswith(T5) for k in header):
-            stored, own = None if t5_precision == "none" else t5_precision, files.get("t5")
-            encoders.append(t5_file_encoder(own or path, T5, stored, own_file=bool(own)))
+        if (files.get("t5") or any(k.startswith(T5) for k in header)) and t5_precision != "none":
+            own = files.get("t5")
+            encoders.append(t5_file_encoder(own or path, T5, t5_precision, own_file=bool(own)))
         return vae, encoders
 
-    def _load_diffusers(self, folder: Path):
+    def _load_diffusers(self, folder: Path, t5_precision: Optional[str] = None, transformer: bool = True):
+        """The folder's transformer (None without `transformer`: load_encoders reads it not again),
+        VAE and text encoders, its T5 as `load` says."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
@@ -320,26 +324,31 @@ class SD3Family:
         parts = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
                  "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection}
         for sub, cls in parts.items():
+            if sub == "transformer" and not transformer:
+                continue
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
             check_folder_shapes(cls, folder, sub)
-        if (folder / "text_encoder_3" / "config.json").is_file():
+        has_t5 = (folder / "text_encoder_3" / "config.json").is_file() and t5_precision != "none"
+        if has_t5:
             check_folder_shapes(T5EncoderModel, folder, "text_encoder_3")
-        transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
-                                                            low_cpu_mem_usage=True)
+        denoiser = None
+        if transformer:
+            denoiser = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer",
+                                                             low_cpu_mem_usage=True).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         encoders = [CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder").eval(),
                     CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2").eval()]
-        if (folder / "text_encoder_3" / "config.json").is_file():
-            encoders.append(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3").eval())
-        return transformer.eval(), vae.eval(), encoders
+        if has_t5:
+            encoders.append(t5_folder_encoder(folder / "text_encoder_3", t5_precision))
+        return denoiser, vae.eval(), encoders
 
     def load_encoders(self, source: Source):
         """VAE and text encoders again, for saving after they were freed for training."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
             return self._single_file_encoders(source.path, header, source)
-        _, vae, encoders = self._load_diffusers(source.path)
+        _, vae, encoders = self._load_diffusers(source.path, transformer=False)
         return vae, encoders
 
     # ---- encoding ----------------------------------------------------------------------------
