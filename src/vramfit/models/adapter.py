@@ -122,7 +122,8 @@ class Family(LoraFamily, Protocol):
     def load(self, source: Source) -> ModelBundle: ...
 
     def load_encoders(self, source: Source) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
-        """The VAE and text encoders again, for saving and sampling after they were freed."""
+        """The VAE and text encoders again, for saving and sampling after they were freed (families
+        with has_t5 also take `t5_precision`, as `load` does: T5 stored so while it loads)."""
         ...
 
     def caption_tokenizers(self, source: Source, cfg: Any) -> list:

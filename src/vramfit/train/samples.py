@@ -5,7 +5,8 @@ active), so what it shows is what an exported checkpoint will give. Where captio
 the sample prompts are encoded with them, in the caption phase (`encode_sample_prompts`), and
 the VAE is kept in CPU memory: a grid then needs only the denoiser and the decoder on the GPU, and
 reads nothing from disk. Otherwise (live text encoders) the VAE and text encoders are read from
-the source again for each grid (T5 stored as model.t5_precision asks) and freed after; on CUDA
+the source again for each grid (T5 stored as model.t5_precision asks while it loads, a part at a
+time) and freed after; on CUDA
 each model visits the GPU only while it runs (generate.sample_grid). With
 ema.sample_with_ema the EMA weights are swapped into the denoiser for the render and the trained
 ones put back after (memory/ema.py).
@@ -23,6 +24,7 @@ import torch
 
 from vramfit.config.schema import RunConfig
 from vramfit.generate import build_pipeline, decoder_pipeline, encode_prompts, sample_grid, save_png
+from vramfit.memory.quantize import stored_precision
 from vramfit.train.data import free_device_memory
 from vramfit.train.lora import merge_trained_encoders
 from vramfit.train.state import Progress
@@ -99,11 +101,14 @@ class SampleGrids:
             vae, encoders = self.inputs.vae.to(dtype), []
             pipe = decoder_pipeline(self.bundle, vae)
         else:
-            vae, encoders = self.family.load_encoders(self.bundle.source)
+            # T5 stored as model.t5_precision asks while it loads: never whole in bf16 beside the rest
+            stored = {"t5_precision": self.bundle.extra.get("t5_precision")} if self.family.has_t5 else {}
+            vae, encoders = self.family.load_encoders(self.bundle.source, **stored)
             if self.bundle.extra.get("text_encoders_trained"):  # lora.text_encoder_rank: what they learned
                 merge_trained_encoders(list(encoders), list(self.bundle.text_encoders))
             for m in (vae, *encoders):
-                m.to(dtype)
+                if stored_precision(m) is None:  # a stored T5 stays so (a cast would widen it)
+                    m.to(dtype)
             temp = dataclasses.replace(self.bundle, vae=vae, text_encoders=list(encoders),
                                        tokenizers=list(self.bundle.tokenizers), extra=dict(self.bundle.extra))
             self.family.prepare_encoders(temp)

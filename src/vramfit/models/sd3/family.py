@@ -343,12 +343,13 @@ class SD3Family:
             encoders.append(t5_folder_encoder(folder / "text_encoder_3", t5_precision))
         return denoiser, vae.eval(), encoders
 
-    def load_encoders(self, source: Source):
-        """VAE and text encoders again, for saving after they were freed for training."""
+    def load_encoders(self, source: Source, t5_precision: Optional[str] = None):
+        """VAE and text encoders again, for saving (None: T5 as the source stores it) or sampling
+        (T5 stored as `t5_precision` asks while it loads) after they were freed for training."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
-            return self._single_file_encoders(source.path, header, source)
-        _, vae, encoders = self._load_diffusers(source.path, transformer=False)
+            return self._single_file_encoders(source.path, header, source, t5_precision)
+        _, vae, encoders = self._load_diffusers(source.path, t5_precision, transformer=False)
         return vae, encoders
 
     # ---- encoding ----------------------------------------------------------------------------

@@ -192,7 +192,9 @@ class SDXLFamily:
         enc2 = clip_text_model(clipfmt.openclip_to_hf(load_prefixed(path, CLIP_G)), "gelu", True, path)
         return vae, [enc1, enc2]
 
-    def _load_diffusers(self, folder: Path):
+    def _load_diffusers(self, folder: Path, unet: bool = True):
+        """The folder's UNet (None without `unet`: load_encoders reads it not again), VAE and text
+        encoders."""
         # heavy: diffusers/transformers classes (0.3-2 s), kept off `vramfit plan` and pre-load checks
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -200,26 +202,30 @@ class SDXLFamily:
         parts = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
                  "text_encoder_2": CLIPTextModelWithProjection}
         for sub, cls in parts.items():
+            if sub == "unet" and not unet:
+                continue
             if not (folder / sub / "config.json").is_file():
                 raise CheckpointError(f"{folder}: diffusers folder has no {sub}/config.json")
             check_folder_shapes(cls, folder, sub)
-        try:
-            check_text_time(json.loads((folder / "unet" / "config.json").read_text()), json.loads(
-                (folder / "text_encoder_2" / "config.json").read_text()).get("projection_dim"))
-        except ValueError as exc:
-            raise CheckpointError(f"{folder / 'unet' / 'config.json'}: {exc}") from None
-        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=True)
+        denoiser = None
+        if unet:
+            try:
+                check_text_time(json.loads((folder / "unet" / "config.json").read_text()), json.loads(
+                    (folder / "text_encoder_2" / "config.json").read_text()).get("projection_dim"))
+            except ValueError as exc:
+                raise CheckpointError(f"{folder / 'unet' / 'config.json'}: {exc}") from None
+            denoiser = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=True).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         enc1 = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
         enc2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2")
-        return unet.eval(), vae.eval(), [enc1.eval(), enc2.eval()]
+        return denoiser, vae.eval(), [enc1.eval(), enc2.eval()]
 
     def load_encoders(self, source: Source):
-        """VAE and text encoders again, for saving after they were freed for training."""
+        """VAE and text encoders again, for saving or sampling after they were freed for training."""
         if source.kind == "single_file":
             header, _ = read_header(source.path)
             return self._single_file_encoders(source.path, header)
-        _, vae, encoders = self._load_diffusers(source.path)
+        _, vae, encoders = self._load_diffusers(source.path, unet=False)
         return vae, encoders
 
     # ---- encoding ----------------------------------------------------------------------------
