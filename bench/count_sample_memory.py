@@ -128,7 +128,8 @@ def _flux_call(cfg: dict, batch: int, lat: int, dtype: torch.dtype):
 
 # name: (shipped config, family, text tokens its `activations` counts; None: the variant's T5 tokens)
 DENOISERS = {"ssd1b": ("ssd1b_unet", "sdxl", 0), "sdxl": ("sdxl_unet", "sdxl", 0),
-             "sd3m": ("sd3_medium_transformer", "sd3", 77), "flux1_dev": ("flux1_dev_transformer", "flux", None)}
+             "sd3m": ("sd3_medium_transformer", "sd3", 77),
+             "flux1_dev": ("flux1_dev_transformer", "flux", None)}
 
 
 @contextlib.contextmanager
@@ -156,7 +157,8 @@ def count_denoisers(size: int, dtype: torch.dtype, names=tuple(DENOISERS)) -> di
             peak = _peak(call, model, *inputs)
             tokens = default_t5_tokens(shipped(model_name)) if tokens is None else tokens
             work = FAMILIES[family].activations(shipped(model_name), lat, lat, tokens).work
-            results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
+            results[name] = dict(denoiser_batch2_gib=peak / GIB,
+                                 bytes_per_work_element_per_image=peak / (2 * work))
     return results
 
 

@@ -79,7 +79,8 @@ def count(size: int, models=MODELS) -> dict:
     """{model: its counted figures} of `models` at `size` x `size` pixels, batch 1."""
     sdpa = F.scaled_dot_product_attention
     # by torch's names too: diffusers' attention dispatch (Flux) passes query, key and value so
-    F.scaled_dot_product_attention = lambda query, key, value, *a, **kw: FusedAttention.apply(query, key, value)
+    F.scaled_dot_product_attention = lambda query, key, value, *_, **__: FusedAttention.apply(
+        query, key, value)
     try:
         return _count(size // 8, torch.bfloat16, models)
     finally:
@@ -89,7 +90,8 @@ def count(size: int, models=MODELS) -> dict:
 def _count(lat: int, dtype: torch.dtype, models) -> dict:
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+    from diffusers.models.transformers.transformer_flux import (FluxSingleTransformerBlock,
+                                                                FluxTransformerBlock)
 
     from vramfit.models.flux.variants import default_t5_tokens
     from vramfit.models.registry import FAMILIES
@@ -108,14 +110,16 @@ def _count(lat: int, dtype: torch.dtype, models) -> dict:
         joint = {JointTransformerBlock: "block"}
         flux = {FluxTransformerBlock: "double", FluxSingleTransformerBlock: "single"}
         flux_tokens = default_t5_tokens(shipped("flux1_dev_transformer"))
-        for key, name, family, tokens, kinds in (("sd3m", "sd3_medium_transformer", "sd3", 77, joint),
-                                                 ("flux1_dev", "flux1_dev_transformer", "flux", flux_tokens, flux)):
+        for key, name, family, tokens, kinds in (
+                ("sd3m", "sd3_medium_transformer", "sd3", 77, joint),
+                ("flux1_dev", "flux1_dev_transformer", "flux", flux_tokens, flux)):
             if key in models:
                 results[key] = _transformer(name, FAMILIES[family], tokens, kinds, lat, dtype)
     return results
 
 
-def _transformer(name: str, family, tokens: int, kinds: dict[type, str], lat: int, dtype: torch.dtype) -> dict:
+def _transformer(name: str, family, tokens: int, kinds: dict[type, str], lat: int,
+                 dtype: torch.dtype) -> dict:
     """An MMDiT's figures: a full fine-tune's and a LoRA's (the default lora.targets train, each
     saving its input; the rank-r products, kilobytes, left out) bytes per element of its blocks'
     inputs, by block kind where it has more than one."""

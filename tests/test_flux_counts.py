@@ -37,4 +37,5 @@ def test_flux_constants_are_its_counts_and_sd3s_relation_to_them():
     assert k.work == pytest.approx(flux["bytes_per_double_block_input"] * scale, rel=0.01)
     scale = fitted.lora_block / sd3["bytes_per_block_input_lora"]
     assert k.lora_block == pytest.approx(flux["bytes_per_block_input_lora"] * scale, rel=0.01)
-    assert flux["bytes_per_block_input_lora"] < 0.6 * flux["bytes_per_block_input"]  # frozen linears save no input
+    # a LoRA's frozen linears save no input
+    assert flux["bytes_per_block_input_lora"] < 0.6 * flux["bytes_per_block_input"]
