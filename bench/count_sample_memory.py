@@ -13,6 +13,7 @@ usage: python bench/count_sample_memory.py [--size 1024] [--dtype bf16]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import weakref
 
@@ -58,8 +59,8 @@ class LiveBytes(TorchDispatchMode):
             self.live -= self.sizes.pop(key)
 
 
-def _fused_attention(q, k, v, *args, **kwargs):
-    return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+def _fused_attention(query, key, value, *args, **kwargs):  # torch's names: diffusers' dispatch passes them so
+    return torch.empty(query.shape[:-1] + (value.shape[-1],), dtype=query.dtype, device=query.device)
 
 
 def _peak(call, module: torch.nn.Module, *inputs: torch.Tensor) -> int:
@@ -78,12 +79,14 @@ def shipped(name: str) -> dict:
 
 
 def denoiser_call(name: str, batch: int, lat: int, dtype: torch.dtype):
-    """(model, call, inputs) of a shipped denoiser ("ssd1b_unet", "sdxl_unet" or
-    "sd3_medium_transformer") built where torch's default device is, and one forward of `batch`
-    items of `lat` x `lat` latents on it."""
+    """(model, call, inputs) of a shipped denoiser ("ssd1b_unet", "sdxl_unet",
+    "sd3_medium_transformer" or "flux1_dev_transformer") built where torch's default device is, and
+    one forward of `batch` items of `lat` x `lat` latents on it."""
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
     cfg = shipped(name)
+    if name.startswith("flux"):
+        return _flux_call(cfg, batch, lat, dtype)
     if name.endswith("_unet"):
         model = UNet2DConditionModel(**cfg).to(dtype)
         x = torch.empty(batch, 4, lat, lat, dtype=dtype)
@@ -100,27 +103,77 @@ def denoiser_call(name: str, batch: int, lat: int, dtype: torch.dtype):
             (x, t, text, pooled))
 
 
+def _flux_call(cfg: dict, batch: int, lat: int, dtype: torch.dtype):
+    """A Flux.1 transformer's forward as models/flux/family.py calls it: packed latents (a token
+    per 2x2 patch of 16 channels), the variant's T5 tokens, CLIP-L's pooled vector, dev's guidance."""
+    from diffusers import FluxTransformer2DModel
+
+    from vramfit.models.flux.objective import image_ids
+    from vramfit.models.flux.variants import default_t5_tokens
+
+    model = FluxTransformer2DModel(**cfg).to(dtype)
+    t5 = default_t5_tokens(cfg)
+    x = torch.empty(batch, (lat // 2) ** 2, cfg["in_channels"], dtype=dtype)
+    text = torch.empty(batch, t5, cfg["joint_attention_dim"], dtype=dtype)
+    pooled = torch.empty(batch, cfg["pooled_projection_dim"], dtype=dtype)
+    t = torch.empty(batch, dtype=dtype)
+    guidance = torch.empty(batch, dtype=dtype) if cfg.get("guidance_embeds") else None
+    txt_ids, img_ids = torch.empty(t5, 3, dtype=dtype), image_ids(lat, lat).to(dtype)
+    inputs = (x, text, pooled, t, txt_ids, img_ids) + ((guidance,) if guidance is not None else ())
+    return (model, lambda: model(hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled,
+                                 timestep=t, guidance=guidance, txt_ids=txt_ids, img_ids=img_ids,
+                                 return_dict=False),
+            inputs)
+
+
+# name: (shipped config, family, text tokens its `activations` counts; None: the variant's T5 tokens)
+DENOISERS = {"ssd1b": ("ssd1b_unet", "sdxl", 0), "sdxl": ("sdxl_unet", "sdxl", 0),
+             "sd3m": ("sd3_medium_transformer", "sd3", 77),
+             "flux1_dev": ("flux1_dev_transformer", "flux", None)}
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """torch's scaled_dot_product_attention counted as a fused kernel while inside."""
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _fused_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def count_denoisers(size: int, dtype: torch.dtype, names=tuple(DENOISERS)) -> dict:
+    """{name: the sampling forward's peak} of the `names` of DENOISERS at `size` x `size` pixels,
+    both halves of guidance at once (batch 2), and its bytes per element of `work` per image."""
+    from vramfit.models.flux.variants import default_t5_tokens
+    from vramfit.models.registry import FAMILIES
+
+    lat, results = size // 8, {}
+    with fused_attention(), torch.device("meta"):
+        for name in names:
+            model_name, family, tokens = DENOISERS[name]
+            model, call, inputs = denoiser_call(model_name, 2, lat, dtype)
+            peak = _peak(call, model, *inputs)
+            tokens = default_t5_tokens(shipped(model_name)) if tokens is None else tokens
+            work = FAMILIES[family].activations(shipped(model_name), lat, lat, tokens).work
+            results[name] = dict(denoiser_batch2_gib=peak / GIB,
+                                 bytes_per_work_element_per_image=peak / (2 * work))
+    return results
+
+
 def main() -> None:
     from diffusers import AutoencoderKL
 
-    from vramfit.models.registry import FAMILIES
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     lat = args.size // 8
-    F.scaled_dot_product_attention = _fused_attention
-    results = {}
-
-    with torch.device("meta"):
-        for name, model_name, family, tokens in (("ssd1b", "ssd1b_unet", "sdxl", 0), ("sdxl", "sdxl_unet", "sdxl", 0),
-                                                 ("sd3m", "sd3_medium_transformer", "sd3", 77)):
-            model, call, inputs = denoiser_call(model_name, 2, lat, dtype)
-            peak = _peak(call, model, *inputs)
-            work = FAMILIES[family].activations(shipped(model_name), lat, lat, tokens).work
-            results[name] = dict(denoiser_batch2_gib=peak / GIB, bytes_per_work_element_per_image=peak / (2 * work))
-        for name in ("sdxl_vae", "sd3_vae"):
+    results = count_denoisers(args.size, dtype)
+    with fused_attention(), torch.device("meta"):
+        for name in ("sdxl_vae", "sd3_vae", "flux_vae"):
             vae = AutoencoderKL(**shipped(name)).to(dtype)
             z = torch.empty(1, vae.config.latent_channels, lat, lat, dtype=dtype)
             peak = _peak(lambda: vae.decode(z), vae, z)

@@ -1,9 +1,12 @@
 """The Flux family's memory profile: the planner's activation model of the transformer and the fit
 probe's synthetic batch.
 
-Not calibrated: no fitted constants per element exist for Flux yet (fit/calibration.json); the
-element counts below are the model's own (tokens times width at each block's input), the bytes
-the planner makes of them are an estimate until a GPU measurement fits them.
+Counted, not measured: the element counts below are the model's own (tokens times width at each
+block's input); the bytes per element the planner gives them (fit/calibration.json, "flux") come
+from counts on the meta device (bench/count_train_memory.py, bench/count_sample_memory.py): the
+full-bf16 block's and the sampling's as counted, the recompute's, autocast's and a LoRA's scaled
+by SD3-M's fitted over counted figure. No Flux.1 run has been measured on a GPU: they stay
+estimates until one fits them.
 """
 from __future__ import annotations
 
