@@ -154,7 +154,7 @@ def test_the_full_bf16_unet_constants_are_the_counted_ones():
         from count_train_memory import count
     finally:
         sys.path.remove(bench)
-    counted = count(1024)
+    counted = count(1024, models=("ssd1b", "sdxl", "sd3m"))
     k = _CONSTANTS["sdxl"]
     for name in ("ssd1b", "sdxl"):
         assert counted[name]["bytes_per_resnet_input"] == pytest.approx(k.bf16_resnet, rel=0.02)
