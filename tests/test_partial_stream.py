@@ -107,31 +107,33 @@ def test_resident_blocks_are_spread_and_each_count_keeps_the_blocks_of_the_one_b
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
     """The blocks cut at memory.stream_unit_mib are the stream blocks; the streamer's units are
-    exactly those not kept, in order, cut as in an all-streamed run; every weight of a kept one is on the compute device, never a unit's, and stays the same tensor
-    through a step, while streamed weights are their homes (CPU) again after it; the planner
-    counts the same stream blocks and predicts the weights and slots of this placement."""
+    exactly those not kept, in order, cut as in an all-streamed run; every weight of a kept one is
+    on the compute device, never a unit's, and stays the same tensor through a step, while
+    streamed weights are their homes (CPU) again after it; the planner counts the same stream
+    blocks and predicts the weights and slots of this placement."""
     device = torch.device("cuda" if CUDA else "cpu")
     memory = {"stream_weights": True, "resident_blocks": 60, "stream_unit_mib": 0.05}
     cfg = RunConfig.model_validate({"model": {"path": "tiny:ssd1b"}, "data": {"resolution": SIZE},
                                     "train": {"mode": mode, "device": device.type}, "memory": memory})
     family, bundle, streamer = _placed(cfg, device)
-    found = stream_blocks(bundle.denoiser, family.block_containers, int(0.05 * 2**20),
-                          lambda p: mode == "full" or not p.requires_grad, 60)
+
+    def streams(p: torch.nn.Parameter) -> bool:  # a LoRA streams its frozen weights only
+        return mode == "full" or not p.requires_grad
+
+    found = stream_blocks(bundle.denoiser, family.block_containers, int(0.05 * 2**20), streams, 60)
     stats, facts = streamer.stats, read_facts(cfg)
     assert (stats.blocks, stats.resident_blocks, stats.streamed_blocks) == (len(found), 60, len(found) - 60)
     assert len(found) == block_count(facts, cfg) > 60 > 7  # the blocks were cut: more choices than 7
     assert [u.name for u in streamer.units] == [name for name, _, kept in found if not kept]
     # the cut does not depend on the count: with none kept the units are the blocks' split_units
     cut = [unit for name, block in block_modules(bundle.denoiser, family.block_containers)
-           for unit in split_units(name, block, int(0.05 * 2**20), lambda p: mode == "full" or not p.requires_grad)]
+           for unit in split_units(name, block, int(0.05 * 2**20), streams)]
     assert [(name, module) for name, module, _ in found] == cut
     in_units = {id(p) for u in streamer.units for p in u.params}
-    resident = [p for _, module, kept in found if kept for p in module.parameters()
-                if mode == "full" or not p.requires_grad]
+    resident = [p for _, module, kept in found if kept for p in module.parameters() if streams(p)]
     assert resident and not any(id(p) in in_units for p in resident)
     assert all(p.device.type == device.type for p in resident)
-    streamed = [p for _, module, kept in found if not kept for p in module.parameters()
-                if mode == "full" or not p.requires_grad]
+    streamed = [p for _, module, kept in found if not kept for p in module.parameters() if streams(p)]
     assert streamed and {id(p) for p in streamed} == in_units
     before = [p.data_ptr() for p in resident]
     batch = family.synthetic_batch(dict(bundle.denoiser.config), 1, (SIZE, SIZE), cfg)
@@ -192,7 +194,8 @@ def test_the_planner_keeps_the_most_blocks_that_fit(sd3m):
     usable = int(budget * (1 - MARGIN))
     assert 0 < count < n and choice.chosen["memory.resident_blocks"] == count
     assert max(p.peak for p in phases(count)) <= usable < max(p.peak for p in phases(count + 1))
-    assert any(r.startswith(f"memory.resident_blocks = {count} of {n} stream blocks: ") for r in choice.reasons)
+    assert any(r.startswith(f"memory.resident_blocks = {count} of {n} stream blocks: ")
+               for r in choice.reasons)
     assert choice.after.peak == max(p.peak for p in phases(count))
     # a count the user wrote is kept
     mine = RunConfig.model_validate({**SD3_FULL, "memory": {**SD3_FULL["memory"], "resident_blocks": 2}})

@@ -693,10 +693,11 @@ def test_streamed_gradient_sums_go_on_the_device_before_any_block_stays(ssd1b):
     assert host(hosted) < (on_device + at_home) / 2
 
 
-# every memory setting of an SSD-1B full fine-tune written but the resident count: the planner chooses only that
+# every memory setting of an SSD-1B full fine-tune written but the resident count: the planner
+# chooses only that
 SSD1B_STREAMED = {"data": {"resolution": 1024},
-                  "train": {"optimizer": "adafactor", "optimizer_in_backward": True, "gradient_checkpointing": True,
-                            "cuda_graphs": False},
+                  "train": {"optimizer": "adafactor", "optimizer_in_backward": True,
+                            "gradient_checkpointing": True, "cuda_graphs": False},
                   "cache": {"vae_dtype": "bf16", "vae_tiling": False},
                   "memory": {"stream_weights": True, "offload_activations": False, "stream_encoders": False}}
 

@@ -789,7 +789,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue
-            if resident_problem(facts, trial):  # the user's count beside settings that cut fewer stream blocks
+            if resident_problem(facts, trial):  # the user's count, where these settings cut fewer
                 continue
             pred = predict(facts, trial, captions)
             fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
@@ -874,10 +874,12 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     host_over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: peak, phase, values, group
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
+        # unset gradient sums: "device" where they fit beside the trial, as `_grad_sums` then chooses
         summed = with_values(trial, {"memory.streamed_grad_sums": "device"})
         if trial.memory.streamed_grad_sums is None and streamed_sums_on_device(summed) and all(
-                p.peak <= usable for p in predict(facts, summed, captions).phases if _phase_group(p.name) == group):
-            trial = summed  # unset: "device" where the sums fit beside the trial, as `_grad_sums` then chooses
+                p.peak <= usable for p in predict(facts, summed, captions).phases
+                if _phase_group(p.name) == group):
+            trial = summed
         phases = [p for p in host_prediction(facts, trial, captions, for_gpu=True).phases
                   if p.name != "load" and _phase_group(p.name) == group]  # no setting changes loading
         worst = max(phases, key=lambda p: p.peak, default=None)

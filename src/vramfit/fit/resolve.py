@@ -22,8 +22,8 @@ from vramfit.config import ConfigError
 from vramfit.config.rules import graph_clashes, process_problems, streamed_sums_on_device
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import ModelFacts, read_facts
-from vramfit.fit.planner import (MARGIN, budget_of, check_host_budget, fit_to_budget, predict, resident_problem,
-                                 with_values)
+from vramfit.fit.planner import (MARGIN, budget_of, check_host_budget, fit_to_budget, predict,
+                                 resident_problem, with_values)
 from vramfit.memory.accounting import pick_device
 from vramfit.train.distributed import launched_world
 

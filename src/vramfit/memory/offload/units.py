@@ -146,7 +146,8 @@ def stream_blocks(denoiser: nn.Module, containers: Sequence[str], limit: int, st
            for unit in split_units(name, block, limit, streamed)]
     # by element count, which the planner's meta copy and the placed model agree on whatever the dtypes
     sizes = [sum(p.numel() for p in module.parameters() if streamed(p)) for _, module in cut]
-    return [(name, module, kept) for (name, module), kept in zip(cut, resident_blocks(len(cut), resident, sizes))]
+    kept = resident_blocks(len(cut), resident, sizes)
+    return [(name, module, keep) for (name, module), keep in zip(cut, kept)]
 
 
 def too_many_resident(resident: int, count: int, containers: Sequence[str], unit_mib: float) -> Optional[str]:
