@@ -92,7 +92,7 @@ def test_resident_blocks_are_spread_and_each_count_keeps_the_blocks_of_the_one_b
     assert resident_blocks(7, 3) == [False, True, False, True, False, True, False]
     with pytest.raises(ValueError):
         resident_blocks(7, 8)
-    # by size: the middle of a run is where half its size is, so a large block goes first
+    # by size: the largest block of the largest run goes first, then the middle of the run beside it
     assert resident_blocks(5, 1, [1, 1, 1, 10, 1]) == [False, False, False, True, False]
     assert resident_blocks(5, 1) == [False, False, True, False, False]
     assert resident_blocks(5, 2, [1, 1, 1, 10, 1]) == [False, True, False, True, False]

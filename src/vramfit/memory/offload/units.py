@@ -90,15 +90,16 @@ def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[
 
 def resident_blocks(blocks: int, resident: int, sizes: Optional[Sequence[int]] = None) -> list[bool]:
     """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do. Each
-    one more goes into the middle of the longest run of streamed blocks (the later of equal runs),
-    runs measured by `sizes` (each block's; None: 1 each) and the middle the block at half the
-    run's size: spread evenly, and the blocks of a count are among those of the next one, so
-    memory grows with the count (the planner's search relies on it). Spread, not bunched: a
-    streamed unit's copy starts when the streamed unit before it is used, so it overlaps the
-    compute of that unit and of every resident block between the two; resident blocks side by
+    one more is the largest block of the largest run of streamed blocks (runs and blocks measured
+    by `sizes`, each block's; None: 1 each), of equal blocks the nearest the run's middle, of equal
+    runs the later: spread through the forward order, and the blocks of a count are among those of
+    the next one, so memory grows with the count (the planner's search relies on it). Spread, not
+    bunched: a streamed unit's copy starts when the streamed unit before it is used, so it overlaps
+    the compute of that unit and of every resident block between the two; resident blocks side by
     side would leave the streamed ones back to back, each copy hidden by one unit's compute only.
-    By size, a large block is the middle of more of its run than a small one: it is kept sooner,
-    and with it the largest copies and slots go."""
+    The largest first: with it go the largest copy and the largest slot (the slots are as large
+    as the largest units streamed), so the first ones kept cost the least memory for what they
+    save. With sizes all equal, each one more is the middle block of the longest run."""
     if not 0 <= resident <= blocks:
         raise ValueError(f"between 0 and {blocks} resident blocks, not {resident}")
     sizes = [1] * blocks if sizes is None else list(sizes)
@@ -112,12 +113,8 @@ def resident_blocks(blocks: int, resident: int, sizes: Optional[Sequence[int]] =
                 runs.append((start, i))
                 start = None
         first, end = max(reversed(runs), key=lambda r: sum(sizes[r[0]:r[1]]))  # the later of equal runs
-        total, before = sum(sizes[first:end]), 0
-        for i in range(first, end):  # the block that holds the run's half way point
-            if 2 * (before + sizes[i]) > total or i == end - 1:
-                kept[i] = True
-                break
-            before += sizes[i]
+        middle = first + (end - first) // 2
+        kept[max(range(first, end), key=lambda i: (sizes[i], -abs(i - middle)))] = True
     return kept
 
 
