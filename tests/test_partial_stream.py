@@ -1,4 +1,5 @@
-"""Partial streaming (memory.resident_blocks): some blocks stay on the device, the rest stream.
+"""Partial streaming (memory.resident_blocks): some stream blocks (the denoiser's blocks, cut into
+their parts above memory.stream_unit_mib) stay on the device, the rest stream.
 
 Same losses and weights as the resident and the all-streamed runs (LoRA, a full fine-tune stepping
 streamed weights on the CPU and one stepping them on their compute copies in backward); which
@@ -21,7 +22,8 @@ from vramfit.fit.model_facts import facts_for_layout, read_facts
 from vramfit.fit.planner import MARGIN, block_count, choose, device_terms, predict, with_values
 from vramfit.fit.resolve import Environment, resolve
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.offload import block_modules, resident_blocks
+from vramfit.memory.offload import block_modules, resident_blocks, split_units
+from vramfit.memory.offload.units import stream_blocks
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.train.setup import place_denoiser
@@ -53,19 +55,21 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_partial_streaming_trains_as_resident_and_as_all_streamed(images, tmp_path, cache_root, caplog, case):
-    """3 of tiny SSD-1B's 7 blocks resident: the losses and saved weights of the run with every
-    block resident (and, for the full fine-tune stepping after backward, of the all-streamed one)."""
+    """40 of tiny SSD-1B's 123 stream blocks resident (its 7 blocks cut at 0.5 MiB, so some blocks
+    are partly resident): the losses and saved weights of the run with every block resident (and,
+    for the full fine-tune stepping after backward, of the all-streamed one)."""
     sets, cache = CASES[case], cache_root / "partial"
     with caplog.at_level("INFO", logger="vramfit"):
-        partial = _run(images, tmp_path / "partial", cache, *sets, *STREAM, "memory.resident_blocks=3")
-    assert "3 of 7 blocks resident (memory.resident_blocks)" in caplog.text
+        partial = _run(images, tmp_path / "partial", cache, *sets, *STREAM, "memory.resident_blocks=40",
+                       "memory.stream_unit_mib=0.5")
+    assert "40 of 123 stream blocks resident (memory.resident_blocks)" in caplog.text
     _same(partial, _run(images, tmp_path / "resident", cache, *sets))
     if case == "full-step-after-backward":
         _same(partial, _run(images, tmp_path / "streamed", cache, *sets, *STREAM))
         # left out without a budget: resolved to every block streamed (fit/resolve.py)
         assert "resident_blocks = 0" in (tmp_path / "streamed" / "config.toml").read_text()
     written = (tmp_path / "partial" / "config.toml").read_text()
-    assert "resident_blocks = 3" in written and "stream_weights = true" in written
+    assert "resident_blocks = 40" in written and "stream_weights = true" in written
 
 
 def _placed(cfg: RunConfig, device: torch.device):
@@ -88,36 +92,48 @@ def test_resident_blocks_are_spread_and_each_count_keeps_the_blocks_of_the_one_b
     assert resident_blocks(7, 3) == [False, True, False, True, False, True, False]
     with pytest.raises(ValueError):
         resident_blocks(7, 8)
+    # by size: the largest block of the largest run goes first, then the middle of the run beside it
+    assert resident_blocks(5, 1, [1, 1, 1, 10, 1]) == [False, False, False, True, False]
+    assert resident_blocks(5, 1) == [False, False, True, False, False]
+    assert resident_blocks(5, 2, [1, 1, 1, 10, 1]) == [False, True, False, True, False]
+    sizes = torch.randint(1, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    below = set()
+    for count in range(41):
+        kept = {i for i, k in enumerate(resident_blocks(40, count, sizes)) if k}
+        assert len(kept) == count and below <= kept
+        below = kept
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
-    """The streamer's units come from exactly the n - 3 streamed blocks; every weight of a resident
-    block is on the compute device, never a unit's, and stays the same tensor through a step,
-    while streamed weights are their homes (CPU) again after it; the predicted weights and slots
-    are those of this placement."""
+    """The blocks cut at memory.stream_unit_mib are the stream blocks; the streamer's units are
+    exactly those not kept, in order, cut as in an all-streamed run; every weight of a kept one is
+    on the compute device, never a unit's, and stays the same tensor through a step, while
+    streamed weights are their homes (CPU) again after it; the planner counts the same stream
+    blocks and predicts the weights and slots of this placement."""
     device = torch.device("cuda" if CUDA else "cpu")
+    memory = {"stream_weights": True, "resident_blocks": 60, "stream_unit_mib": 0.05}
     cfg = RunConfig.model_validate({"model": {"path": "tiny:ssd1b"}, "data": {"resolution": SIZE},
-                                    "train": {"mode": mode, "device": device.type},
-                                    "memory": {"stream_weights": True, "resident_blocks": 3,
-                                               "stream_unit_mib": 0.05}})
+                                    "train": {"mode": mode, "device": device.type}, "memory": memory})
     family, bundle, streamer = _placed(cfg, device)
-    blocks = block_modules(bundle.denoiser, family.block_containers)
-    kept = resident_blocks(len(blocks), 3)
-    stats = streamer.stats
-    assert (stats.blocks, stats.resident_blocks, stats.streamed_blocks) == (len(blocks), 3, len(blocks) - 3)
-    names = [name for name, _ in blocks]
 
-    def block_of(unit: str) -> str:
-        return next(b for b in names if unit == b or unit.startswith(b + "."))
+    def streams(p: torch.nn.Parameter) -> bool:  # a LoRA streams its frozen weights only
+        return mode == "full" or not p.requires_grad
 
-    assert {block_of(u.name) for u in streamer.units} == {b for b, k in zip(names, kept) if not k}
+    found = stream_blocks(bundle.denoiser, family.block_containers, int(0.05 * 2**20), streams, 60)
+    stats, facts = streamer.stats, read_facts(cfg)
+    assert (stats.blocks, stats.resident_blocks, stats.streamed_blocks) == (len(found), 60, len(found) - 60)
+    assert len(found) == block_count(facts, cfg) > 60 > 7  # the blocks were cut: more choices than 7
+    assert [u.name for u in streamer.units] == [name for name, _, kept in found if not kept]
+    # the cut does not depend on the count: with none kept the units are the blocks' split_units
+    cut = [unit for name, block in block_modules(bundle.denoiser, family.block_containers)
+           for unit in split_units(name, block, int(0.05 * 2**20), streams)]
+    assert [(name, module) for name, module, _ in found] == cut
     in_units = {id(p) for u in streamer.units for p in u.params}
-    resident = [p for (_, block), k in zip(blocks, kept) if k for p in block.parameters()]
+    resident = [p for _, module, kept in found if kept for p in module.parameters() if streams(p)]
     assert resident and not any(id(p) in in_units for p in resident)
     assert all(p.device.type == device.type for p in resident)
-    streamed = [p for (_, block), k in zip(blocks, kept) if not k for p in block.parameters()
-                if mode == "full" or not p.requires_grad]
+    streamed = [p for _, module, kept in found if not kept for p in module.parameters() if streams(p)]
     assert streamed and {id(p) for p in streamed} == in_units
     before = [p.data_ptr() for p in resident]
     batch = family.synthetic_batch(dict(bundle.denoiser.config), 1, (SIZE, SIZE), cfg)
@@ -128,8 +144,8 @@ def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
     assert all(p.device.type == "cpu" and p.data_ptr() in homes for p in streamed)
     if mode == "full":  # resident trained weights keep their gradients on the device
         assert all(p.grad is not None and p.grad.device.type == device.type for p in resident)
-    # the planner places the same blocks: what stays on the device and the two largest units' slots
-    terms = device_terms(read_facts(cfg), cfg)
+    # the planner places the same stream blocks: what stays on the device and the two largest units' slots
+    terms = device_terms(facts, cfg)
     held = sum(tensor_bytes(t) for t in [*bundle.denoiser.parameters(), *bundle.denoiser.buffers()])
     units = sorted(u.nbytes for u in streamer.units)
     assert terms["weights"] == held - streamer.streamed_bytes()
@@ -162,14 +178,15 @@ def test_the_planner_keeps_the_most_blocks_that_fit(sd3m):
     """More resident blocks predict more train-phase memory; under a budget between all streamed and
     all resident the planner keeps the largest count that fits: count + 1 does not."""
     cfg = RunConfig.model_validate(SD3_FULL)
-    n = block_count(sd3m)
-    assert n == 24
+    n = block_count(sd3m, cfg)
+    assert n == 24  # each joint block under memory.stream_unit_mib: one stream block
 
     def phases(count: int):
         return predict(sd3m, with_values(cfg, {"memory.resident_blocks": count})).phases
 
-    # (all resident may take a little less than one block streamed: no slot, no gradient beside it)
-    train = [next(p.peak for p in phases(c) if p.name == "train") for c in range(n)]
+    # (with fewer units streamed than slots, 3 here, each one more kept takes a whole slot: the top
+    # counts may take less than the ones below, and the planner tries them first)
+    train = [next(p.peak for p in phases(c) if p.name == "train") for c in range(n - 2)]
     assert all(a <= b for a, b in zip(train, train[1:])) and train[0] < train[n // 2] < train[-1]
     budget = int((train[0] + train[-1]) / 2 / (1 - MARGIN))
     choice = choose(cfg, budget, sd3m)
@@ -177,7 +194,8 @@ def test_the_planner_keeps_the_most_blocks_that_fit(sd3m):
     usable = int(budget * (1 - MARGIN))
     assert 0 < count < n and choice.chosen["memory.resident_blocks"] == count
     assert max(p.peak for p in phases(count)) <= usable < max(p.peak for p in phases(count + 1))
-    assert any(r.startswith(f"memory.resident_blocks = {count} of {n}: ") for r in choice.reasons)
+    assert any(r.startswith(f"memory.resident_blocks = {count} of {n} stream blocks: ")
+               for r in choice.reasons)
     assert choice.after.peak == max(p.peak for p in phases(count))
     # a count the user wrote is kept
     mine = RunConfig.model_validate({**SD3_FULL, "memory": {**SD3_FULL["memory"], "resident_blocks": 2}})
@@ -190,14 +208,24 @@ def test_resident_blocks_without_streaming_or_beyond_the_block_count_are_refused
     err = capsys.readouterr().err
     assert "memory.resident_blocks: applies to memory.stream_weights = true" in err
     assert "Traceback" not in err
-    # too many: `vramfit plan` says so, and so does a run without a budget when it places the model
-    assert main(["plan", "--set", "model.path=tiny:ssd1b", "--set", "memory.stream_weights=true",
-                 "--set", "memory.resident_blocks=8"]) == 2
-    assert "memory.resident_blocks: 8 is more than the 7 blocks" in capsys.readouterr().err
-    args = train_args(images, tmp_path / "out", cache_root / "partial", *STREAM, "memory.resident_blocks=8")
+    # too many: `vramfit plan` says so, with a budget or without, and so does `train` before anything
+    # loads or caches; the count is of stream blocks, so a smaller memory.stream_unit_mib allows more
+    plan = ["plan", "--set", "model.path=tiny:ssd1b", "--set", "memory.stream_weights=true"]
+    too_many = "memory.resident_blocks: 8 is more than the 7 stream blocks of this denoiser"
+    assert main([*plan, "--set", "memory.resident_blocks=8"]) == 2
+    assert too_many in capsys.readouterr().err
+    assert main([*plan, "--set", "memory.resident_blocks=8", "--vram", "8GiB"]) == 2
+    assert too_many in capsys.readouterr().err
+    assert main([*plan, "--set", "memory.resident_blocks=8", "--set", "memory.stream_unit_mib=0.5"]) == 0
+    capsys.readouterr()
+    cache = tmp_path / "cache"
+    args = train_args(images, tmp_path / "out", cache, *STREAM, "memory.resident_blocks=8")
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "memory.resident_blocks: 8 is more than the 7 blocks" in err and "set at most 7" in err
+    assert too_many in err and "set at most 7" in err and "memory.stream_unit_mib = 256 MiB" in err
+    assert "Traceback" not in err
+    # refused before caching: the cache folder holds only the tiny model's files
+    assert [p.name for p in cache.iterdir()] == ["tiny"] and not (tmp_path / "out" / "run.json").exists()
 
 
 @pytest.mark.gpu

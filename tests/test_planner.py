@@ -16,8 +16,8 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.fit.model_facts import facts_for_layout, read_facts
-from vramfit.fit.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, choose, device_terms,
-                                    free_knobs, predict, with_values)
+from vramfit.fit.planner import (GIB, MARGIN, STREAM_GRAD_SHARE, PlanError, _search, block_count, choose,
+                                    device_terms, free_knobs, host_prediction, predict, with_values)
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.optim.base import state_bytes
@@ -680,3 +680,49 @@ def test_streamed_gradient_sums_go_on_the_device_before_any_block_stays(ssd1b):
     assert {p.name: p for p in choice.after.phases}["train"].parts.get("gradient sums", 0) == 0
     kept, _ = _choose(ssd1b, {**accum, "memory": {"streamed_grad_sums": "home"}}, 6)
     assert kept.memory.streamed_grad_sums == "home" and kept.memory.resident_blocks > 0
+    # the host check of the search counts the sums where the planner would keep them: with a host
+    # budget the sums at home would not fit, the roomy choice stands (not weights stepping in CPU memory)
+    def host(cfg: RunConfig) -> int:
+        return max(p.peak for p in host_prediction(ssd1b, cfg, for_gpu=True).phases if p.name != "load")
+
+    on_device, at_home = host(roomy), host(with_values(roomy, {"memory.streamed_grad_sums": "home"}))
+    assert on_device < at_home
+    tight_host = {**accum, "memory": {"host_budget": f"{(on_device + at_home) / 2 / GIB:.3f}GiB"}}
+    hosted, _ = _choose(ssd1b, tight_host, 6)
+    assert hosted.train.optimizer_in_backward and hosted.memory.streamed_grad_sums == "device"
+    assert host(hosted) < (on_device + at_home) / 2
+
+
+# every memory setting of an SSD-1B full fine-tune written but the resident count: the planner
+# chooses only that
+SSD1B_STREAMED = {"data": {"resolution": 1024},
+                  "train": {"optimizer": "adafactor", "optimizer_in_backward": True,
+                            "gradient_checkpointing": True, "cuda_graphs": False},
+                  "cache": {"vae_dtype": "bf16", "vae_tiling": False},
+                  "memory": {"stream_weights": True, "offload_activations": False, "stream_encoders": False}}
+
+
+def test_more_budget_keeps_more_stream_blocks_and_never_streams_more(ssd1b):
+    """SSD-1B has 7 blocks, two of them most of its weights; cut at memory.stream_unit_mib they are
+    many more stream blocks. From the budget where all stream to the one where none does, each
+    larger budget keeps at least the stream blocks of the smaller one (so never more bytes
+    streamed, never more copies a step) within the budget, in more steps than the 7 blocks give
+    (the planner's speed for these settings is the streamed bytes: each crosses PCIe every step)."""
+    cfg = _cfg(**SSD1B_STREAMED)
+    n = block_count(ssd1b, cfg)
+    assert n > 7
+
+    def peak(count: int) -> int:
+        return predict(ssd1b, with_values(cfg, {"memory.resident_blocks": count})).peak
+
+    low, high = peak(0) / (1 - MARGIN), peak(n) / (1 - MARGIN)
+    counts, resident_bytes = [], []
+    for i in range(10):
+        budget = int(low + (high - low) * i / 9) + 1
+        choice = choose(cfg, budget, ssd1b)
+        assert choice.after.peak <= budget * (1 - MARGIN)
+        counts.append(choice.config.memory.resident_blocks)
+        resident_bytes.append(device_terms(ssd1b, choice.config)["weights"])  # all but the streamed ones
+    assert counts[-1] == n
+    assert counts == sorted(counts) and resident_bytes == sorted(resident_bytes)
+    assert len(set(counts)) > 8  # more choices than the 7 whole blocks give (0 to 7 kept)

@@ -630,12 +630,15 @@ class MemoryConfig(_Section):
         "streamed weights is split into its sub-modules, so at most about two such units are on "
         "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
     resident_blocks: Optional[int] = Field(
-        None, ge=0, le=10**4, description="With stream_weights: this many of the denoiser's blocks (in "
-        "the forward order, spread evenly through it) stay on the GPU like unstreamed weights (in a full "
-        "fine-tune with their gradients and optimizer state), and only the rest are streamed: between "
-        "all blocks streamed (0) and none (the block count). Each resident block costs its weights' GPU "
-        "memory and saves their copies. Default: chosen by vram_budget's plan (the most blocks that fit), "
-        "0 without a budget. At most the model's block count.")
+        None, ge=0, le=10**4, description="With stream_weights: this many of the denoiser's stream "
+        "blocks stay on the GPU like unstreamed weights (in a full fine-tune with their gradients and "
+        "optimizer state), and only the rest are streamed: between all streamed (0) and none (the "
+        "stream block count). A stream block is a block of the denoiser (SDXL family: its down, mid "
+        "and up blocks; SD3 and Flux.1: each transformer block), or its parts where a block holds more "
+        "than stream_unit_mib: the units it streams in. The kept ones are spread through the forward "
+        "order, the largest first, and each count keeps those of the count below. Each costs its weights' GPU "
+        "memory and saves their copies. Default: chosen by vram_budget's plan (the most that fit), 0 "
+        "without a budget. At most the stream block count (a count above it is refused, naming it).")
     streamed_grad_sums: Optional[Literal["home", "device"]] = Field(
         None, description="With stream_weights in a full fine-tune whose streamed weights step on the "
         "GPU (train.optimizer_in_backward with Adafactor) and train.grad_accum > 1: where the "

@@ -83,7 +83,7 @@ from vramfit.fit.model_facts import (ModelFacts, encoder_device_bytes, quantized
                                      sampled_encoder_bytes, state_bytes, weight_item_bytes)
 from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
 from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
-from vramfit.memory.offload import block_modules, resident_blocks, split_units
+from vramfit.memory.offload.units import stream_blocks, too_many_resident
 from vramfit.models.adapter import t5_tokens
 from vramfit.models.registry import FAMILIES
 from vramfit.optim.base import ParamOptimizer
@@ -252,19 +252,9 @@ def adapter_temporaries(facts: ModelFacts, cfg: RunConfig) -> int:
     return int(kept) + (2 * largest if _checkpointed_share(cfg) else largest)
 
 
-def block_count(facts: ModelFacts) -> int:
-    """The denoiser's blocks that memory.stream_weights streams (memory.resident_blocks counts among them)."""
-    return len(block_modules(facts.denoiser, FAMILIES[facts.family].block_containers))
-
-
-def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
-    """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
-    first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS). The
-    blocks memory.resident_blocks keeps (the streamer's own pick, units.py `resident_blocks`; None
-    as 0) are resident."""
-    dtype_bytes = weight_item_bytes(cfg)
-    lora = cfg.train.mode == "lora"
-    method = cfg.lora.base_quantization if lora else "none"
+def _quantized(facts: ModelFacts, cfg: RunConfig) -> dict[int, int]:
+    """Bytes of each linear weight a LoRA's lora.base_quantization quantizes, by the weight's id."""
+    method = cfg.lora.base_quantization if cfg.train.mode == "lora" else "none"
     quantized: dict[int, int] = {}
     if method != "none":
         for m in facts.denoiser.modules():
@@ -272,23 +262,55 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
                 size = quantized_linear_bytes(m.out_features, m.in_features, method)
                 if size is not None:
                     quantized[id(m.weight)] = size
+    return quantized
+
+
+def _stream_blocks(facts: ModelFacts, cfg: RunConfig, quantized: dict[int, int],
+                   resident: int = 0) -> list[tuple[str, torch.nn.Module, bool]]:
+    """The stream blocks as the streamer cuts them for `cfg` (units.py `stream_blocks`: quantized
+    weights never stream), `resident` of them kept."""
+    limit = int(cfg.memory.stream_unit_mib * MIB * 4 / weight_item_bytes(cfg))  # meta tensors are fp32
+    return stream_blocks(facts.denoiser, FAMILIES[facts.family].block_containers, limit,
+                         lambda p: id(p) not in quantized, resident)
+
+
+def block_count(facts: ModelFacts, cfg: RunConfig) -> int:
+    """The stream blocks of `cfg`'s run (the denoiser's blocks, those over memory.stream_unit_mib
+    cut into their parts), among which memory.resident_blocks counts."""
+    return len(_stream_blocks(facts, cfg, _quantized(facts, cfg)))
+
+
+def resident_problem(facts: ModelFacts, cfg: RunConfig) -> Optional[str]:
+    """What is wrong with `cfg`'s memory.resident_blocks for this model (more than its stream
+    blocks), or None; the same words the streamer would use when it places the weights."""
+    resident = cfg.memory.resident_blocks or 0
+    if not (cfg.memory.stream_weights and resident):
+        return None
+    return too_many_resident(resident, block_count(facts, cfg), FAMILIES[facts.family].block_containers,
+                             cfg.memory.stream_unit_mib)
+
+
+def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor], list[int]]:
+    """The denoiser's tensors as the run places them and the bytes of each stream unit, largest
+    first (the slots of memory/offload/slots.py take the largest units' sizes: STREAM_SLOTS). The
+    stream blocks memory.resident_blocks keeps (the streamer's own pick, units.py `stream_blocks`;
+    None as 0) are resident."""
+    dtype_bytes = weight_item_bytes(cfg)
+    lora = cfg.train.mode == "lora"
+    quantized = _quantized(facts, cfg)
     streamed_ids: set[int] = set()
     unit_sizes: list[int] = []
     if cfg.memory.stream_weights:
-        limit = int(cfg.memory.stream_unit_mib * MIB * 4 / dtype_bytes)  # meta tensors are fp32
-        blocks = block_modules(facts.denoiser, FAMILIES[facts.family].block_containers)
-        resident = cfg.memory.resident_blocks or 0
-        if resident > len(blocks):
-            raise PlanError(f"memory.resident_blocks: {resident} is more than the {len(blocks)} blocks of "
-                            f"this denoiser; set at most {len(blocks)}, or leave it out to have "
-                            "memory.vram_budget choose")
-        for (block_name, block), kept in zip(blocks, resident_blocks(len(blocks), resident)):
+        try:
+            found = _stream_blocks(facts, cfg, quantized, cfg.memory.resident_blocks or 0)
+        except ValueError:  # more resident than there are
+            raise PlanError(resident_problem(facts, cfg)) from None
+        for _, unit, kept in found:
             if kept:
                 continue
-            for _, unit in split_units(block_name, block, limit, lambda p: id(p) not in quantized):
-                ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
-                streamed_ids.update(ids)
-                unit_sizes.append(sum(p.numel() for p in unit.parameters() if id(p) in ids) * dtype_bytes)
+            ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
+            streamed_ids.update(ids)
+            unit_sizes.append(sum(p.numel() for p in unit.parameters() if id(p) in ids) * dtype_bytes)
     tensors = []
     for name, p in facts.denoiser.named_parameters():
         size = quantized.get(id(p))
@@ -767,6 +789,8 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
                 continue
             if not _valid(cfg, {**values, **combo}):
                 continue
+            if resident_problem(facts, trial):  # the user's count, where these settings cut fewer
+                continue
             pred = predict(facts, trial, captions)
             fits = [p for p in pred.phases if p.name == group or (group == "train" and p.name in ("save", "samples"))]
             worst = max(fits, key=lambda p: p.peak, default=None)
@@ -842,11 +866,20 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     """The fastest combination of the settings the user left free whose every phase is predicted
     to fit in budget x (1 - MARGIN); raises PlanError naming the smallest prediction otherwise."""
     usable = int(budget * (1 - MARGIN))
+    problem = resident_problem(facts, cfg)  # a count the user wrote, with the other settings as written
+    if problem:
+        raise PlanError(problem)
     knobs = free_knobs(cfg, facts)
     host_budget, host_source = host_budget_of(cfg)
     host_over: list[tuple[int, str, dict, str]] = []  # fit the GPU, not the host: peak, phase, values, group
 
     def host_fits(trial: RunConfig, group: str, tried: dict) -> bool:
+        # unset gradient sums: "device" where they fit beside the trial, as `_grad_sums` then chooses
+        summed = with_values(trial, {"memory.streamed_grad_sums": "device"})
+        if trial.memory.streamed_grad_sums is None and streamed_sums_on_device(summed) and all(
+                p.peak <= usable for p in predict(facts, summed, captions).phases
+                if _phase_group(p.name) == group):
+            trial = summed
         phases = [p for p in host_prediction(facts, trial, captions, for_gpu=True).phases
                   if p.name != "load" and _phase_group(p.name) == group]  # no setting changes loading
         worst = max(phases, key=lambda p: p.peak, default=None)
@@ -940,8 +973,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
     if with_values(cfg, values).memory.stream_weights:
         # after the reasons above, which compare the settings with every block streamed
         if "resident_blocks" in cfg.memory.model_fields_set:
-            reasons.append(f"memory.resident_blocks = {cfg.memory.resident_blocks} of {block_count(facts)}: "
-                           "set by you, kept")
+            reasons.append(f"memory.resident_blocks = {cfg.memory.resident_blocks} of "
+                           f"{block_count(facts, with_values(cfg, values))} stream blocks: set by you, kept")
         else:
             values["memory.resident_blocks"], why = _most_resident(cfg, facts, values, usable, captions)
             reasons.append(why)
@@ -979,19 +1012,24 @@ def _grad_sums(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], values: dic
 
 def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
                    captions: int) -> tuple[int, str]:
-    """The most blocks memory.resident_blocks may keep on the device beside `values` (streamed
-    weights, every phase fitting with none resident) with every phase still fitting in `usable`, and
-    the reason. Each resident block adds its weights (and a full fine-tune's gradients and state)
-    and takes at most one unit from the slots, so the peaks grow with the count: a binary search.
-    All of them resident is tried first: with no block streamed no slot and no gradient waiting
-    beside one is left, which may take less than one block streamed."""
-    n = block_count(facts)
+    """The most stream blocks (units.py `stream_blocks`: the blocks, the large ones cut, so the
+    SDXL family's 7 blocks give more steps than 7) memory.resident_blocks may keep on the device
+    beside `values` (streamed weights, every phase fitting with none resident) with every phase
+    still fitting in `usable`, and the reason. Each resident one adds its weights (and a full
+    fine-tune's gradients and state) and takes at most one unit from the slots, so the peaks grow
+    with the count: a binary search (which only ever takes a count that fits). The top counts are
+    tried first, from all of them down: where fewer units stream than there are slots, the slots
+    shrink by a whole unit with each one kept, and with none streamed no slot and no gradient
+    waiting beside one is left, so these may take less than a count below."""
+    n = block_count(facts, with_values(cfg, values))
 
     def peak(count: int) -> PhaseEstimate:
         trial = with_values(cfg, {**values, "memory.resident_blocks": count})
         return max(predict(facts, trial, captions).phases, key=lambda p: p.peak)
 
-    low, high = (n, n) if peak(n).peak <= usable else (0, n - 1)  # peak(0) fits: the search's choice
+    top = max(0, n - max(STREAM_SLOTS.values()))  # at most this many: as many units streamed as slots
+    low = next((count for count in range(n, top, -1) if peak(count).peak <= usable), None)
+    low, high = (low, low) if low is not None else (0, top)  # peak(0) fits: the search's choice
     while low < high:
         mid = (low + high + 1) // 2
         if peak(mid).peak <= usable:
@@ -999,11 +1037,12 @@ def _most_resident(cfg: RunConfig, facts: ModelFacts, values: dict, usable: int,
         else:
             high = mid - 1
     if low == n:
-        return low, f"memory.resident_blocks = {low} of {n}: every block fits on the device (none streams)"
+        return low, (f"memory.resident_blocks = {low} of {n} stream blocks: every one fits on the device "
+                     "(none streams)")
     over = peak(low + 1) if low + 1 < n else peak(n)
-    return low, (f"memory.resident_blocks = {low} of {n}: the most blocks kept on the device that fit; with "
-                 f"{low + 1} the {over.name} phase is predicted at {over.peak / GIB:.2f} GiB, over the "
-                 f"{usable / GIB:.2f} GiB usable")
+    return low, (f"memory.resident_blocks = {low} of {n} stream blocks: the most kept on the device that "
+                 f"fit; with {low + 1} the {over.name} phase is predicted at {over.peak / GIB:.2f} GiB, over "
+                 f"the {usable / GIB:.2f} GiB usable")
 
 
 def budget_of(cfg: RunConfig, override: Optional[str] = None) -> Optional[int]:

@@ -22,7 +22,8 @@ from vramfit.config import ConfigError
 from vramfit.config.rules import graph_clashes, process_problems, streamed_sums_on_device
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import ModelFacts, read_facts
-from vramfit.fit.planner import MARGIN, budget_of, check_host_budget, fit_to_budget, predict, with_values
+from vramfit.fit.planner import (MARGIN, budget_of, check_host_budget, fit_to_budget, predict,
+                                 resident_problem, with_values)
 from vramfit.memory.accounting import pick_device
 from vramfit.train.distributed import launched_world
 
@@ -85,8 +86,19 @@ def resolve(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None)
     if problems:
         raise ConfigError(problems, f"config for {env.world} processes")
     cfg = with_grad_sums(resident_by_default(fit_to_budget(cfg, cache_root)), env, cache_root)
+    check_resident(cfg, cache_root)
     check_host_budget(cfg, env.device.type == "cuda", cache_root)
     return cfg
+
+
+def check_resident(cfg: RunConfig, cache_root: Optional[Path] = None) -> None:
+    """memory.resident_blocks more than the model's stream blocks (which memory.stream_unit_mib, the
+    training precision and a quantized base decide: fit/planner.py `block_count`): a ConfigError
+    before any weight loads, read from the model's headers (a budget's plan has checked it already)."""
+    if cfg.memory.stream_weights and cfg.memory.resident_blocks and budget_of(cfg) is None:
+        problem = resident_problem(read_facts(cfg, cache_root), cfg)
+        if problem:
+            raise ConfigError([problem])
 
 
 def with_grad_sums(cfg: RunConfig, env: Environment, cache_root: Optional[Path] = None,

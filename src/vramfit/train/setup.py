@@ -347,7 +347,7 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
                               stream_trainable=cfg.train.mode == "full")
     if streamer is not None and cfg.memory.stream_weights:
         stats = streamer.stats
-        log.info("streaming %.1f MiB of block weights in %d units; %d of %d blocks resident "
+        log.info("streaming %.1f MiB of block weights in %d units; %d of %d stream blocks resident "
                  "(memory.resident_blocks)", streamer.streamed_bytes() / 2**20, len(streamer.units),
                  stats.resident_blocks, stats.blocks)
     return streamer

@@ -2,9 +2,12 @@
 
 The blocks of the denoiser (the modules in the attributes its family names as `block_containers`:
 SDXL family `down_blocks`, `mid_block`, `up_blocks`; SD3 each of `transformer_blocks`), split into
-their sub-modules where a block holds more than `max_unit_bytes`, are the *units*. With
-memory.resident_blocks some of the blocks stay on the device instead (`resident_blocks`). The planner
-(fit/planner.py) cuts the same units and picks the same resident blocks to predict the slots' sizes.
+their sub-modules where a block holds more than `max_unit_bytes`, are the units: the *stream
+blocks*. With memory.resident_blocks some of those stay on the device instead, spread through the
+forward order (`resident_blocks`), so a family of few large blocks (the SDXL family's 7) still has
+a choice between all streamed and none at the units' grain. `stream_blocks` makes them and picks
+the resident ones for both the streamer (weights.py) and the planner (fit/planner.py), which
+predicts the slots' sizes from them.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ class StreamStats(CopyCounters):
     stepped_on_device: int = 0  # streamed weights stepped in backward on their compute copy
     offloaded_bytes: int = 0  # saved-for-backward tensors copied to the host
     kept_bytes: int = 0  # saved-for-backward tensors left on the compute device (weights excluded)
-    blocks: int = 0  # the denoiser's blocks
+    blocks: int = 0  # the stream blocks (`stream_blocks`: the denoiser's blocks, the large ones cut)
     resident_blocks: int = 0  # of those, the ones whose weights stay on the device (memory.resident_blocks)
-    streamed_blocks: int = 0  # of those, the ones that hold a streamed unit
+    streamed_blocks: int = 0  # of those, the ones streamed: the units
 
 
 @dataclass
@@ -85,16 +88,21 @@ def block_modules(denoiser: nn.Module, containers: Sequence[str]) -> list[tuple[
     return found
 
 
-def resident_blocks(blocks: int, resident: int) -> list[bool]:
+def resident_blocks(blocks: int, resident: int, sizes: Optional[Sequence[int]] = None) -> list[bool]:
     """Which of `blocks` blocks (in forward order) stay resident when `resident` of them do. Each
-    one more goes into the middle of the longest run of streamed blocks (the later of equal runs):
-    spread evenly, and the blocks of a count are among those of the next one, so memory grows
-    with the count (the planner's search relies on it). Spread, not bunched: a streamed unit's copy
-    starts when the streamed unit before it is used, so it overlaps the compute of that unit and of
-    every resident block between the two; resident blocks side by side would leave the streamed
-    ones back to back, each copy hidden by one unit's compute only."""
+    one more is the largest block of the largest run of streamed blocks (runs and blocks measured
+    by `sizes`, each block's; None: 1 each), of equal blocks the nearest the run's middle, of equal
+    runs the later: spread through the forward order, and the blocks of a count are among those of
+    the next one, so memory grows with the count (the planner's search relies on it). Spread, not
+    bunched: a streamed unit's copy starts when the streamed unit before it is used, so it overlaps
+    the compute of that unit and of every resident block between the two; resident blocks side by
+    side would leave the streamed ones back to back, each copy hidden by one unit's compute only.
+    The largest first: with it go the largest copy and the largest slot (the slots are as large
+    as the largest units streamed), so the first ones kept cost the least memory for what they
+    save. With sizes all equal, each one more is the middle block of the longest run."""
     if not 0 <= resident <= blocks:
         raise ValueError(f"between 0 and {blocks} resident blocks, not {resident}")
+    sizes = [1] * blocks if sizes is None else list(sizes)
     kept = [False] * blocks
     for _ in range(resident):
         runs, start = [], None
@@ -104,8 +112,9 @@ def resident_blocks(blocks: int, resident: int) -> list[bool]:
             elif k and start is not None:
                 runs.append((start, i))
                 start = None
-        first, end = max(reversed(runs), key=lambda r: r[1] - r[0])  # the later of equal runs
-        kept[first + (end - first) // 2] = True
+        first, end = max(reversed(runs), key=lambda r: sum(sizes[r[0]:r[1]]))  # the later of equal runs
+        middle = first + (end - first) // 2
+        kept[max(range(first, end), key=lambda i: (sizes[i], -abs(i - middle)))] = True
     return kept
 
 
@@ -122,3 +131,27 @@ def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tupl
     for child_name, child in children:
         units += split_units(f"{name}.{child_name}", child, limit, streamed)
     return units
+
+
+def stream_blocks(denoiser: nn.Module, containers: Sequence[str], limit: int, streamed,
+                  resident: int = 0) -> list[tuple[str, nn.Module, bool]]:
+    """The stream blocks in forward order, each (name, module, kept on the device): every block of
+    `containers` cut by `split_units` as when all of them stream (so with `resident` 0 the units
+    are those of a fully streamed run), `resident` of them kept, spread by `resident_blocks`.
+    Raises ValueError where `resident` is more than there are (`too_many_resident` words it)."""
+    cut = [unit for name, block in block_modules(denoiser, containers)
+           for unit in split_units(name, block, limit, streamed)]
+    # by element count, which the planner's meta copy and the placed model agree on whatever the dtypes
+    sizes = [sum(p.numel() for p in module.parameters() if streamed(p)) for _, module in cut]
+    kept = resident_blocks(len(cut), resident, sizes)
+    return [(name, module, keep) for (name, module), keep in zip(cut, kept)]
+
+
+def too_many_resident(resident: int, count: int, containers: Sequence[str], unit_mib: float) -> Optional[str]:
+    """The problem with memory.resident_blocks = `resident` where the denoiser has `count` stream
+    blocks (in its attributes `containers`, cut at memory.stream_unit_mib = `unit_mib`), or None."""
+    if resident <= count:
+        return None
+    return (f"memory.resident_blocks: {resident} is more than the {count} stream blocks of this denoiser "
+            f"(its {', '.join(containers)}, a block of more than memory.stream_unit_mib = {unit_mib:g} MiB "
+            f"cut into its parts); set at most {count}, or leave it out to have memory.vram_budget choose")

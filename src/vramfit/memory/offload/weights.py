@@ -38,7 +38,7 @@ from vramfit.memory.accounting import concrete_device, tensor_bytes
 from vramfit.memory.offload.activations import ActivationOffload, HostBuffer
 from vramfit.memory.offload.grads import GradsHome
 from vramfit.memory.offload.slots import Slot, SlotPool, layout, use_count
-from vramfit.memory.offload.units import StreamStats, Unit, block_modules, resident_blocks, split_units
+from vramfit.memory.offload.units import StreamStats, Unit, stream_blocks, too_many_resident
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,17 @@ def _is_plain(p: torch.Tensor) -> bool:
     return type(p.data) is torch.Tensor
 
 
+def _streams(p: nn.Parameter, trainable: bool) -> bool:
+    """Whether weight streaming moves `p` (trained weights only where `trainable`: a full fine-tune)."""
+    return _is_plain(p) and (trainable or not p.requires_grad)
+
+
 class WeightStreamer:
     """Streams the weights of a denoiser's blocks (see the package docstring). Build it with
-    `stream_weights`; it lives as long as the hooks it puts on the model. `resident` of the blocks,
-    spread through the forward order (units.py `resident_blocks`), are not streamed: their weights
-    go to the device with the other resident ones (gradients, optimizer step and saved tensors as
-    theirs)."""
+    `stream_weights`; it lives as long as the hooks it puts on the model. `resident` of the stream
+    blocks (units.py `stream_blocks`: the blocks, the large ones cut), spread through the forward
+    order, are not streamed: their weights go to the device with the other resident ones
+    (gradients, optimizer step and saved tensors as theirs)."""
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, blocks: Sequence[str], stream: bool,
                  stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2,
@@ -87,16 +92,12 @@ class WeightStreamer:
         self.back = torch.cuda.Stream(self.device) if self.cuda else None
 
         def streamed(p: nn.Parameter) -> bool:
-            return stream and _is_plain(p) and (stream_trainable or not p.requires_grad)
+            return stream and _streams(p, stream_trainable)
 
-        named = []
-        found = block_modules(denoiser, blocks)
-        kept = resident_blocks(len(found), resident if stream else 0)
-        for (block_name, block), keep in zip(found, kept):
-            cut = [] if keep else split_units(block_name, block, max_unit_bytes, streamed)
-            self.stats.streamed_blocks += bool(cut)
-            named += cut
-        self.stats.blocks, self.stats.resident_blocks = len(found), sum(kept)
+        found = stream_blocks(denoiser, blocks, max_unit_bytes, streamed, resident if stream else 0)
+        named = [(name, module) for name, module, kept in found if not kept]
+        self.stats.blocks, self.stats.streamed_blocks = len(found), len(named)
+        self.stats.resident_blocks = len(found) - len(named)
         self.units: list[Unit] = []
         self._handles = []
         seen: set[int] = set()
@@ -444,7 +445,7 @@ class WeightStreamer:
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
                    blocks: Sequence[str], stream_trainable: bool) -> Optional[WeightStreamer]:
-    """Apply settings.stream_weights (every block but settings.resident_blocks of them) and
+    """Apply settings.stream_weights (every stream block but settings.resident_blocks of them) and
     offload_activations to `denoiser`, whose blocks are in its attributes `blocks` (see the package
     docstring); None when both are off. Call after LoRA is added and before the optimizer is built;
     the weights that are not streamed are moved to `device` here."""
@@ -452,13 +453,13 @@ def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryCo
         return None
     # None: a config that fit/resolve.py did not resolve streams every block, as the resolved default does
     resident = settings.resident_blocks or 0
-    count = len(block_modules(denoiser, blocks))
-    if settings.stream_weights and resident > count:
-        raise ConfigError([f"memory.resident_blocks: {resident} is more than the {count} blocks of this "
-                           f"denoiser ({', '.join(blocks)}); set at most {count}, or leave it out to have "
-                           "memory.vram_budget choose"])
+    limit = int(settings.stream_unit_mib * 2**20)
+    if settings.stream_weights and resident:  # fit/resolve.py checks it first, from the model's facts
+        count = len(stream_blocks(denoiser, blocks, limit, partial(_streams, trainable=stream_trainable)))
+        problem = too_many_resident(resident, count, blocks, settings.stream_unit_mib)
+        if problem:
+            raise ConfigError([problem])
     return WeightStreamer(denoiser, device, blocks=blocks, stream=settings.stream_weights,
-                          stream_trainable=stream_trainable,
-                          max_unit_bytes=int(settings.stream_unit_mib * 2**20),
+                          stream_trainable=stream_trainable, max_unit_bytes=limit,
                           offload_activations=settings.offload_activations, resident=resident,
                           sums_on_device=settings.streamed_grad_sums == "device")
