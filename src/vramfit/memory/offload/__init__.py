@@ -1,15 +1,16 @@
 """Streamed weights and offloaded activations: the denoiser's blocks live in CPU memory and visit
 the GPU only while used; tensors saved for backward may wait in CPU memory too.
 
-With memory.resident_blocks some of the blocks, spread through the forward order, stay on the GPU
-like any unstreamed weight and only the others stream: between all resident and all streamed.
+With memory.resident_blocks some of the stream blocks (units.py `stream_blocks`: the blocks, cut
+into units of at most `max_unit_bytes`), the largest first and spread through the forward order,
+stay on the GPU like any unstreamed weight and only the others stream: between all resident and
+all streamed.
 
 The parts, each testable alone and composed by `WeightStreamer` (weights.py), which the step
 engine (train/engine.py) takes:
-- units.py: what is streamed (the blocks but the resident ones, cut into units of at most
-  `max_unit_bytes`; with `stream_trainable`, a full fine-tune, the trained weights too; LoRA
-  matrices, embeddings, conv_in/out and the final norms stay resident), a unit's state, the
-  counters;
+- units.py: what is streamed (the stream blocks but the resident ones; with `stream_trainable`, a
+  full fine-tune, the trained weights too; LoRA matrices, embeddings, conv_in/out and the final
+  norms stay resident), a unit's state, the counters;
 - slots.py: the slot pool, device buffers (one per dtype) that units are copied into, kept;
 - weights.py: the weights' homes in pinned CPU memory, the copies into slots ahead of use on a
   side stream, eviction, the forward and backward boundaries, CUDA graph recording;
