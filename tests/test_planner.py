@@ -726,3 +726,16 @@ def test_more_budget_keeps_more_stream_blocks_and_never_streams_more(ssd1b):
     assert counts[-1] == n
     assert counts == sorted(counts) and resident_bytes == sorted(resident_bytes)
     assert len(set(counts)) > 8  # more choices than the 7 whole blocks give (0 to 7 kept)
+
+
+def test_sample_grids_count_both_guidance_halves_only_where_guidance_doubles_the_batch():
+    """SD3 runs a conditional and an unconditional half per sampling step above guidance 1; Flux.1
+    dev's guidance is an input of one forward, whatever its value."""
+    def work(layout: str, guidance: float) -> int:
+        cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {"mode": "lora"},
+                                        "sample": {"prompts": ["a"], "every_steps": 10, "guidance": guidance}})
+        samples = next(p for p in predict(facts_for_layout(layout), cfg).phases if p.name == "samples")
+        return samples.parts["work"]
+
+    assert work("sd3m", 7.0) == 2 * work("sd3m", 1.0)
+    assert work("flux1-dev", 3.5) == work("flux1-dev", 1.0) > 0

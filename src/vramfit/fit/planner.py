@@ -28,7 +28,7 @@ Each phase (bytes allocated; n = a tensor's element count):
   gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
   prompt), W + SAMPLE_WORK x the largest block's elements at the sample size for both halves of
-  guidance, and the VAE decoding one image (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where
+  guidance (where the family's guidance doubles the batch: not Flux.1's), and the VAE decoding one image (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where
   the grid runs in fp32.
 - ema (ema.enabled, ema.device = "gpu"): the EMA of every trained tensor on the device, 4 bytes a
   value (2 in bf16), in train, samples and save; in CPU memory it adds no term here (plan_report
@@ -564,7 +564,8 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     w, h = cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution
     family = FAMILIES[facts.family]
     shape = family.activations(facts.config, h // 8, w // 8, t5_tokens(family, cfg, facts.config))
-    halves = 1 if cfg.sample.guidance is not None and cfg.sample.guidance <= 1 else 2  # guidance: both at once
+    guidance = family.default_guidance if cfg.sample.guidance is None else cfg.sample.guidance
+    halves = 2 if family.guidance_doubles_batch and guidance > 1 else 1  # guidance: both halves at once
     # with captions and latents cached the prompts were encoded in the caption phase (train/samples.py)
     stages = [{"text encoders": 0 if cfg.cache.text and cfg.cache.latents else sum(encoders[-2:])},
               {"weights": terms["weights"],

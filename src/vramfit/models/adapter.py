@@ -97,6 +97,9 @@ class Family(LoraFamily, Protocol):
     block_containers: tuple[str, ...]  # the denoiser's attributes holding its blocks (streamed weights)
     repeated_blocks: tuple[str, ...]  # class names of its repeated blocks (compiled one by one)
     default_guidance: float  # classifier-free guidance scale when none is given
+    # guidance above 1 runs each sampling step on a conditional and an unconditional half (a batch of
+    # twice the images); False: guidance is an input of one forward (Flux.1's distilled guidance)
+    guidance_doubles_batch: bool
     has_t5: bool  # a T5 encoder: model.t5_precision, model.max_sequence_length, generate --t5 apply
 
     def materialize_tiny(self, name: str, root: Path) -> Path:

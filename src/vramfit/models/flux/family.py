@@ -83,6 +83,7 @@ class FluxFamily:
     block_containers = ("transformer_blocks", "single_transformer_blocks")
     repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     default_guidance = 3.5  # FluxPipeline's, fed to dev's guidance embedding
+    guidance_doubles_batch = False  # one forward a step: no negative prompt, guidance an input
     has_t5 = True
     denoiser_component = "transformer"
     lora_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder", "context_embedder",

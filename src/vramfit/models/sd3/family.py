@@ -147,6 +147,7 @@ class SD3Family:
     block_containers = ("transformer_blocks",)
     repeated_blocks = ("JointTransformerBlock",)
     default_guidance = 7.0
+    guidance_doubles_batch = True
     has_t5 = True
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "transformer"

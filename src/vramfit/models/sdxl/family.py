@@ -83,6 +83,7 @@ class SDXLFamily:
     block_containers = ("down_blocks", "mid_block", "up_blocks")
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
     default_guidance = 5.0
+    guidance_doubles_batch = True
     has_t5 = False
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "unet"
