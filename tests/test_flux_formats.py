@@ -54,19 +54,24 @@ def _copy_tokenizers(src, folder):
         shutil.copytree(src.parent / tok, folder / tok)
 
 
+KEPT = "img_in.weight"  # left in the scaled file's precision, as ComfyUI's files keep some layers
+
+
 def _scaled_fp8(state: dict) -> tuple[dict, dict]:
-    """`state` as ComfyUI's scaled fp8 file holds it (each linear weight's codes, one scale per tensor
-    under either key name, input scales, the marker), and {weight (prefix stripped): (codes, scale)}."""
+    """`state` as ComfyUI's scaled fp8 file holds it (each linear weight but KEPT as codes, with one
+    scale, or one per row for every third, under either key name; input scales; the marker), and
+    {weight (prefix stripped): (codes, scale per row as [rows, 1])}."""
     scaled, codes = dict(state), {}
     for i, (key, w) in enumerate(sorted((k, v) for k, v in state.items()
-                                        if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2)):
-        scale = w.abs().amax() / 448 * (1.5 if i % 2 else 1.0)
-        q = (w / scale).to(torch.float8_e4m3fn)
+                                        if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2
+                                        and k != CORE + KEPT)):
+        scale = (w.abs().amax(dim=1) if i % 3 == 2 else w.abs().amax()) / 448 * (1.5 if i % 2 else 1.0)
+        q = (w / scale.reshape(-1, 1)).to(torch.float8_e4m3fn)
         scaled[key] = q
         name = "scale_weight" if i % 2 else "weight_scale"
-        scaled[key[:-len("weight")] + name] = scale.reshape(())
+        scaled[key[:-len("weight")] + name] = scale.reshape(-1) if scale.ndim else scale.reshape(())
         scaled[key[:-len("weight")] + ("scale_input" if i % 2 else "input_scale")] = torch.ones(())
-        codes[key[len(CORE):]] = (q, scale)
+        codes[key[len(CORE):]] = (q, scale.reshape(-1, 1).expand(q.shape[0], 1))
     scaled[CORE + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     return scaled, codes
 
@@ -120,15 +125,17 @@ def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
 
 def test_fp8_lora_base_keeps_the_file_values(tiny_file, tmp_path, images, cache_root):
     """lora.base_quantization = fp8 over a float8_e4m3fn transformer keeps the file's codes and scales
-    (1 for a plain fp8 file, ComfyUI's per-tensor scale for a scaled one, in the per-row layout):
-    each base weight dequantizes to the file's value times its scale exactly, in bf16 and fp32
-    training, where quantizing the widened weight again rounds it a second time. A bf16 file's
-    linears are quantized as before, and a LoRA trains over the scaled file's base."""
+    (1 for a plain fp8 file; ComfyUI's, per tensor or per row, for a scaled one; through the split
+    qkv and the swapped norm_out): each base weight dequantizes to the file's value times its scale
+    exactly, in bf16 and fp32 training, where quantizing the widened weight again rounds it a second
+    time. A linear a file does not store in fp8 is quantized as before, and a LoRA trains over the
+    scaled file's base."""
     state = load_file(str(tiny_file))
     core = sorted(k for k, v in state.items() if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2)
     plain = {k: v.to(torch.float8_e4m3fn) if k.startswith(CORE) else v for k, v in state.items()}
     scaled, codes = _scaled_fp8(state)
-    files = {"plain": ({k[len(CORE):]: (plain[k], torch.ones(())) for k in core}, "full_bf16"),
+    ones = {k[len(CORE):]: (plain[k], torch.ones(plain[k].shape[0], 1)) for k in core}
+    files = {"plain": (ones, "full_bf16"),
              "scaled": (codes, "mixed_bf16")}
     folder = tmp_path / "files"
     folder.mkdir()
@@ -161,9 +168,12 @@ def test_fp8_lora_base_keeps_the_file_values(tiny_file, tmp_path, images, cache_
         dtype = torch.bfloat16 if precision == "full_bf16" else torch.float32
         # the file's codes and per-row scales, under the transformer's own (split, swapped) names
         rows = bfl_to_diffusers({k: q.float() for k, (q, _) in file_codes.items()}, config)
-        scales = bfl_to_diffusers({k: s.reshape(-1).expand(q.shape[0]) for k, (q, s) in file_codes.items()},
-                                  config)
-        assert set(layers) == {k.removesuffix(".weight") for k in rows}, name  # every linear adopted
+        scales = bfl_to_diffusers({k: s.reshape(-1) for k, (_, s) in file_codes.items()}, config)
+        assert set(layers) == {k.removesuffix(".weight") for k in {*rows, "x_embedder.weight"}}, name
+        if name == "scaled":  # a linear the file keeps in float32 is quantized as before
+            kept = layers.pop("x_embedder")
+            want = requantized(widened["x_embedder"].to(dtype))
+            assert torch.equal(kept.weight.qdata, want.qdata) and torch.equal(kept.weight.scale, want.scale)
         again = 0
         for module, layer in layers.items():
             q, s = rows[module + ".weight"], scales[module + ".weight"].reshape(-1, 1)
