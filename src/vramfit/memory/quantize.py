@@ -149,9 +149,9 @@ def adopt_fp8(linear: torch.nn.Linear) -> Optional[torch.Tensor]:
     dtype. None where the weight is not (or no longer) those values widened to bfloat16 as the
     loader widens them, or a scale is not a positive finite number: it is then quantized afresh.
 
-    The widened value round_bf16(code * scale) is within 2^-9 of code * scale, a sixteenth of
-    e4m3's spacing, so dividing by the scale and rounding to e4m3 gives the code back exactly;
-    the check below confirms it for every weight."""
+    The widened value round_bf16(code * scale) is within 2^-9 (relative) of code * scale, far
+    inside half of e4m3's spacing (2^-4), so dividing by the scale and rounding to e4m3 gives the
+    code back; the check below confirms it for every weight."""
     scale = fp8_source_scale(linear)
     weight = linear.weight.detach()
     if scale is None or weight.dim() != 2 or scale.shape[0] != weight.shape[0]:
@@ -159,8 +159,9 @@ def adopt_fp8(linear: torch.nn.Linear) -> Optional[torch.Tensor]:
     scale = scale.to(weight.device)
     if not bool(((scale > 0) & scale.isfinite()).all()):
         return None
-    codes = (weight.float() / scale).to(torch.float8_e4m3fn)
-    if not torch.equal((codes.float() * scale).to(torch.bfloat16), weight.to(torch.bfloat16)):
+    work = weight.to(torch.float32, copy=True)  # one fp32 copy, reused: temporaries as torchao's own
+    codes = work.div_(scale).to(torch.float8_e4m3fn)
+    if not torch.equal(work.copy_(codes).mul_(scale).to(torch.bfloat16), weight.to(torch.bfloat16)):
         return None
     # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
     from torchao.quantization import Float8Tensor

@@ -183,10 +183,10 @@ class FluxFamily:
                                                           and not is_stored_extra(k[len(prefix):])}, prefix))
             # one value per row for every tensor, NaN where not from fp8: fused weights split and
             # halves swap on the output axis as the weights do, and every block is there
-            rows = {k: fp8_scales[k] if k in (fp8_scales or {}) else torch.full((t.shape[0],), math.nan)
-                    for k, t in state.items() if t.ndim}
+            rows = {k: fp8_scales[k] if k in fp8_scales else torch.full((t.shape[0],), math.nan)
+                    for k, t in state.items() if t.ndim} if fp8_scales else {}
             state = bfl_to_diffusers(state, config)
-            rows = bfl_to_diffusers(rows, config) if fp8_scales else {}
+            rows = bfl_to_diffusers(rows, config) if rows else {}
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         names = bfl_names(state)
