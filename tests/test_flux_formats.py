@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import train_args
 from vramfit.cli import main
+from vramfit.config.load import load_config
 from vramfit.config.schema import ModelConfig, RunConfig
 from vramfit.fit.model_facts import T5_XXL, read_facts
 from vramfit.fit.planner import predict
@@ -24,10 +25,12 @@ from vramfit.formats.ldm_vae import diffusers_to_ldm_vae
 from vramfit.formats.lora import load_lora
 from vramfit.formats.safetensors_io import CheckpointError
 from vramfit.models.adapter import t5_tokens
-from vramfit.models.flux.bfl import diffusers_to_bfl
+from vramfit.memory.quantize import QuantizedLinear, dequantize, quantize_base
+from vramfit.models.flux.bfl import bfl_to_diffusers, diffusers_to_bfl, flux_config_from_keys
 from vramfit.models.parts import shipped_config
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source
+from vramfit.train.setup import place_denoiser
 
 CORE = "model.diffusion_model."
 T5 = "text_encoders.t5xxl.transformer."
@@ -51,6 +54,28 @@ def _copy_tokenizers(src, folder):
         shutil.copytree(src.parent / tok, folder / tok)
 
 
+KEPT = "img_in.weight"  # left in the scaled file's precision, as ComfyUI's files keep some layers
+
+
+def _scaled_fp8(state: dict) -> tuple[dict, dict]:
+    """`state` as ComfyUI's scaled fp8 file holds it (each linear weight but KEPT as codes, with one
+    scale, or one per row for every third, under either key name; input scales; the marker), and
+    {weight (prefix stripped): (codes, scale per row as [rows, 1])}."""
+    scaled, codes = dict(state), {}
+    for i, (key, w) in enumerate(sorted((k, v) for k, v in state.items()
+                                        if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2
+                                        and k != CORE + KEPT)):
+        scale = (w.abs().amax(dim=1) if i % 3 == 2 else w.abs().amax()) / 448 * (1.5 if i % 2 else 1.0)
+        q = (w / scale.reshape(-1, 1)).to(torch.float8_e4m3fn)
+        scaled[key] = q
+        name = "scale_weight" if i % 2 else "weight_scale"
+        scaled[key[:-len("weight")] + name] = scale.reshape(-1) if scale.ndim else scale.reshape(())
+        scaled[key[:-len("weight")] + ("scale_input" if i % 2 else "input_scale")] = torch.ones(())
+        codes[key[len(CORE):]] = (q, scale.reshape(-1, 1).expand(q.shape[0], 1))
+    scaled[CORE + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return scaled, codes
+
+
 def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
     """A transformer stored float8_e4m3fn loads as its values widened to bf16; a scaled-fp8 file
     (ComfyUI's scale_weight and weight_scale keys) as weight * scale; a layer in a quantized format
@@ -66,17 +91,8 @@ def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in loaded.values())
     assert all(torch.equal(loaded[k], base[k].to(torch.float8_e4m3fn).to(torch.bfloat16)) for k in base)
 
-    scaled, want = dict(state), {}
-    for i, (key, w) in enumerate(sorted((k, v) for k, v in state.items()
-                                        if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2)):
-        scale = w.abs().amax() / 448 * (1.5 if i % 2 else 1.0)
-        q = (w / scale).to(torch.float8_e4m3fn)
-        scaled[key] = q
-        name = "scale_weight" if i % 2 else "weight_scale"
-        scaled[key[:-len("weight")] + name] = scale.reshape(())
-        scaled[key[:-len("weight")] + ("scale_input" if i % 2 else "input_scale")] = torch.ones(())
-        want[key[len(CORE):]] = (q.float() * scale).to(torch.bfloat16)
-    scaled[CORE + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    scaled, codes = _scaled_fp8(state)
+    want = {k: (q.float() * scale).to(torch.bfloat16) for k, (q, scale) in codes.items()}
     save_file(scaled, str(folder / "scaled.safetensors"))
     bundle = _load(folder / "scaled.safetensors", tmp_path / "c")
     entries = FAMILIES["flux"].transformer_bfl_entries(bundle, torch.bfloat16)
@@ -105,6 +121,77 @@ def test_fp8_transformer_files_load_widened(tiny_file, tmp_path):
     save_file(odd, str(folder / "odd.safetensors"))
     with pytest.raises(CheckpointError, match=r"odd\.safetensors: tensor .* has a scale of shape \[3, 5\]"):
         _load(folder / "odd.safetensors", tmp_path / "c")
+
+
+def test_fp8_lora_base_keeps_the_file_values(tiny_file, tmp_path, images, cache_root):
+    """lora.base_quantization = fp8 over a float8_e4m3fn transformer keeps the file's codes and scales
+    (1 for a plain fp8 file; ComfyUI's, per tensor or per row, for a scaled one; through the split
+    qkv and the swapped norm_out): each base weight dequantizes to the file's value times its scale
+    exactly, in bf16 and fp32 training, where quantizing the widened weight again rounds it a second
+    time. A linear a file does not store in fp8 is quantized as before, and a LoRA trains over the
+    scaled file's base."""
+    state = load_file(str(tiny_file))
+    core = sorted(k for k, v in state.items() if k.startswith(CORE) and k.endswith(".weight") and v.ndim == 2)
+    plain = {k: v.to(torch.float8_e4m3fn) if k.startswith(CORE) else v for k, v in state.items()}
+    scaled, codes = _scaled_fp8(state)
+    ones = {k[len(CORE):]: (plain[k], torch.ones(plain[k].shape[0], 1)) for k in core}
+    files = {"plain": (ones, "full_bf16"),
+             "scaled": (codes, "mixed_bf16")}
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _copy_tokenizers(tiny_file, folder)
+    save_file(plain, str(folder / "plain.safetensors"))
+    save_file(scaled, str(folder / "scaled.safetensors"))
+
+    def placed(path, precision):
+        cfg = load_config(None, [f"model.path={path}", f"cache.dir={tmp_path / 'c'}", "train.device=cpu",
+                                 "train.mode=lora", "lora.base_quantization=fp8", "lora.rank=4",
+                                 f"train.precision={precision}", "train.gradient_checkpointing=false"],
+                          need_data=False)
+        bundle = _load(path, tmp_path / "c")
+        widened = {n: m.weight.detach().clone() for n, m in bundle.denoiser.named_modules()
+                   if isinstance(m, torch.nn.Linear)}
+        place_denoiser(bundle, cfg, torch.device("cpu"))
+        return {n.removesuffix(".base_layer"): m for n, m in bundle.denoiser.named_modules()
+                if isinstance(m, QuantizedLinear)}, widened
+
+    def requantized(weight: torch.Tensor) -> torch.Tensor:
+        """`weight` stored as an fp8 base by quantize_base, as a weight not read from fp8 is."""
+        fresh = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False)).requires_grad_(False)
+        fresh[0].weight.data = weight
+        quantize_base(fresh, "fp8")
+        return fresh[0].weight
+
+    config = flux_config_from_keys({k[len(CORE):]: v for k, v in state.items() if k.startswith(CORE)})
+    for name, (file_codes, precision) in files.items():
+        layers, widened = placed(folder / f"{name}.safetensors", precision)
+        dtype = torch.bfloat16 if precision == "full_bf16" else torch.float32
+        # the file's codes and per-row scales, under the transformer's own (split, swapped) names
+        rows = bfl_to_diffusers({k: q.float() for k, (q, _) in file_codes.items()}, config)
+        scales = bfl_to_diffusers({k: s.reshape(-1) for k, (_, s) in file_codes.items()}, config)
+        assert set(layers) == {k.removesuffix(".weight") for k in {*rows, "x_embedder.weight"}}, name
+        if name == "scaled":  # a linear the file keeps in float32 is quantized as before
+            kept = layers.pop("x_embedder")
+            want = requantized(widened["x_embedder"].to(dtype))
+            assert torch.equal(kept.weight.qdata, want.qdata) and torch.equal(kept.weight.scale, want.scale)
+        again = 0
+        for module, layer in layers.items():
+            q, s = rows[module + ".weight"], scales[module + ".weight"].reshape(-1, 1)
+            assert torch.equal(layer.weight.qdata.float(), q) and torch.equal(layer.weight.scale, s), module
+            torch.testing.assert_close(dequantize(layer.weight), (q * s).to(dtype), rtol=0, atol=0)
+            fresh = requantized(widened[module].to(dtype))
+            again += not torch.equal(dequantize(fresh), dequantize(layer.weight))
+        assert again > len(layers) / 2, name  # quantized afresh, most weights would differ
+
+    layers, widened = placed(tiny_file, "full_bf16")  # a float32 file: no codes to keep
+    for module, layer in layers.items():
+        want = requantized(widened[module].to(torch.bfloat16))
+        assert torch.equal(layer.weight.qdata, want.qdata) and torch.equal(layer.weight.scale, want.scale)
+
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root / "flux-fp8", *LORA, "lora.base_quantization=fp8",
+                           f"model.tokenizers={folder}", model=str(folder / "scaled.safetensors"))) == 0
+    assert (out / "m.safetensors").is_file()
 
 
 def test_fp8_t5xxl_file_as_model_t5(tiny_file, tmp_path):

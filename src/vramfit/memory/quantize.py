@@ -13,7 +13,8 @@ fp8 and nf4 one widening of each weight per forward.
 nn.Linear of the denoiser (SDXL/SSD-1B: attention, feed-forward, proj_in/out, time and add
 embeddings; SD3: every linear of the transformer) is replaced by a `QuantizedLinear` holding
 - "int8": torchao Int8Tensor, per-output-channel symmetric, weight-only: ~0.52x of bf16;
-- "fp8": torchao Float8Tensor, e4m3 with a per-row fp32 scale: ~0.52x of bf16;
+- "fp8": torchao Float8Tensor, e4m3 with a per-row fp32 scale: ~0.52x of bf16; a weight read from
+  an fp8 file (`mark_fp8_source`) keeps the file's codes and scales, so the base is the file's values;
 - "nf4": torchao NF4Tensor, blocks of 64 with double-quantized (int8) absmax: ~0.26x of bf16.
 Convolutions, norms and embeddings stay in the training precision. Share of the bf16 denoiser
 that is Linear weight (meta-device count from the shipped configs): SDXL 87.0% (4.16 of 4.78
@@ -126,10 +127,53 @@ def storage_bytes(module: torch.nn.Module) -> int:
 
 BASE_METHODS = ("int8", "fp8", "nf4")
 NF4_BLOCK = 64  # weights per absmax; torchao's NF4 default, as QLoRA
+FP8_SOURCE = "vramfit_fp8_source_scale"  # the attribute `mark_fp8_source` sets on a linear
+
+
+def mark_fp8_source(linear: torch.nn.Module, scale: torch.Tensor) -> None:
+    """Record that `linear`'s weight was read from float8_e4m3fn codes times `scale` (one value per
+    output row; 1 for a plain fp8 file), so that an fp8 base keeps those codes (`adopt_fp8`)
+    instead of rounding the widened values to fp8 a second time with scales of its own."""
+    setattr(linear, FP8_SOURCE, scale.detach().to(torch.float32).reshape(-1, 1))
+
+
+def fp8_source_scale(linear: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The per-row scale `mark_fp8_source` recorded (shape (rows, 1), fp32); None if none."""
+    return getattr(linear, FP8_SOURCE, None)
+
+
+def adopt_fp8(linear: torch.nn.Linear) -> Optional[torch.Tensor]:
+    """The weight of a linear read from float8_e4m3fn (`mark_fp8_source`) as a Float8Tensor of its
+    file's own codes and scales, in quantize_base's fp8 layout (codes, one fp32 scale per row):
+    its dequantized values are the file's values times their scale, rounded once to the weight's
+    dtype. None where the weight is not (or no longer) those values widened to bfloat16 as the
+    loader widens them, or a scale is not a positive finite number: it is then quantized afresh.
+
+    The widened value round_bf16(code * scale) is within 2^-9 (relative) of code * scale, far
+    inside half of e4m3's spacing (2^-4), so dividing by the scale and rounding to e4m3 gives the
+    code back; the check below confirms it for every weight."""
+    scale = fp8_source_scale(linear)
+    weight = linear.weight.detach()
+    if scale is None or weight.dim() != 2 or scale.shape[0] != weight.shape[0]:
+        return None
+    scale = scale.to(weight.device)
+    if not bool(((scale > 0) & scale.isfinite()).all()):
+        return None
+    work = weight.to(torch.float32, copy=True)  # one fp32 copy, reused: temporaries as torchao's own
+    codes = work.div_(scale).to(torch.float8_e4m3fn)
+    if not torch.equal(work.copy_(codes).mul_(scale).to(torch.bfloat16), weight.to(torch.bfloat16)):
+        return None
+    # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
+    from torchao.quantization import Float8Tensor
+
+    return Float8Tensor(codes, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
 
 
 def _quantize_weight(linear: torch.nn.Linear, method: str) -> Optional[torch.Tensor]:
-    """The linear's weight as a torchao quantized tensor, or None when its shape cannot be."""
+    """The linear's weight as a torchao quantized tensor, or None when its shape cannot be. An fp8
+    base over a weight read from fp8 keeps the file's codes and scales (`adopt_fp8`)."""
+    if method == "fp8" and (adopted := adopt_fp8(linear)) is not None:
+        return adopted
     if method == "nf4":
         # heavy: torchao (~0.2 s, prints kernel-load warnings); `vramfit plan` imports this module
         from torchao.quantization import to_nf4

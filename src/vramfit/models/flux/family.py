@@ -9,6 +9,7 @@ A guidance-distilled (dev) transformer is given train.guidance as its guidance w
 from __future__ import annotations
 
 import json
+import math
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -27,7 +28,7 @@ from vramfit.formats.safetensors_io import (
 )
 from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy
 from vramfit.memory.encoder_stream import encoder_on
-from vramfit.memory.quantize import quantize_encoder
+from vramfit.memory.quantize import mark_fp8_source, quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
 from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting, decoder_input
 from vramfit.models.flux.bfl import bfl_names, bfl_plan, bfl_to_diffusers, flux_config_from_keys
@@ -169,7 +170,10 @@ class FluxFamily:
                 VARIANT_DEFAULTS[kind]["t5_tokens"]
         return tokenizers
 
-    def _transformer(self, state: dict, path: Path, prefix: str):
+    def _transformer(self, state: dict, path: Path, prefix: str,
+                     fp8_scales: Optional[dict[str, torch.Tensor]] = None):
+        """The transformer of BFL-keyed `state`; each linear whose weight the file stores in
+        float8_e4m3fn marked with its scale per row (`fp8_scales`, BFL keys: `mark_fp8_source`)."""
         # heavy: diffusers classes, kept off `vramfit plan` and pre-load checks
         from diffusers import FluxTransformer2DModel
 
@@ -177,12 +181,24 @@ class FluxFamily:
             config = flux_config_from_keys(meta_tensors({k: v for k, v in read_header(path)[0].items()
                                                           if k.startswith(prefix)
                                                           and not is_stored_extra(k[len(prefix):])}, prefix))
+            # one value per row for every tensor, NaN where not from fp8: fused weights split and
+            # halves swap on the output axis as the weights do, and every block is there
+            rows = {k: fp8_scales[k] if k in fp8_scales else torch.full((t.shape[0],), math.nan)
+                    for k, t in state.items() if t.ndim} if fp8_scales else {}
             state = bfl_to_diffusers(state, config)
+            rows = bfl_to_diffusers(rows, config) if rows else {}
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         names = bfl_names(state)
-        return build_checked(FluxTransformer2DModel, config, state, "transformer", path,
-                             lambda k: prefix + names.get(k, k))
+        model = build_checked(FluxTransformer2DModel, config, state, "transformer", path,
+                              lambda k: prefix + names.get(k, k))
+        for key, scale in rows.items():
+            module = key.removesuffix(".weight")
+            if key.endswith(".weight") and bool(scale.isfinite().all()):
+                linear = model.get_submodule(module)
+                if isinstance(linear, torch.nn.Linear):
+                    mark_fp8_source(linear, scale)
+        return model
 
     def _load_single_file(self, source: Source, t5_precision: Optional[str] = None):
         path = source.path
@@ -191,7 +207,9 @@ class FluxFamily:
             raise CheckpointError(f"{path}: no Flux transformer found (no double_blocks.* keys)")
         prefix = TRANSFORMER if any(k.startswith(TRANSFORMER) for k in header) else ""
         # float8 files (flux1-dev-fp8, ComfyUI's scaled fp8) widened as read (models/flux/stored.py)
-        transformer = self._transformer(load_widened(path, prefix, exclude=(VAE, CLIP_L, T5)), path, prefix)
+        scales: dict[str, torch.Tensor] = {}  # of float8_e4m3fn weights, for an fp8 LoRA base
+        state = load_widened(path, prefix, exclude=(VAE, CLIP_L, T5), fp8_scales=scales)
+        transformer = self._transformer(state, path, prefix, scales)
         vae, encoders = self._single_file_encoders(path, header, source, t5_precision)
         return transformer, vae, encoders
 
