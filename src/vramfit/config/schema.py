@@ -336,7 +336,7 @@ class LoraSettings(_Section):
     base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
         "none", description="How the frozen base's linear weights are stored while the LoRA trains "
         "(convs, norms and embeddings stay in the training precision): none; int8 (per-channel, "
-        "about half of bf16); fp8 (e4m3 with per-channel scales, about half); nf4 (4-bit "
+        "about half of bf16); fp8 (e4m3 with per-channel scales, about half; a float8 e4m3 file's own values and scales are kept); nf4 (4-bit "
         "NormalFloat in blocks of 64, about a quarter). Each costs a small error in the base's "
         "outputs and one widening of each weight in forward and in backward. train.mode = 'lora' only.")
 
