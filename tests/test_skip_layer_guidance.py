@@ -5,10 +5,12 @@ sampler has none."""
 from __future__ import annotations
 
 import pytest
+from PIL import Image
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from conftest import train_args
 from vramfit.cli import main
+from vramfit.models.registry import FAMILIES
 
 TINY = "tiny:sd3.5-medium"  # 10 transformer blocks; its default skips 7, 8, 9 at scale 2.5
 
@@ -45,6 +47,10 @@ def test_off_default_and_own_blocks_reach_the_pipeline(calls, tmp_path, cache_ro
         calls.clear()
         assert main(_generate(tmp_path, cache_root, name, *flags)) == 0, name
         assert calls == [want], name
+    # the PNG says what was asked (the model's default: nothing)
+    written = {name: Image.open(tmp_path / name / "0-0.png").info.get("skip-layer guidance")
+               for name in ("default", "off", "own")}
+    assert written == {"default": None, "off": "off", "own": "blocks 2,5, scale 3"}
     capsys.readouterr()
 
 
@@ -104,8 +110,8 @@ def test_training_refuses_sample_settings_before_it_starts(model, sets, named, i
     args = train_args(images, tmp_path / "out", cache_root / "slg", "sample.prompts=['a cat']",
                       "sample.every_steps=1", *sets, model=model)
     assert main(args) != 0
-    assert named in capsys.readouterr().err
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.safetensors"))
+    err = capsys.readouterr().err
+    assert named in err and err.startswith("error: config"), err  # the checks before loading
 
 
 def test_sample_grids_take_the_configs_blocks_and_scale(calls, images, tmp_path, cache_root, capsys):
@@ -118,3 +124,15 @@ def test_sample_grids_take_the_configs_blocks_and_scale(calls, images, tmp_path,
                       "skip_layer_guidance_start": 0.01, "skip_layer_guidance_stop": 0.2}]
     assert len(list((tmp_path / "out").rglob("samples/step-*.png"))) == 1
     capsys.readouterr()
+
+
+def test_a_single_files_blocks_are_read_from_its_header(images, tmp_path, cache_root, capsys):
+    """model.path a file: its block count comes from its keys, and a block beyond it is refused
+    before any weight loads."""
+    path = FAMILIES["sd3"].materialize_tiny("sd3.5-medium", cache_root / "slg" / "tiny")
+    args = train_args(images, tmp_path / "out", cache_root / "slg", "sample.prompts=['a cat']",
+                      "sample.every_steps=1", "sample.skip_layer_guidance_layers=[10]", model=str(path))
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "config for this sd3 model" in err  # the check before loading, not the pipeline's after
+    assert "sample.skip_layer_guidance_layers: block 10 is beyond this model's 10 transformer blocks" in err
