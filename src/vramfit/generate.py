@@ -29,7 +29,9 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from vramfit.config.load import cuda_problem, default_cache_root, folder_problem
-from vramfit.config.schema import DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig
+from vramfit.config.schema import (
+    DEVICE_CHOICES, DEVICE_PATTERN, ModelConfig, SkipLayerGuidance, skip_layer_problems,
+)
 from vramfit.formats.lora import KOHYA_UNET, LOHA_PARTS, LOKR_PARTS, lycoris_to_lora
 from vramfit.formats.safetensors_io import CheckpointError, read_header
 from vramfit.memory.accounting import pick_device
@@ -43,6 +45,7 @@ DEFAULT_SIZE = 1024
 VAE_FACTOR = 8  # every SDXL-family and SD3 VAE; read from the VAE where one is loaded
 T5_MAX_TOKENS = 512  # the most T5 tokens diffusers' pipelines take
 PIPELINE_T5_TOKENS = 256  # the T5 tokens diffusers' SD3 pipeline uses (--max-sequence-length's default)
+SLG_FLAGS = ("--slg", "--slg", "--slg-scale")  # the flags of skip-layer guidance: on/off, blocks, scale
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -607,6 +610,34 @@ def parse_lora(text: str) -> tuple[Path, float]:
     return Path(text).expanduser(), 1.0
 
 
+def parse_slg(text: str) -> tuple[int, ...]:
+    """--slg: "off" as () or the transformer blocks to leave out, "7,8,9" as (7, 8, 9); ValueError
+    for anything else."""
+    if text.strip().lower() == "off":
+        return ()
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"{text!r} is neither off nor block numbers (expected e.g. 7,8,9 or off)")
+    return tuple(int(part) for part in parts)
+
+
+def _slg_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_slg(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def asked_skip_layers(args) -> SkipLayerGuidance:
+    """The skip-layer guidance --slg and --slg-scale ask for (neither: the model's default)."""
+    layers, scale = getattr(args, "slg", None), getattr(args, "slg_scale", None)
+    if isinstance(layers, str):  # a caller's Namespace, not parsed by argparse
+        layers = parse_slg(layers)
+    if layers is None:
+        return SkipLayerGuidance(None, None, scale, SLG_FLAGS)
+    return SkipLayerGuidance(bool(layers), tuple(layers) or None, scale, SLG_FLAGS)
+
+
 def _lora_arg(text: str) -> tuple[Path, float]:
     path, scale = parse_lora(text)
     if not path.is_file():
@@ -666,6 +697,13 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="SD3: how T5-XXL is stored: bf16 (as loaded), int8 or nf4 (quantized, about 1/2 or "
                    "1/4 of the memory), fp8 (storage only), none (left out: zero embeddings, as SD3 "
                    "allows); default bf16")
+    p.add_argument("--slg", type=_slg_arg, default=None, metavar="off|BLOCKS",
+                   help="SD3 and SD3.5: skip-layer guidance, off or the transformer blocks its extra "
+                   "prediction leaves out, e.g. 7,8,9 (default: the model's: blocks 7,8,9 for SD3.5 Medium, "
+                   "off for the others); applies with --guidance above 1")
+    p.add_argument("--slg-scale", type=float, default=None, metavar="SCALE",
+                   help="SD3 and SD3.5: skip-layer guidance's scale, above 0 (default: the model's, 2.5 for "
+                   "SD3.5 Medium; diffusers' 2.8 for --slg blocks on another model)")
     p.add_argument("--max-sequence-length", type=int, default=None,
                    help=f"SD3 and Flux.1: T5 tokens per prompt, 1 to {T5_MAX_TOKENS} (default "
                    f"{PIPELINE_T5_TOKENS} for SD3, as diffusers' pipeline; Flux.1 dev 512, schnell 256)")
@@ -728,6 +766,15 @@ def run_generate(args) -> int:
         log.warning("--base %s is an %s model and --model %s an %s model: compare.png shows two model "
                     "families side by side, not a model and its fine-tune", base_text,
                     base[1].display_name, args.model, model[1].display_name)
+    asked = asked_skip_layers(args)
+    if asked.given and asked.on is not False:  # off is what a family without it does already
+        for flag, resolved, text in (("--model", model, args.model), ("--base", base, base_text)):
+            family = resolved[1] if resolved is not None else None
+            if family is not None and not family.skip_layer_guidance:
+                with_slg = " and ".join(f.display_name for f in FAMILIES.values() if f.skip_layer_guidance)
+                raise GenerateError(f"{asked.key} applies to the skip-layer guidance of {with_slg} models; "
+                                    f"{flag} {text} ({family.display_name}) samples without it: leave "
+                                    f"{asked.key} out, or give --slg off")
     if not any(family.has_t5 for family in (model[1], base[1] if base else model[1])):
         with_t5 = " and ".join(f.display_name for f in FAMILIES.values() if f.has_t5)
         for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):
@@ -753,6 +800,10 @@ def run_generate(args) -> int:
                 "size": f"{width}x{height}", "loras": ", ".join(f"{Path(p).name}:{s:g}" for p, s in loras)}
     if args.negative:
         settings["negative"] = args.negative
+    if asked.given:  # the flags as given; the model's default is not written out
+        settings["skip-layer guidance"] = "off" if asked.on is False else ", ".join(
+            part for part in (f"blocks {','.join(map(str, asked.layers))}" if asked.layers else "",
+                              f"scale {asked.scale:g}" if asked.scale is not None else "") if part)
     paths: list[Path] = []
     bar = tqdm(total=per_model * (2 if compare else 1), desc="images", unit="image", disable=not progress)
 
@@ -823,6 +874,12 @@ def _check_flags(args, loras: Sequence[tuple[Path, float]], compare: bool) -> No
     if n is not None and not 1 <= n <= T5_MAX_TOKENS:
         raise GenerateError(f"--max-sequence-length must be from 1 to {T5_MAX_TOKENS} (got {n})")
     check_numbers(args.guidance, loras)
+    scale = getattr(args, "slg_scale", None)
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise GenerateError(f"--slg-scale must be a finite number above 0 (got {scale}); --slg off turns "
+                            "skip-layer guidance off")
+    for key, problem in skip_layer_problems(asked_skip_layers(args), args.guidance, "--guidance"):
+        raise GenerateError(f"{key}: {problem}")
     for path, _ in loras:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--lora: {path} is not a file")
@@ -895,6 +952,7 @@ def _pipeline(source, family, args, progress: bool, flag: str):
     except (SourceError, CheckpointError) as exc:
         raise _flagged(exc, flag) from None
     bundle.extra["t5_precision"] = args.t5 or "bf16"
+    bundle.extra["skip_layer_guidance"] = asked_skip_layers(args)  # the family's pipeline applies it
     family.prepare_encoders(bundle)
     pipe = build_pipeline(bundle)
     pipe.set_progress_bar_config(disable=not progress, leave=False, desc="denoising steps", unit="step")

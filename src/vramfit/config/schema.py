@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -42,6 +43,53 @@ MAX_SEED = 2**32 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 # SD3's "mode" timestep density maps [0, 1] onto itself monotonically only for scales in this range.
 MODE_SCALE_MAX = 2 / (math.pi - 2)
+
+
+# Where skip-layer guidance is asked for: the settings that turn it on or off, give its blocks and its scale
+SAMPLE_SKIP_KEYS = ("sample.skip_layer_guidance", "sample.skip_layer_guidance_layers",
+                    "sample.skip_layer_guidance_scale")
+
+
+@dataclass(frozen=True)
+class SkipLayerGuidance:
+    """Skip-layer guidance as a config or command line asks for it: `on` None (the model's default),
+    False (off) or True; `layers` and `scale` None: the model's. `keys` name the three settings (on,
+    layers, scale) in messages."""
+
+    on: Optional[bool] = None
+    layers: Optional[tuple[int, ...]] = None
+    scale: Optional[float] = None
+    keys: tuple[str, str, str] = SAMPLE_SKIP_KEYS
+
+    @property
+    def given(self) -> bool:
+        """Whether anything is asked beyond the model's default."""
+        return self.on is not None or self.layers is not None or self.scale is not None
+
+    @property
+    def key(self) -> str:
+        """The setting a message about the whole choice names: the first one given."""
+        given = [k for k, v in zip(self.keys, (self.on, self.layers, self.scale)) if v is not None]
+        return given[0] if given else self.keys[0]
+
+
+def skip_layer_problems(asked: SkipLayerGuidance, guidance: Optional[float],
+                        guidance_key: str) -> list[tuple[str, str]]:
+    """What is wrong with skip-layer guidance `asked` beside `guidance` (None: the family's, above 1),
+    whatever the model: as (key, problem). The model's blocks are checked where it is known."""
+    on_key, layers_key, scale_key = asked.keys
+    problems = []
+    if asked.on is False:
+        problems += [(key, f"given while {on_key} is off; leave it out, or turn skip-layer guidance on")
+                     for key, value in ((layers_key, asked.layers), (scale_key, asked.scale))
+                     if value is not None and key != on_key]
+    elif asked.given and guidance is not None and guidance <= 1:
+        given = f"{guidance_key}{' ' if guidance_key.startswith('-') else ' = '}{guidance:g}"
+        problems.append((asked.key, f"skip-layer guidance applies with classifier-free guidance, which "
+                         f"{given} turns off; set {guidance_key} above 1"))
+    if asked.layers is not None and len(set(asked.layers)) != len(asked.layers):
+        problems.append((layers_key, f"{list(asked.layers)} names a block twice; give each once"))
+    return problems
 
 
 class KeyProblems(ValueError):
@@ -738,6 +786,26 @@ class SampleConfig(_Section):
                                            "guidance above 1 steers away from; default: the empty prompt.")
     width: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
     height: Optional[int] = Field(None, ge=8, le=4096, description="Default: data.resolution.")
+    skip_layer_guidance: Optional[bool] = Field(
+        None, description="Skip-layer guidance of SD3 and SD3.5 models (the other families sample without it "
+        "and refuse it on): on the first steps a third prediction without some transformer blocks steers the "
+        "image away from it. Unset: the model's default (SD3.5 Medium: blocks 7, 8, 9 at scale 2.5 over the "
+        "first 1-20% of the steps; other models: off); false: off; true: on, with the default's blocks where "
+        "skip_layer_guidance_layers is not set. Applies with guidance above 1 only.")
+    skip_layer_guidance_layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, min_length=1, description="The transformer blocks skip-layer guidance leaves out (0 is the "
+        "first; each below the model's block count); turns it on. Default: the model's (SD3.5 Medium: "
+        "[7, 8, 9]).")
+    skip_layer_guidance_scale: Optional[float] = Field(
+        None, gt=0, le=100.0, description="How strongly skip-layer guidance steers; default: the model's "
+        "(SD3.5 Medium 2.5; diffusers' 2.8 for blocks given to a model without a default).")
+
+    @property
+    def skip_layers(self) -> SkipLayerGuidance:
+        """The skip-layer guidance the grids ask for (SD3 family: models/sd3/family.py applies it)."""
+        layers = self.skip_layer_guidance_layers
+        return SkipLayerGuidance(self.skip_layer_guidance, None if layers is None else tuple(layers),
+                                 self.skip_layer_guidance_scale)
 
     @property
     def grids(self) -> bool:
@@ -757,6 +825,8 @@ class SampleConfig(_Section):
             if getattr(self, side) is not None and getattr(self, side) % 8:
                 problems.append((side, f"{getattr(self, side)} is not a multiple of 8 (the VAE "
                                  "downsamples by 8)"))
+        problems += [(key.split(".")[1], text) for key, text in skip_layer_problems(
+            self.skip_layers, self.guidance, "sample.guidance")]
         _raise_any(problems)
         return self
 

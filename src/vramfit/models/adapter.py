@@ -101,6 +101,9 @@ class Family(LoraFamily, Protocol):
     # twice the images); False: guidance is an input of one forward (Flux.1's distilled guidance)
     guidance_doubles_batch: bool
     has_t5: bool  # a T5 encoder: model.t5_precision, model.max_sequence_length, generate --t5 apply
+    # its sampler takes skip-layer guidance (sample.skip_layer_guidance*, generate --slg): the family's
+    # pipeline applies bundle.extra["skip_layer_guidance"]; the others refuse it (skip_layer_refusals)
+    skip_layer_guidance: bool
 
     def materialize_tiny(self, name: str, root: Path) -> Path:
         """The single file of tiny:`name` under `root`, written with its tokenizers if needed."""
@@ -234,6 +237,17 @@ def t5_tokens(family: Family, cfg: Any, config: Mapping) -> int:
     if cfg.model.max_sequence_length is not None:
         return int(cfg.model.max_sequence_length)
     return family.default_t5_tokens(config) if family.has_t5 else 0
+
+
+def skip_layer_refusals(family: Family, cfg: Any) -> list[str]:
+    """Skip-layer guidance asked of a family whose sampler has none, each key given (off is what it
+    does already, and is not refused)."""
+    asked = cfg.sample.skip_layers
+    if family.skip_layer_guidance or not asked.given:
+        return []
+    return [f"{key}: {family.display_name} models sample without skip-layer guidance; leave it out"
+            for key, value in zip(asked.keys, (asked.on, asked.layers, asked.scale))
+            if value is not None and value is not False]
 
 
 def resolution_problems(family: Family, cfg: Any) -> list[str]:

@@ -56,6 +56,7 @@ def encode_sample_prompts(cfg: RunConfig, bundle, device: torch.device) -> Optio
             and bundle.text_encoders):
         return None
     s = cfg.sample
+    bundle.extra["skip_layer_guidance"] = s.skip_layers  # the family's pipeline checks it now
     pipe = build_pipeline(bundle)
     encoded = encode_prompts(pipe, s.prompts, negative=s.negative_prompt, guidance=s.guidance, device=device,
                              max_sequence_length=bundle.extra.get("max_sequence_length"),
@@ -73,6 +74,7 @@ class SampleGrids:
                  release: Optional[Callable[[], bool]] = None, inputs: Optional[SampleInputs] = None,
                  weights: Optional[Callable[[], ContextManager]] = None):
         self.cfg, self.family, self.bundle, self.device = cfg, family, bundle, device
+        bundle.extra["skip_layer_guidance"] = cfg.sample.skip_layers  # what the grids' pipelines apply
         self.inputs = inputs  # prompts encoded in the caption phase, and the VAE
         self.weights = weights  # ema.sample_with_ema: the EMA's swap (memory/ema.py), around each render
         self.folder = folder

@@ -30,6 +30,7 @@ from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomi
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import mark_fp8_source, quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.adapter import skip_layer_refusals
 from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting, decoder_input
 from vramfit.models.flux.bfl import bfl_names, bfl_plan, bfl_to_diffusers, flux_config_from_keys
 from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
@@ -86,6 +87,7 @@ class FluxFamily:
     default_guidance = 3.5  # FluxPipeline's, fed to dev's guidance embedding
     guidance_doubles_batch = False  # one forward a step: no negative prompt, guidance an input
     has_t5 = True
+    skip_layer_guidance = False  # its sampler has none
     denoiser_component = "transformer"
     lora_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder", "context_embedder",
                   "time_text_embed.", "norm_out.", "proj_out")
@@ -321,7 +323,7 @@ class FluxFamily:
         if cfg.train.mode == "lora" and cfg.lora.type == "dora" and "lora_kohya" in cfg.save_formats:
             problems.append("lora.type: 'dora' has no kohya Flux.1 layout (its fused qkv would need one "
                             "magnitude per part); set save.formats = ['lora'] (diffusers reads its DoRA)")
-        return problems + resolution_problems(self, cfg)
+        return problems + skip_layer_refusals(self, cfg) + resolution_problems(self, cfg)
 
     @staticmethod
     def _variant_of(path: str) -> Optional[str]:

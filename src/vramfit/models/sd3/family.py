@@ -22,8 +22,9 @@ from typing import Any, Mapping, Optional
 
 import diffusers
 import torch
+from huggingface_hub import try_to_load_from_cache
 
-from vramfit.config.schema import TrainConfig
+from vramfit.config.schema import SkipLayerGuidance, TrainConfig
 from vramfit.data.fingerprint import module_fingerprint
 from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
@@ -130,6 +131,31 @@ def skip_layer_defaults(layout: str, num_layers: int) -> dict:
     return {**options, "skip_guidance_layers": layers} if layers else {}
 
 
+def skip_layer_choice(layout: str, num_layers: int, asked: SkipLayerGuidance) -> tuple[dict, Optional[str]]:
+    """(pipeline call arguments, None) of the skip-layer guidance `asked` for a model of `layout` with
+    `num_layers` blocks ({}: none), or ({}, why not) naming the setting: blocks it lacks, or the
+    default's blocks asked of a layout without a default."""
+    default = skip_layer_defaults(layout, num_layers)
+    if asked.on is False:
+        return {}, None
+    if not asked.given:
+        return default, None
+    layers_key = asked.keys[1]
+    layers = asked.layers if asked.layers is not None else default.get("skip_guidance_layers")
+    if not layers:
+        return {}, (f"{asked.key}: this {layout} model samples without skip-layer guidance by default; give "
+                    f"the transformer blocks to leave out with {layers_key} (0 to {num_layers - 1})")
+    beyond = [i for i in layers if i >= num_layers]
+    if beyond:
+        named = f"blocks {', '.join(map(str, beyond))} are" if len(beyond) > 1 else f"block {beyond[0]} is"
+        return {}, (f"{layers_key}: {named} beyond this model's {num_layers} transformer blocks; give "
+                    f"blocks 0 to {num_layers - 1}")
+    options = {**LAYOUT_SAMPLING.get(layout, {}), "skip_guidance_layers": list(layers)}
+    if asked.scale is not None:
+        options["skip_layer_guidance_scale"] = float(asked.scale)
+    return options, None
+
+
 class SD3Family:
     name = "sd3"
     display_name = "SD3"
@@ -149,6 +175,7 @@ class SD3Family:
     default_guidance = 7.0
     guidance_doubles_batch = True
     has_t5 = True
+    skip_layer_guidance = True  # diffusers' SD3 pipeline takes it for any SD3 transformer
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "transformer"
     lora_roots = ("transformer_blocks.", "pos_embed.", "time_text_embed.", "context_embedder", "norm_out.",
@@ -459,7 +486,29 @@ class SD3Family:
                             "UNets only; SD3 adapters train as 'lora' or 'dora'")
         if cfg.train.mode == "lora" and cfg.lora.conv_rank:
             problems.append("lora.conv_rank: SD3's transformer blocks have no convolutions; leave it out")
+        config = self._transformer_config_of(cfg.model) if cfg.sample.skip_layers.given else None
+        if config is not None:  # else the pipeline checks it once the model is loaded
+            problem = skip_layer_choice(layout_name(config), config["num_layers"], cfg.sample.skip_layers)[1]
+            problems += [problem] if problem else []
         return problems + resolution_problems(self, cfg)
+
+    def _transformer_config_of(self, model) -> Optional[dict]:
+        """The transformer config of `model` (model.*) without loading weights: a tiny model's, a single
+        file's from its header, a folder's or a downloaded repo's config.json; None where not found."""
+        path = model.path
+        if path.startswith("tiny:"):
+            return tiny_transformer_config(path[5:]) if path[5:] in TINY_NAMES else None
+        where = Path(path).expanduser()
+        try:
+            if where.is_file():
+                return sd3_config_from_keys(meta_tensors(read_header(where)[0], TRANSFORMER))
+            found = where / "transformer" / "config.json"
+            if not where.is_dir():  # a repo id: its config where a download left it
+                cached = try_to_load_from_cache(path, "transformer/config.json", revision=model.revision)
+                found = Path(cached) if isinstance(cached, str) else None
+            return json.loads(found.read_text()) if found is not None else None
+        except (OSError, ValueError, KeyError, CheckpointError):  # not readable here: load says why
+            return None
 
     def training_loss(self, bundle: ModelBundle, batch: dict, cfg, generator: torch.Generator,
                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -599,8 +648,13 @@ class SD3Family:
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
         """A StableDiffusion3Pipeline with SD3's shift-3 flow-matching scheduler; T5 where both
-        its encoder and its tokenizer are there. It samples with the layout's defaults
-        (SD3.5 Medium's skip-layer guidance) where a call does not set them."""
+        its encoder and its tokenizer are there. It samples with the skip-layer guidance that
+        bundle.extra["skip_layer_guidance"] asks for (default: the layout's, SD3.5 Medium's) where a
+        call does not set it; ValueError naming the setting where the model cannot take it."""
+        asked = bundle.extra.get("skip_layer_guidance") or SkipLayerGuidance()
+        options, problem = skip_layer_choice(bundle.layout, bundle.denoiser.config.num_layers, asked)
+        if problem:
+            raise ValueError(problem)
         # heavy: diffusers pipelines (~2 s); generate's checks before loading run without them
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -612,7 +666,7 @@ class SD3Family:
             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
             tokenizer_2=tokenizers[1], text_encoder_3=encoders[2] if has_t5 else None,
             tokenizer_3=tokenizers[2] if has_t5 else None)
-        pipe.layout_defaults = skip_layer_defaults(bundle.layout, bundle.denoiser.config.num_layers)
+        pipe.layout_defaults = options
         return pipe
 
     def sampling_defaults(self, config: Mapping) -> dict:

@@ -2,9 +2,10 @@
 
 SD3.5 Medium samples best with skip-layer guidance (its model card; Stability's reference
 sampler), which StableDiffusion3Pipeline takes as call arguments but does not apply by itself.
-This pipeline fills in the layout's values (models/sd3/family.py `LAYOUT_SAMPLING`) for every
-call that leaves them out; a call that passes one, ``skip_guidance_layers=None`` included, keeps
-its own. Imported only where a pipeline is built (diffusers pipelines take seconds to import).
+This pipeline fills in the values the family chose for it (models/sd3/family.py: the layout's
+`LAYOUT_SAMPLING`, or sample.skip_layer_guidance* / generate --slg) for every call that leaves
+them out; a call that passes one, ``skip_guidance_layers=None`` included, keeps its own.
+Imported only where a pipeline is built (diffusers pipelines take seconds to import).
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from vramfit.formats.safetensors_io import (
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.formats.lora import to_diffusers
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
+from vramfit.models.adapter import skip_layer_refusals
 from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
@@ -85,6 +86,7 @@ class SDXLFamily:
     default_guidance = 5.0
     guidance_doubles_batch = True
     has_t5 = False
+    skip_layer_guidance = False  # its sampler has none
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "unet"
     lora_roots = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in", "conv_out", "time_embedding.",
@@ -130,7 +132,7 @@ class SDXLFamily:
             problems.append("model.vae: a VAE file of its own is read for Flux.1 transformer-only files only")
         if cfg.train.guidance != train.guidance:
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding, not to {self.name}")
-        return problems + resolution_problems(self, cfg)
+        return problems + skip_layer_refusals(self, cfg) + resolution_problems(self, cfg)
 
     def default_t5_tokens(self, config: Mapping) -> int:
         """0: the SDXL family has no T5 encoder (has_t5 is False)."""
