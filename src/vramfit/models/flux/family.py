@@ -282,6 +282,10 @@ class FluxFamily:
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
+        if cfg.model.t5_precision == "none" and cfg.sample.grids:  # else it fails after caching
+            problems.append("model.t5_precision: \"none\" leaves Flux.1 without T5, which sampling needs "
+                            "(FluxPipeline has no T5-less path); sample grids (sample.every_steps / "
+                            "sample.every_epochs) need it: store it as int8 or nf4, or turn the grids off")
         # not TrainConfig's default (1.0): a value given; a resolved config.toml lists every key
         if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding; {cfg.model.path} "
