@@ -17,8 +17,8 @@ from vramfit.config.load import load_config
     ("tiny:sd3", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4"], 1e-5),
     # the UNet's blocks; int8 weights are fixed-size guards: one compilation per resnet width, under
     # the raised limit. In fp32, as the eager run (in bf16 compiled graphs round differently)
-    ("tiny:ssd1b", ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4", "train.precision=fp32"],
-     1e-5),
+    ("tiny:ssd1b",
+     ["train.mode=lora", "lora.base_quantization=int8", "train.lr=1e-4", "train.precision=fp32"], 1e-5),
 ])
 def test_compiled_blocks_train_like_eager_ones(images, tmp_path, cache_root, monkeypatch, model, extra, rel, capfd):
     # Dynamo captures each block and AOT autograd builds its backward, as on a GPU; the aot_eager

@@ -732,8 +732,8 @@ def test_sample_grids_count_both_guidance_halves_only_where_guidance_doubles_the
     """SD3 runs a conditional and an unconditional half per sampling step above guidance 1; Flux.1
     dev's guidance is an input of one forward, whatever its value."""
     def work(layout: str, guidance: float) -> int:
-        cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {"mode": "lora"},
-                                        "sample": {"prompts": ["a"], "every_steps": 10, "guidance": guidance}})
+        sample = {"prompts": ["a"], "every_steps": 10, "guidance": guidance}
+        cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {"mode": "lora"}, "sample": sample})
         samples = next(p for p in predict(facts_for_layout(layout), cfg).phases if p.name == "samples")
         return samples.parts["work"]
 

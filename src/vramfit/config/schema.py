@@ -684,8 +684,8 @@ class MemoryConfig(_Section):
         "stream block count). A stream block is a block of the denoiser (SDXL family: its down, mid "
         "and up blocks; SD3 and Flux.1: each transformer block), or its parts where a block holds more "
         "than stream_unit_mib: the units it streams in. The kept ones are spread through the forward "
-        "order, the largest first, and each count keeps those of the count below. Each costs its weights' GPU "
-        "memory and saves their copies. Default: chosen by vram_budget's plan (the most that fit), 0 "
+        "order, the largest first, and each count keeps those of the count below. Each costs its "
+        "weights' GPU memory and saves their copies. Default: chosen by vram_budget's plan (the most that fit), 0 "
         "without a budget. At most the stream block count (a count above it is refused, naming it).")
     streamed_grad_sums: Optional[Literal["home", "device"]] = Field(
         None, description="With stream_weights in a full fine-tune whose streamed weights step on the "

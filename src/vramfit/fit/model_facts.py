@@ -224,15 +224,12 @@ def weight_item_bytes(cfg: RunConfig) -> int:
 
 
 def sampled_encoder_bytes(enc: EncoderFacts, t5_precision: str, item: int) -> int:
-    """An encoder's bytes while a sample grid encodes: cast to the grid's dtype (`item` bytes a
-    value), then T5 stored as model.t5_precision asks (bf16 casts it back; a quantized one keeps
-    its other weights in the grid's dtype)."""
+    """An encoder's bytes while a sample grid encodes: the CLIPs cast to the grid's dtype (`item`
+    bytes a value); T5 as the grid reloads it, stored as model.t5_precision asks while it loads
+    (train/samples.py), its other weights in bf16: no cast."""
     if enc.kind != "t5":
         return item * enc.params
-    stored = encoder_bytes(enc, t5_precision)[0]
-    if t5_precision == "bf16":
-        return stored
-    return stored + (item - 2) * (enc.params - enc.linear_numel)
+    return encoder_bytes(enc, t5_precision)[0]
 
 
 def shipped_layouts() -> dict[str, tuple[str, tuple]]:

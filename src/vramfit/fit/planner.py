@@ -28,7 +28,8 @@ Each phase (bytes allocated; n = a tensor's element count):
   gradient buffers before a grid): S + the largest of the two largest encoders together (model
   CPU offload leaves the last encoder on the GPU while the first run again for the negative
   prompt), W + SAMPLE_WORK x the largest block's elements at the sample size for both halves of
-  guidance (where the family's guidance doubles the batch: not Flux.1's), and the VAE decoding one image (VAE_DECODE_BYTES_PER_PIXEL); all but W doubled where
+  guidance (where the family's guidance doubles the batch: not Flux.1's), and the VAE decoding one
+  image (VAE_DECODE_BYTES_PER_PIXEL); all but W and T5 (reloaded stored as it loads) doubled where
   the grid runs in fp32.
 - ema (ema.enabled, ema.device = "gpu"): the EMA of every trained tensor on the device, 4 bytes a
   value (2 in bf16), in train, samples and save; in CPU memory it adds no term here (plan_report

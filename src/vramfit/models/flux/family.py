@@ -302,6 +302,10 @@ class FluxFamily:
         if cfg.model.clip_g:
             problems.append("model.clip_g: Flux.1 has no CLIP-G text encoder (its encoders are CLIP-L "
                             "and T5)")
+        if cfg.model.t5_precision == "none" and cfg.sample.grids:  # else it fails after caching
+            problems.append("model.t5_precision: \"none\" leaves Flux.1 without T5, which sampling needs "
+                            "(FluxPipeline has no T5-less path); sample grids (sample.every_steps / "
+                            "sample.every_epochs) need it: store it as int8 or nf4, or turn the grids off")
         # not TrainConfig's default (1.0): a value given; a resolved config.toml lists every key
         if cfg.train.guidance != 1.0 and self._variant_of(cfg.model.path) == "schnell":
             problems.append(f"train.guidance: applies to Flux.1 dev's guidance embedding; {cfg.model.path} "
@@ -475,10 +479,13 @@ class FluxFamily:
         """A diffusers Flux folder that FluxPipeline.from_pretrained loads."""
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
-        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
-            self.load_encoders(bundle.source)
+        # the bundle's encoders where T5 is as loaded; a T5 stored quantized or left out for training
+        # (model.t5_precision): the source's, read again as for a bundle whose encoders were dropped
+        own = bundle.vae is not None and bundle.extra.get("t5_precision", "bf16") == "bf16"
+        vae, encoders = (bundle.vae, bundle.text_encoders) if own else self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
-        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else []
+        trained += [None] * (len(encoders) - len(trained))  # a T5 left out of the bundle: the source's
         for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
             save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \

@@ -605,11 +605,14 @@ class SD3Family:
         """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
-        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
-            self.load_encoders(bundle.source)
+        # the bundle's encoders where T5 is as loaded; a T5 stored quantized or left out for training
+        # (model.t5_precision): the source's, read again as for a bundle whose encoders were dropped
+        own = bundle.vae is not None and bundle.extra.get("t5_precision", "bf16") == "bf16"
+        vae, encoders = (bundle.vae, bundle.text_encoders) if own else self.load_encoders(bundle.source)
         vae.save_pretrained(tmp / "vae")
         subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
+        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else []
+        trained += [None] * (len(encoders) - len(trained))  # a T5 left out of the bundle: the source's
         for sub, enc, own in zip(subs, encoders, trained):
             save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \

@@ -217,7 +217,8 @@ class SDXLFamily:
                     (folder / "text_encoder_2" / "config.json").read_text()).get("projection_dim"))
             except ValueError as exc:
                 raise CheckpointError(f"{folder / 'unet' / 'config.json'}: {exc}") from None
-            denoiser = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=True).eval()
+            denoiser = UNet2DConditionModel.from_pretrained(folder, subfolder="unet",
+                                                            low_cpu_mem_usage=True).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
         enc1 = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
         enc2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2")
