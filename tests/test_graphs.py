@@ -249,9 +249,9 @@ def test_graphed_flux_lora_equals_training_without(images, tmp_path, cache_root,
     _assert_same(graphed, plain)
 
 
-@pytest.mark.parametrize("adapter", ["dora", "lokr"])
+@pytest.mark.parametrize("adapter", ["dora"])  # LoKr too on the GPU (test_graphs_cuda.py)
 def test_graphed_adapters_equal_training_without(images, tmp_path, cache_root, recorded, adapter):
-    """DoRA and LoKr form their adapted weight each call (peft): recorded, they train as without graphs."""
+    """DoRA forms its adapted weight each call (peft), as LoKr does: recorded, it trains as without graphs."""
     cache = cache_root / "graphs-adapters"
     sets = ["train.mode=lora", f"lora.type={adapter}", "train.lr=1e-2", "train.steps=3", "train.precision=fp32",
             "save.formats=['lora_kohya']"]

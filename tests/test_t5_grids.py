@@ -1,6 +1,7 @@
 """T5 and sample grids: the planner counts the T5 a grid reloads as the grid holds it (stored as
 model.t5_precision asks while it loads, train/samples.py: its embedding and norms in bf16, not
-widened to the grid's dtype); a Flux.1 run without T5 is refused grids before anything loads."""
+widened to the grid's dtype); a Flux.1 run without T5 is refused grids before anything loads, and
+`vramfit generate --t5 none` likewise."""
 from __future__ import annotations
 
 from conftest import train_args
@@ -8,6 +9,7 @@ from vramfit.cli import main
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import read_facts, sampled_encoder_bytes, weight_item_bytes
 from vramfit.memory.quantize import storage_bytes
+from vramfit.models.registry import FAMILIES
 from vramfit.train import samples
 
 
@@ -42,3 +44,15 @@ def test_flux_grids_without_t5_are_refused_before_loading(images, tmp_path, cach
     err = capsys.readouterr().err
     assert "model.t5_precision" in err and "sample.every_steps" in err and "Traceback" not in err
     assert [p.name for p in cache.iterdir()] == ["tiny"] and not (tmp_path / "out" / "run.json").exists()
+
+
+def test_generate_without_t5_is_refused_for_flux_before_loading(tmp_path, capsys, monkeypatch):
+    """`vramfit generate --t5 none` on Flux.1 stops before any weight loads, naming the flag."""
+    loads = []
+    monkeypatch.setattr(FAMILIES["flux"], "load", lambda *a, **k: loads.append(1))
+    out = tmp_path / "out"
+    assert main(["generate", "--model", "tiny:flux", "--prompt", "a red circle", "--t5", "none",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--t5 none" in err and "--t5 int8" in err and "Traceback" not in err
+    assert loads == [] and not any(out.glob("*.png"))

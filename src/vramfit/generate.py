@@ -781,6 +781,12 @@ def run_generate(args) -> int:
             if value is not None:
                 raise GenerateError(f"{flag} applies to {with_t5} models; {args.model} is an "
                                     f"{model[1].display_name} model")
+    if args.t5 == "none":  # before any weight loads: the pipeline would refuse only after
+        for flag, resolved, text in (("--model", model, args.model), ("--base", base, base_text)):
+            family = resolved[1] if resolved is not None else None
+            if family is not None and family.has_t5 and not family.samples_without_t5:
+                raise GenerateError(f"--t5 none: {family.display_name} samples with its T5 encoder ({flag} "
+                                    f"{text}); store it smaller with --t5 int8 or --t5 nf4")
     out = _output_folder(Path(args.out))
 
     progress = not getattr(args, "no_progress", False)

@@ -42,11 +42,13 @@ _PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.
 _NOT_LORA = ("dora_scale", "lora_magnitude_vector", "lokr_w1", "hada_w1")
 
 
-def load_model(path: str, tokenizers: Optional[str] = None):
-    """(family, bundle) of a checkpoint as `vramfit train` would load it."""
+def load_model(path: str, tokenizers: Optional[str] = None, t5: bool = True):
+    """(family, bundle) of a checkpoint as `vramfit train` would load it; `t5=False`: its T5 not
+    read (the tools change the denoiser and the CLIP encoders only, and a save carries the source's
+    T5 over), which spares host memory the size of T5-XXL."""
     source = resolve_source(ModelConfig(path=path, tokenizers=tokenizers))
     family = detect_family(source)
-    return family, family.load(source)
+    return family, family.load(source, **({"t5_precision": "none"} if family.has_t5 and not t5 else {}))
 
 
 def _refuse_non_lora(path, keys, tool: str) -> None:
@@ -224,7 +226,7 @@ def merge(model_path: str, loras: Sequence[tuple[Path, float]], out: Path, dtype
     scales its direction's change, not its magnitudes (add_products)."""
     if Path(out).resolve() == Path(model_path).expanduser().resolve():
         raise ValueError(f"{out}: the output would overwrite the input checkpoint; give another path")
-    family, bundle = load_model(model_path, tokenizers)
+    family, bundle = load_model(model_path, tokenizers, t5=False)
     read = [(path, scale, _read_lora(path, model_path, family, bundle)) for path, scale in loras]
     # DoRA's norms are of the weights before this merge: kept for modules an earlier file changes
     last_dora = {m: i for i, (_, _, lora) in enumerate(read) for m, parts in lora.adapters.items()
@@ -291,8 +293,8 @@ def extract(base_path: str, tuned_path: str, rank: int, out: Path, formats: Sequ
             tokenizers: Optional[str] = None) -> dict:
     """Write the LoRA of rank `rank` that takes `base_path` closest to `tuned_path` (per layer)."""
     dev = generate_device(device)  # a device this machine lacks is named before anything loads
-    family, base = load_model(base_path, tokenizers)
-    tuned_family, tuned = load_model(tuned_path, tokenizers)
+    family, base = load_model(base_path, tokenizers, t5=False)
+    tuned_family, tuned = load_model(tuned_path, tokenizers, t5=False)
     if tuned_family.name != family.name:
         raise ValueError(f"{tuned_path} is a {tuned_family.display_name} checkpoint and {base_path} a "
                          f"{family.display_name} one: extract needs two checkpoints of the same model")

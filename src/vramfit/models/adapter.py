@@ -101,6 +101,7 @@ class Family(LoraFamily, Protocol):
     # twice the images); False: guidance is an input of one forward (Flux.1's distilled guidance)
     guidance_doubles_batch: bool
     has_t5: bool  # a T5 encoder: model.t5_precision, model.max_sequence_length, generate --t5 apply
+    samples_without_t5: bool  # its pipeline samples with T5 left out (t5_precision "none", --t5 none)
     # its sampler takes skip-layer guidance (sample.skip_layer_guidance*, generate --slg): the family's
     # pipeline applies bundle.extra["skip_layer_guidance"]; the others refuse it (skip_layer_refusals)
     skip_layer_guidance: bool

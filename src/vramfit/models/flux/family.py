@@ -87,6 +87,7 @@ class FluxFamily:
     default_guidance = 3.5  # FluxPipeline's, fed to dev's guidance embedding
     guidance_doubles_batch = False  # one forward a step: no negative prompt, guidance an input
     has_t5 = True
+    samples_without_t5 = False  # FluxPipeline has no T5-less path
     skip_layer_guidance = False  # its sampler has none
     denoiser_component = "transformer"
     lora_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder", "context_embedder",

@@ -175,6 +175,7 @@ class SD3Family:
     default_guidance = 7.0
     guidance_doubles_batch = True
     has_t5 = True
+    samples_without_t5 = True  # StableDiffusion3Pipeline puts zeros in T5's place
     skip_layer_guidance = True  # diffusers' SD3 pipeline takes it for any SD3 transformer
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "transformer"

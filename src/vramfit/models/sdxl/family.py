@@ -86,6 +86,7 @@ class SDXLFamily:
     default_guidance = 5.0
     guidance_doubles_batch = True
     has_t5 = False
+    samples_without_t5 = True
     skip_layer_guidance = False  # its sampler has none
     # the pipeline component of the denoiser, and its module roots in peft and kohya LoRA files
     denoiser_component = "unet"
