@@ -171,3 +171,37 @@ def test_the_predicted_save_holds_about_the_largest_tensor_not_the_checkpoint(ca
     homes = {k: v.bfloat16() for k, v in bundle.denoiser.state_dict().items()}
     unet = diffusers_to_sgm_unet(homes, dict(bundle.denoiser.config))
     assert all(torch.equal(saved[UNET + k], v) for k, v in unet.items())
+
+
+def test_diffusers_model_folders_are_the_whole_dict_files_written_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """A diffusers folder's denoiser weights (formats/safetensors_io.py `save_model_folder`): the
+    bytes safetensors' writer gave for the whole cast state dict, with at most one tensor made at once."""
+    from diffusers import SD3Transformer2DModel
+
+    from vramfit.formats import safetensors_io
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8)
+    seen = {"peak": 0}
+    monkeypatch.setattr(safetensors_io, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
+    safetensors_io.save_model_folder(model, tmp_path / "lazy", torch.bfloat16)
+    whole = tmp_path / "whole.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, str(whole))
+    assert (tmp_path / "lazy" / "diffusion_pytorch_model.safetensors").read_bytes() == whole.read_bytes()
+    assert (tmp_path / "lazy" / "config.json").is_file()
+    assert 0 < seen["peak"] <= seen["largest"] < seen["total"] / 5
+
+
+def test_the_predicted_save_counts_a_diffusers_folders_reloaded_encoders(cache_root):
+    """save.formats with "diffusers": the save phase holds the VAE and text encoders read again
+    (families' save_diffusers), beside a tensor at a time of the denoiser."""
+    sets = ["model.path=tiny:sd3", f"cache.dir={cache_root}", "data.resolution=64", "train.device=cpu"]
+    single = load_config(None, sets, need_data=False)
+    both = load_config(None, [*sets, "save.formats=['single_file', 'diffusers']"], need_data=False)
+    facts = read_facts(single, cache_root)
+    saved = {name: host_prediction(facts, cfg).phase("save").parts["written state"]
+             for name, cfg in (("single", single), ("both", both))}
+    encoders = sum(e.stored_bytes for e in facts.encoders if e.kind == "clip")
+    assert saved["both"] >= saved["single"] and saved["both"] >= 4 * facts.vae_params + encoders

@@ -194,6 +194,18 @@ def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int
     return max(2 * item * facts.largest_denoiser_values, facts.largest_part_bytes) + item * trained
 
 
+def diffusers_save_bytes(facts: ModelFacts, item: int) -> int:
+    """Host bytes a diffusers-folder save (save.formats "diffusers") holds beside the run: the
+    denoiser written a tensor at a time (formats/safetensors_io.py `save_model_folder`: its largest
+    tensor cast to save.dtype, `item` bytes a value), and the VAE and text encoders read again from
+    the source, as the families' save_diffusers do where the run has freed them or stored its T5
+    (counted always): the VAE in fp32 at most, the CLIPs as stored, T5 in bf16 at least (a float8
+    file's is widened)."""
+    encoders = sum(max(e.stored_bytes, 2 * e.params) if e.kind == "t5" else e.stored_bytes
+                   for e in facts.encoders)
+    return item * facts.largest_denoiser_values + 4 * facts.vae_params + encoders
+
+
 def placed_by_layer(facts: ModelFacts, cfg: RunConfig, loaded: int, cpu: bool) -> int:
     """Host bytes of the denoiser (`loaded` as loaded) while a quantized LoRA base is placed, else 0:
     as loaded, with what stays unquantized cast to the train precision (one stored dtype assumed for
@@ -263,6 +275,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
     if cfg.train.mode == "full":
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.save.dtype]
         checkpoint = written_at_once(facts, cfg, item, n)
+        if "diffusers" in cfg.save_formats:
+            checkpoint = max(checkpoint, diffusers_save_bytes(facts, item))
     else:
         checkpoint = den.adapter
     add("save", {**kept, "written state": max(den.trained_copy, checkpoint)})

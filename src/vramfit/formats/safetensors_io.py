@@ -450,11 +450,17 @@ def commit_folder(tmp: Path, folder: Path) -> None:
 
 
 def save_model_folder(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """A diffusers model subfolder (config.json + weights) with the weights cast to `dtype`."""
+    """A diffusers model subfolder (config.json + weights) with the weights cast to `dtype`, written
+    a tensor at a time (`save_atomic_lazy`: each cast on the CPU as it is written, from the weight
+    where it lives), so no copy of the whole model is made."""
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)
-    save_atomic({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()},
-                folder / "diffusion_pytorch_model.safetensors")
+
+    def cast(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: t.detach().to("cpu", dtype)
+
+    save_atomic_lazy({k: Lazy(dtype, tuple(v.shape), cast(v)) for k, v in model.state_dict().items()},
+                     folder / "diffusion_pytorch_model.safetensors")
 
 
 def discard(path: Path) -> None:
