@@ -38,7 +38,10 @@ def shipped_config(name: str) -> dict:
 
 def build_checked(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
                   file_key: Optional[Callable[[str], str]] = None):
-    """Instantiate without allocating random weights, then take the checkpoint's tensors."""
+    """Instantiate without allocating random weights, then take the checkpoint's tensors; float8 ones
+    (an fp8 save of the model), which no matmul takes, widened to bfloat16 (exact) one at a time."""
+    for key in [k for k, t in state.items() if t.dtype in _FP8]:
+        state[key] = state[key].to(torch.bfloat16)
     with init_empty_weights():
         model = cls(**config)
     return assign_state(model, state, what, path, file_key)
