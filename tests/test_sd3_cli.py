@@ -8,6 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import train_args
 from vramfit.cli import main
+from vramfit.lora_tools import load_model
+from vramfit.memory.quantize import quantize_base
 from vramfit.models.registry import FAMILIES
 from vramfit.models.sd3.family import TRANSFORMER
 
@@ -159,3 +161,11 @@ def test_fp8_transformer_file_generates(tmp_path, cache_root):
     assert main(["generate", "--model", str(path), "--prompt", "a red circle", "--steps", "1", "--width", "64",
                  "--height", "64", "--no-progress", "--out", str(out)]) == 0
     assert (out / "0-0.png").is_file()
+    # an fp8 LoRA base over it keeps the file's codes (scale 1), as over Flux.1's fp8 files
+    denoiser = load_model(str(path))[1].denoiser
+    linears = {n: m for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)}
+    codes = {n: m.weight.detach().to(torch.float8_e4m3fn) for n, m in linears.items()}
+    quantize_base(denoiser.requires_grad_(False), "fp8")
+    for name, want in codes.items():
+        got = denoiser.get_submodule(name).weight
+        assert torch.equal(got.qdata.view(torch.uint8), want.view(torch.uint8)) and bool((got.scale == 1).all())
