@@ -303,3 +303,18 @@ def test_resize_rewrites_the_rank_metadata_of_linears_and_convolutions(images, t
     assert json.loads(meta["ss_network_args"])["conv_dim"] == "2" and meta["ss_network_dim"] == "2"
     assert meta["vramfit.lora_rank"] == "2"
     assert all(t.shape[0] == 2 for k, t in load_file(str(small)).items() if k.endswith("lora_down.weight"))
+
+
+def test_merge_refuses_a_t5_lora_naming_the_encoder_the_model_has(tmp_path, capsys):
+    """merge reads no T5 (the save carries the source's): a LoRA of SD3's T5 (text_encoder_3) is refused
+    as not a CLIP encoder's, not as one of an encoder the model lacks."""
+    family, bundle = load_model("tiny:sd3")
+    name, linear = next((n, m) for n, m in bundle.text_encoders[2].named_modules()
+                        if isinstance(m, torch.nn.Linear))
+    path = tmp_path / "t5.safetensors"
+    save_file({f"text_encoder_3.{name}.lora_A.weight": torch.zeros(2, linear.in_features),
+               f"text_encoder_3.{name}.lora_B.weight": torch.zeros(linear.out_features, 2)}, str(path))
+    assert main(["lora", "merge", "tiny:sd3", str(path), "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "text_encoder_3" in err and "has no CLIP encoder there" in err and "no such encoder" not in err
+    assert not (tmp_path / "m.safetensors").exists()

@@ -4,10 +4,14 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import train_args
 from vramfit.cli import main
+from vramfit.lora_tools import load_model
+from vramfit.memory.quantize import quantize_base
+from vramfit.models.registry import FAMILIES
+from vramfit.models.sd3.family import TRANSFORMER
 
 
 def test_sd3_full_finetune_saves_single_file_and_diffusers(images, tmp_path, cache_root):
@@ -143,3 +147,25 @@ def test_text_encoders_as_files_of_their_own(images, tmp_path, cache_root, capsy
     assert main(train_args(images, out, cache, f"model.t5={split / 'missing.safetensors'}",
                            model="tiny:sd3")) != 0
     assert "model.t5" in capsys.readouterr().err
+
+
+def test_fp8_transformer_file_generates(tmp_path, cache_root):
+    """An SD3 single file whose transformer is stored in float8_e4m3fn (an fp8 save): its weights
+    load widened to bf16, so `vramfit generate` renders (no matmul takes float8)."""
+    source = FAMILIES["sd3"].materialize_tiny("sd3", cache_root / "fp8-sd3")
+    state = {k: v.to(torch.float8_e4m3fn) if k.startswith(TRANSFORMER) and v.ndim == 2 else v
+             for k, v in load_file(str(source)).items()}
+    path = source.with_name("fp8.safetensors")
+    save_file(state, str(path))
+    out = tmp_path / "out"
+    assert main(["generate", "--model", str(path), "--prompt", "a red circle", "--steps", "1", "--width", "64",
+                 "--height", "64", "--no-progress", "--out", str(out)]) == 0
+    assert (out / "0-0.png").is_file()
+    # an fp8 LoRA base over it keeps the file's codes (scale 1), as over Flux.1's fp8 files
+    denoiser = load_model(str(path))[1].denoiser
+    linears = {n: m for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)}
+    codes = {n: m.weight.detach().to(torch.float8_e4m3fn) for n, m in linears.items()}
+    quantize_base(denoiser.requires_grad_(False), "fp8")
+    for name, want in codes.items():
+        got = denoiser.get_submodule(name).weight
+        assert torch.equal(got.qdata.view(torch.uint8), want.view(torch.uint8)) and bool((got.scale == 1).all())

@@ -85,6 +85,22 @@ def test_generate_refuses_what_the_model_cannot_take(flags, named, tmp_path, cac
     assert not list((tmp_path / "bad").glob("*.png"))
 
 
+@pytest.mark.parametrize("flags, named", [
+    (("--slg-scale", "2"), "--slg-scale: this sd3-custom model samples without skip-layer guidance by default"),
+    (("--slg", "1,5"), "--slg: block 5 is beyond this model's 2 transformer blocks"),
+])
+def test_generate_refuses_what_the_base_cannot_take_before_loading(flags, named, tmp_path, cache_root, capsys,
+                                                                    monkeypatch):
+    """--base a model that cannot take the asked skip-layer guidance: refused, naming it, before either
+    model loads (not once --model has rendered and the base loads)."""
+    loads = []
+    monkeypatch.setattr(FAMILIES["sd3"], "load", lambda *a, **k: loads.append(1))
+    assert main(_generate(tmp_path, cache_root, "base", "--base", "tiny:sd3", "--compare", *flags)) == 2
+    err = capsys.readouterr().err
+    assert named in err and "--base tiny:sd3" in err and "Traceback" not in err
+    assert loads == [] and not list((tmp_path / "base").glob("*.png"))
+
+
 @pytest.mark.parametrize("model, shown", [("tiny:ssd1b", "SDXL-family"), ("tiny:flux", "Flux.1")])
 def test_generate_refuses_slg_for_families_without_it(model, shown, tmp_path, cache_root, capsys):
     assert main(_generate(tmp_path, cache_root, "x", "--slg", "1", model=model)) != 0

@@ -1,8 +1,10 @@
 """T5 and sample grids: the planner counts the T5 a grid reloads as the grid holds it (stored as
 model.t5_precision asks while it loads, train/samples.py: its embedding and norms in bf16, not
-widened to the grid's dtype); a Flux.1 run without T5 is refused grids before anything loads, and
-`vramfit generate --t5 none` likewise."""
+widened to the grid's dtype); a Flux.1 run without T5 is refused grids before anything loads,
+as are missing class images and `vramfit generate --t5 none`."""
 from __future__ import annotations
+
+from PIL import Image
 
 from conftest import train_args
 from vramfit.cli import main
@@ -56,3 +58,29 @@ def test_generate_without_t5_is_refused_for_flux_before_loading(tmp_path, capsys
     err = capsys.readouterr().err
     assert "--t5 none" in err and "--t5 int8" in err and "Traceback" not in err
     assert loads == [] and not any(out.glob("*.png"))
+
+
+def test_flux_class_images_without_t5_are_refused_before_loading(images, tmp_path, cache_root, capsys,
+                                                                 monkeypatch):
+    """Class images are generated with the model: Flux.1 without T5 (model.t5_precision = "none") is
+    refused before loading, naming the keys, while some are missing; with all of them there it loads."""
+    loads = []
+
+    def load(*args, **kwargs):
+        loads.append(1)
+        raise ValueError("the model loads")
+
+    monkeypatch.setattr(FAMILIES["flux"], "load", load)
+    folder = tmp_path / "class"
+    args = train_args(images, tmp_path / "out", cache_root / "flux-no-t5-prior", "train.mode=lora",
+                      "model.t5_precision=none", "prior.class_prompt='a shape'", "prior.num_images=2",
+                      f"prior.class_dir={folder}", model="tiny:flux")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.t5_precision" in err and "prior.class_prompt" in err and "2 of" in err
+    assert "Traceback" not in err and loads == []
+    folder.mkdir()
+    for name in ("a.png", "b.png"):  # the user's own class images: none to generate
+        Image.new("RGB", (64, 64)).save(folder / name)
+    assert main(args) == 2
+    assert "the model loads" in capsys.readouterr().err and loads == [1]

@@ -775,6 +775,10 @@ def run_generate(args) -> int:
                 raise GenerateError(f"{asked.key} applies to the skip-layer guidance of {with_slg} models; "
                                     f"{flag} {text} ({family.display_name}) samples without it: leave "
                                     f"{asked.key} out, or give --slg off")
+            # both models' blocks before either loads: --base would otherwise fail once --model rendered
+            problem = family.skip_layer_problem(ModelConfig(path=text), asked) if family is not None else None
+            if problem:
+                raise GenerateError(f"{problem} (for {flag} {text})")
     if not any(family.has_t5 for family in (model[1], base[1] if base else model[1])):
         with_t5 = " and ".join(f.display_name for f in FAMILIES.values() if f.has_t5)
         for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):

@@ -182,7 +182,8 @@ def _check_encoders(bundle, lora, path, model_path: str) -> None:
         index = TEXT_ENCODERS.index(component)
         leading = bundle.text_encoders[:index + 1]
         if len(leading) <= index or not all(_model_type(e).startswith("clip") for e in leading):
-            has = f"a {_model_type(leading[index])} encoder" if len(leading) > index else "no such encoder"
+            # a T5 is not read here (load_model t5=False): past the CLIPs the model has no CLIP encoder
+            has = f"a {_model_type(leading[index])} encoder" if len(leading) > index else "no CLIP encoder"
             raise ValueError(f"{path}: a LoRA of {component} (text encoder {index + 1}), but {model_path} "
                              f"has {has} there; merge writes merged CLIP text encoders only. Merge a LoRA "
                              "without it")

@@ -126,6 +126,12 @@ class Family(LoraFamily, Protocol):
         """Settings that make no sense for this family (checked before any weight loads)."""
         ...
 
+    def skip_layer_problem(self, model: Any, asked: Any) -> Optional[str]:
+        """Why the model of `model` (model.* settings) cannot take skip-layer guidance `asked`
+        (config.schema.SkipLayerGuidance), read without loading weights; None where it can, or where
+        that shows only once it loads. Families without skip-layer guidance: None (refused before)."""
+        ...
+
     def load(self, source: Source) -> ModelBundle: ...
 
     def load_encoders(self, source: Source) -> tuple[torch.nn.Module, list[torch.nn.Module]]:

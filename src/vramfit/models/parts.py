@@ -23,7 +23,7 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats.safetensors_io import (
     CheckpointError, Lazy, load_prefixed, meta_tensors, read_header, read_tensors,
 )
-from vramfit.memory.quantize import mark_stored, plain_state, quantize_encoder
+from vramfit.memory.quantize import mark_fp8_source, mark_stored, plain_state, quantize_encoder
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
 
@@ -38,10 +38,21 @@ def shipped_config(name: str) -> dict:
 
 def build_checked(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
                   file_key: Optional[Callable[[str], str]] = None):
-    """Instantiate without allocating random weights, then take the checkpoint's tensors."""
+    """Instantiate without allocating random weights, then take the checkpoint's tensors; float8 ones
+    (an fp8 save of the model), which no matmul takes, widened to bfloat16 (exact) one at a time,
+    each linear's marked so that an fp8 LoRA base keeps the file's codes (`mark_fp8_source`)."""
+    e4m3 = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn and t.ndim == 2]
+    for key in [k for k, t in state.items() if t.dtype in _FP8]:
+        state[key] = state[key].to(torch.bfloat16)
     with init_empty_weights():
         model = cls(**config)
-    return assign_state(model, state, what, path, file_key)
+    model = assign_state(model, state, what, path, file_key)
+    modules = dict(model.named_modules()) if e4m3 else {}
+    for key in e4m3:
+        linear = modules.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
+        if isinstance(linear, torch.nn.Linear):
+            mark_fp8_source(linear, torch.ones(linear.weight.shape[0]))
+    return model
 
 
 def check_shapes(model, state: Mapping[str, torch.Tensor], what: str, path: Path,

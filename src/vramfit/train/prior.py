@@ -56,6 +56,22 @@ def slot_buckets(instance_buckets: list[tuple[int, int]], n: int) -> list[tuple[
     return [b for b in buckets for _ in range(given[b])]
 
 
+def sampling_problems(cfg: RunConfig, family) -> list[str]:
+    """Class images missing where the model, as model.t5_precision leaves it, cannot generate them
+    (a family whose pipeline needs T5, T5 left out): found before the model loads."""
+    if not cfg.prior.class_prompt or cfg.model.t5_precision != "none" or not family.has_t5 \
+            or family.samples_without_t5:
+        return []
+    folder = class_dir(cfg)
+    present = _existing(folder) if folder.is_dir() else {}
+    missing = sum(1 for i in range(cfg.prior.num_images) if i not in present)  # as ensure_class_images
+    if not missing:
+        return []
+    return [f"model.t5_precision: \"none\" leaves {family.display_name} without T5, which generating class "
+            f"images (prior.class_prompt) needs: {missing} of prior.num_images = {cfg.prior.num_images} are "
+            f"missing in {folder}; store T5 as int8 or nf4, or put the class images there"]
+
+
 def _existing(folder: Path) -> dict[int, Path]:
     """Slot index -> file for the class images present (slot files and any others, in name order)."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS

@@ -219,7 +219,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
         with ranks.main_first():  # one rank downloads or converts; the others find it done
             source = resolve_source(cfg.model, cache_root(cfg))
         family = detect_family(source, cfg.model.family)
-        problems = family.config_problems(cfg)
+        problems = family.config_problems(cfg) + prior.sampling_problems(cfg, family)
         if problems:
             raise ConfigError(problems, f"config for this {family.name} model")
         # a single file's T5 is stored as model.t5_precision asks while it loads (models/parts.py)

@@ -293,6 +293,10 @@ class FluxFamily:
         else:
             quantize_encoder(bundle.text_encoders[1], mode)
 
+    def skip_layer_problem(self, model, asked) -> Optional[str]:
+        """None: Flux.1 has no skip-layer guidance (skip_layer_refusals refuses it)."""
+        return None
+
     def config_problems(self, cfg) -> list[str]:
         """Settings of another family's objective, refused before any weight loads."""
         problems = [f"train.{name}: applies to the SDXL family's objective; leave it out for Flux.1"

@@ -487,11 +487,16 @@ class SD3Family:
                             "UNets only; SD3 adapters train as 'lora' or 'dora'")
         if cfg.train.mode == "lora" and cfg.lora.conv_rank:
             problems.append("lora.conv_rank: SD3's transformer blocks have no convolutions; leave it out")
-        config = self._transformer_config_of(cfg.model) if cfg.sample.skip_layers.given else None
-        if config is not None:  # else the pipeline checks it once the model is loaded
-            problem = skip_layer_choice(layout_name(config), config["num_layers"], cfg.sample.skip_layers)[1]
-            problems += [problem] if problem else []
-        return problems + resolution_problems(self, cfg)
+        problem = self.skip_layer_problem(cfg.model, cfg.sample.skip_layers)
+        return problems + ([problem] if problem else []) + resolution_problems(self, cfg)
+
+    def skip_layer_problem(self, model, asked: SkipLayerGuidance) -> Optional[str]:
+        """Why the transformer of `model` (model.*) cannot take `asked`, from its config (no weight
+        read); None where it can, or where its config is not found (the pipeline checks it then)."""
+        config = self._transformer_config_of(model) if asked.given else None
+        if config is None:
+            return None
+        return skip_layer_choice(layout_name(config), config["num_layers"], asked)[1]
 
     def _transformer_config_of(self, model) -> Optional[dict]:
         """The transformer config of `model` (model.*) without loading weights: a tiny model's, a single

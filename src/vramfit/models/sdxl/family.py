@@ -114,6 +114,10 @@ class SDXLFamily:
     def detect_diffusers(self, model_index: dict) -> bool:
         return model_index.get("_class_name", "").startswith("StableDiffusionXL")
 
+    def skip_layer_problem(self, model, asked) -> Optional[str]:
+        """None: the SDXL family has no skip-layer guidance (skip_layer_refusals refuses it)."""
+        return None
+
     def config_problems(self, cfg) -> list[str]:
         """SD3-only settings given for an SDXL-family model are refused, not silently ignored."""
         # Values that differ from the defaults, not keys given: a resolved config.toml lists them all.
