@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel
 
 from vramfit.data.synth import make_synthetic_dataset
 
@@ -74,3 +75,18 @@ def read_only_folder(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield folder
     subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture
+def transformer_skip_layers(monkeypatch) -> list:
+    """The `skip_layers` argument of every SD3 transformer call a test makes, in order (None where
+    the call skips none): what skip-layer guidance did."""
+    seen: list = []
+    forward = SD3Transformer2DModel.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("skip_layers"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(SD3Transformer2DModel, "forward", spy)
+    return seen

@@ -167,19 +167,11 @@ def test_lora_loads_in_diffusers(layout, runs, cache_root):
         assert torch.count_nonzero(state[key + ".lora_B.weight"]) > 0  # trained, not the zero init
 
 
-def test_sd35_medium_samples_with_skip_layer_guidance(runs, tmp_path, cache_root, monkeypatch, capsys):
+def test_sd35_medium_samples_with_skip_layer_guidance(runs, tmp_path, cache_root, transformer_skip_layers,
+                                                     capsys):
     """`vramfit generate` on SD3.5 Medium runs a third prediction without layers 7-9 on the first
     steps (skip-layer guidance, as its model card recommends); SD3.5 Large never does."""
-    from diffusers import SD3Transformer2DModel
-
-    seen: list = []
-    forward = SD3Transformer2DModel.forward
-
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("skip_layers"))
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(SD3Transformer2DModel, "forward", spy)
+    seen = transformer_skip_layers
     for layout, want in (("sd3.5-medium", [7, 8, 9]), ("sd3.5-large", None)):
         seen.clear()
         args = ["generate", "--model", f"tiny:{layout}", "--prompt", "a red circle", "--steps", "10",

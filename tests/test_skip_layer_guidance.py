@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from PIL import Image
-from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Pipeline
 
 from conftest import train_args
 from vramfit.cli import main
@@ -54,17 +54,11 @@ def test_off_default_and_own_blocks_reach_the_pipeline(calls, tmp_path, cache_ro
     capsys.readouterr()
 
 
-def test_own_blocks_are_the_ones_the_transformer_leaves_out(tmp_path, cache_root, monkeypatch, capsys):
+def test_own_blocks_are_the_ones_the_transformer_leaves_out(tmp_path, cache_root, transformer_skip_layers,
+                                                            capsys):
     """Not only the arguments: the transformer runs a third prediction without blocks 2 and 5 on
     step 1 (steps between 1% and 20% of 6), and none with --slg off."""
-    seen: list = []
-    forward = SD3Transformer2DModel.forward
-
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("skip_layers"))
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(SD3Transformer2DModel, "forward", spy)
+    seen = transformer_skip_layers
     assert main(_generate(tmp_path, cache_root, "own", "--slg", "2,5")) == 0
     assert seen == [None, None, [2, 5]] + [None] * 4  # step 1's guided call, then its third
     seen.clear()
