@@ -132,7 +132,9 @@ def test_sample_grids_take_the_configs_blocks_and_scale(calls, images, tmp_path,
     assert main(args) == 0
     assert calls == [{"skip_guidance_layers": [1, 4], "skip_layer_guidance_scale": 2.0,
                       "skip_layer_guidance_start": 0.01, "skip_layer_guidance_stop": 0.2}]
-    assert len(list((tmp_path / "out").rglob("samples/step-*.png"))) == 1
+    grids = list((tmp_path / "out").rglob("samples/step-*.png"))
+    assert len(grids) == 1
+    assert Image.open(grids[0]).info.get("skip-layer guidance") == "blocks 1,4, scale 2"  # as generate writes it
     capsys.readouterr()
 
 

@@ -811,9 +811,7 @@ def run_generate(args) -> int:
     if args.negative:
         settings["negative"] = args.negative
     if asked.given:  # the flags as given; the model's default is not written out
-        settings["skip-layer guidance"] = "off" if asked.on is False else ", ".join(
-            part for part in (f"blocks {','.join(map(str, asked.layers))}" if asked.layers else "",
-                              f"scale {asked.scale:g}" if asked.scale is not None else "") if part)
+        settings["skip-layer guidance"] = asked.text
     paths: list[Path] = []
     bar = tqdm(total=per_model * (2 if compare else 1), desc="images", unit="image", disable=not progress)
 

@@ -67,6 +67,16 @@ class SkipLayerGuidance:
         return self.on is not None or self.layers is not None or self.scale is not None
 
     @property
+    def text(self) -> str:
+        """The choice as an image's metadata records it: "off", or the blocks and scale given ("on":
+        the model's own)."""
+        if self.on is False:
+            return "off"
+        parts = [f"blocks {','.join(map(str, self.layers))}" if self.layers else "",
+                 f"scale {self.scale:g}" if self.scale is not None else ""]
+        return ", ".join(p for p in parts if p) or "on"
+
+    @property
     def key(self) -> str:
         """The setting a message about the whole choice names: the first one given."""
         given = [k for k, v in zip(self.keys, (self.on, self.layers, self.scale)) if v is not None]

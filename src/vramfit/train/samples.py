@@ -130,9 +130,11 @@ class SampleGrids:
             free_device_memory(self.device)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:06d}.png"
-        save_png(grid, path, {"step": str(step), "prompts": " | ".join(s.prompts),
-                              "seeds": ", ".join(map(str, s.seeds)), "steps": str(s.steps),
-                              "weights": "ema" if self.weights is not None else "trained"})
+        meta = {"step": str(step), "prompts": " | ".join(s.prompts), "seeds": ", ".join(map(str, s.seeds)),
+                "steps": str(s.steps), "weights": "ema" if self.weights is not None else "trained"}
+        if s.skip_layers.given:  # as generate writes it; the model's default is not written out
+            meta["skip-layer guidance"] = s.skip_layers.text
+        save_png(grid, path, meta)
         self.paths.append(path)
         log.info("sample grid: %s", path)
         return path
