@@ -102,11 +102,6 @@ def _same_key(key: str, keys) -> str:
     return key
 
 
-def only(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A `lazy_state` plan's maker of a renamed tensor: the one tensor as it is."""
-    return parts[0]
-
-
 # Key plans of a transformer's single-file layout: {file key: (the state dict keys it is made of, a
 # function of their tensors)}, built by each family (models/sd3/mmdit.py, models/flux/bfl.py) from
 # these pieces, applied whole (`apply_plan`) or a tensor at a time as it is written (`lazy_state`).
@@ -118,6 +113,7 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
 
 
 def first_part(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A renamed tensor: the one part as it is."""
     return parts[0]
 
 

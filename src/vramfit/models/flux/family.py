@@ -23,14 +23,14 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.lora import lora_ranks, module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
-    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header,
-    save_model_folder, write_text_atomic,
+    CheckpointError, Lazy, begin_folder, commit_folder, eager, file_tensors, load_prefixed, meta_tensors,
+    read_header, save_atomic_lazy, save_model_folder, write_text_atomic,
 )
-from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import mark_fp8_source, quantize_encoder
-from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.adapter import skip_layer_refusals
+from vramfit.models.adapter import (
+    ActivationShape, FileLayout, ModelBundle, Source, resolution_problems, skip_layer_refusals,
+)
 from vramfit.models.flow import DDPM_KEYS, density_from, flow_inputs, flow_snr, loss_weighting, decoder_input
 from vramfit.models.flux.bfl import bfl_names, bfl_plan, bfl_to_diffusers, flux_config_from_keys
 from vramfit.models.flux.kohya import from_kohya_flux, kohya_width, to_kohya_flux
@@ -44,9 +44,8 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, merge_counts, require_tokenizers, save_encoder_folder,
-    t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
+    lazy_state, t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
 )
-from vramfit.models.parts import lazy_state
 
 TRANSFORMER = "model.diffusion_model."
 VAE = "first_stage_model."

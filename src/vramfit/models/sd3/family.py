@@ -30,10 +30,9 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats import ldm_vae
 from vramfit.formats.lora import module_kind, to_diffusers
 from vramfit.formats.safetensors_io import (
-    CheckpointError, begin_folder, commit_folder, load_prefixed, meta_tensors, read_header,
-    save_model_folder, write_text_atomic,
+    CheckpointError, Lazy, begin_folder, commit_folder, eager, file_tensors, load_prefixed, meta_tensors,
+    read_header, save_atomic_lazy, save_model_folder, write_text_atomic,
 )
-from vramfit.formats.safetensors_io import Lazy, eager, file_tensors, save_atomic_lazy
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
@@ -42,10 +41,9 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, load_clip_tokenizers, merge_counts, require_tokenizers,
-    save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder, trained_encoder_states,
-    warn_named_over_own,
+    lazy_state, save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder,
+    trained_encoder_states, warn_named_over_own,
 )
-from vramfit.models.parts import lazy_state
 from vramfit.models.sd3.flow import (
     DEFAULT_LOGIT_MEAN, DEFAULT_LOGIT_STD, DEFAULT_MODE_SCALE, DEFAULT_SCHEME, DEFAULT_SHIFT,
     NUM_TRAIN_TIMESTEPS, flow_inputs, loss_weighting, sample_density, sd3_sigmas,

@@ -25,12 +25,13 @@ from vramfit.formats.safetensors_io import (
 )
 from vramfit.memory.encoder_stream import encoder_on
 from vramfit.formats.lora import to_diffusers
-from vramfit.models.adapter import ActivationShape, FileLayout, ModelBundle, Source, resolution_problems
-from vramfit.models.adapter import skip_layer_refusals
+from vramfit.models.adapter import (
+    ActivationShape, FileLayout, ModelBundle, Source, resolution_problems, skip_layer_refusals,
+)
 from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    lazy_state, load_clip_tokenizers, merge_counts, only, require_tokenizers, save_encoder_folder,
+    first_part, lazy_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
     shipped_config, trained_encoder_states,
 )
 from vramfit.models.sdxl.sgm_unet import (
@@ -313,7 +314,7 @@ class SDXLFamily:
         """The UNet under its SGM keys, each tensor cast to `dtype` only when it is written."""
         keys = {k: k for k in bundle.denoiser.state_dict()}
         names = diffusers_to_sgm_unet(keys, dict(bundle.denoiser.config))  # {SGM key: diffusers key}
-        return lazy_state(bundle.denoiser, {s: ((d,), only) for s, d in names.items()}, dtype, UNET)
+        return lazy_state(bundle.denoiser, {s: ((d,), first_part) for s, d in names.items()}, dtype, UNET)
 
     def save_single_file(self, bundle: ModelBundle, path: Path, dtype: torch.dtype,
                          metadata: dict[str, str]) -> None:
