@@ -37,21 +37,27 @@ def shipped_config(name: str) -> dict:
 
 
 def build_checked(cls, config: dict, state: dict[str, torch.Tensor], what: str, path: Path,
-                  file_key: Optional[Callable[[str], str]] = None):
+                  file_key: Optional[Callable[[str], str]] = None,
+                  fp8_scales: Optional[Mapping[str, torch.Tensor]] = None):
     """Instantiate without allocating random weights, then take the checkpoint's tensors; float8 ones
-    (an fp8 save of the model), which no matmul takes, widened to bfloat16 (exact) one at a time,
-    each linear's marked so that an fp8 LoRA base keeps the file's codes (`mark_fp8_source`)."""
-    e4m3 = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn and t.ndim == 2]
+    (an fp8 save of the model), which no matmul takes, widened to bfloat16 (exact) one at a time.
+    Each linear whose weight the file stored in float8_e4m3fn is marked with its scale per row so
+    that an fp8 LoRA base keeps the file's codes (`mark_fp8_source`): 1 for such tensors of `state`,
+    `fp8_scales` ({state key: scale per row}, not finite where not from fp8) for weights a loader
+    widened already (Flux.1's scaled files)."""
+    scales = {k: v for k, v in (fp8_scales or {}).items() if bool(v.isfinite().all())}
+    scales.update({k: torch.ones(t.shape[0]) for k, t in state.items()
+                   if t.dtype == torch.float8_e4m3fn and t.ndim == 2})
     for key in [k for k, t in state.items() if t.dtype in _FP8]:
         state[key] = state[key].to(torch.bfloat16)
     with init_empty_weights():
         model = cls(**config)
     model = assign_state(model, state, what, path, file_key)
-    modules = dict(model.named_modules()) if e4m3 else {}
-    for key in e4m3:
+    modules = dict(model.named_modules()) if scales else {}
+    for key, scale in scales.items():
         linear = modules.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
         if isinstance(linear, torch.nn.Linear):
-            mark_fp8_source(linear, torch.ones(linear.weight.shape[0]))
+            mark_fp8_source(linear, scale)
     return model
 
 

@@ -27,7 +27,7 @@ from vramfit.formats.safetensors_io import (
     read_header, save_atomic_lazy, save_model_folder, write_text_atomic,
 )
 from vramfit.memory.encoder_stream import encoder_on
-from vramfit.memory.quantize import mark_fp8_source, quantize_encoder
+from vramfit.memory.quantize import quantize_encoder
 from vramfit.models.adapter import (
     ActivationShape, FileLayout, ModelBundle, Source, resolution_problems, skip_layer_refusals,
 )
@@ -192,15 +192,8 @@ class FluxFamily:
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         names = bfl_names(state)
-        model = build_checked(FluxTransformer2DModel, config, state, "transformer", path,
-                              lambda k: prefix + names.get(k, k))
-        for key, scale in rows.items():
-            module = key.removesuffix(".weight")
-            if key.endswith(".weight") and bool(scale.isfinite().all()):
-                linear = model.get_submodule(module)
-                if isinstance(linear, torch.nn.Linear):
-                    mark_fp8_source(linear, scale)
-        return model
+        return build_checked(FluxTransformer2DModel, config, state, "transformer", path,
+                             lambda k: prefix + names.get(k, k), fp8_scales=rows)
 
     def _load_single_file(self, source: Source, t5_precision: Optional[str] = None):
         path = source.path
