@@ -43,8 +43,8 @@ from vramfit.models.flux.variants import VARIANT_DEFAULTS, default_t5_tokens, va
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, encoder_fingerprint, merge_counts, require_tokenizers, save_encoder_folder,
-    lazy_state, t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
+    encoder_file_state, encoder_fingerprint, folder_encoders, lazy_state, merge_counts, require_tokenizers,
+    save_encoder_folder, t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -476,13 +476,8 @@ class FluxFamily:
         """A diffusers Flux folder that FluxPipeline.from_pretrained loads."""
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
-        # the bundle's encoders where T5 is as loaded; a T5 stored quantized or left out for training
-        # (model.t5_precision): the source's, read again as for a bundle whose encoders were dropped
-        own = bundle.vae is not None and bundle.extra.get("t5_precision", "bf16") == "bf16"
-        vae, encoders = (bundle.vae, bundle.text_encoders) if own else self.load_encoders(bundle.source)
+        vae, encoders, trained = folder_encoders(self, bundle, dtype)  # a stored or dropped T5: the source's
         vae.save_pretrained(tmp / "vae")
-        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else []
-        trained += [None] * (len(encoders) - len(trained))  # a T5 left out of the bundle: the source's
         for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
             save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \

@@ -40,8 +40,8 @@ from vramfit.models.flow import DDPM_KEYS, flow_snr, decoder_input
 from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    encoder_file_state, encoder_fingerprint, load_clip_tokenizers, merge_counts, require_tokenizers,
-    lazy_state, save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder,
+    encoder_file_state, encoder_fingerprint, folder_encoders, lazy_state, load_clip_tokenizers, merge_counts,
+    require_tokenizers, save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder,
     trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.sd3.flow import (
@@ -609,14 +609,9 @@ class SD3Family:
         """A diffusers SD3 folder that StableDiffusion3Pipeline.from_pretrained loads."""
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "transformer", dtype)
-        # the bundle's encoders where T5 is as loaded; a T5 stored quantized or left out for training
-        # (model.t5_precision): the source's, read again as for a bundle whose encoders were dropped
-        own = bundle.vae is not None and bundle.extra.get("t5_precision", "bf16") == "bf16"
-        vae, encoders = (bundle.vae, bundle.text_encoders) if own else self.load_encoders(bundle.source)
+        vae, encoders, trained = folder_encoders(self, bundle, dtype)  # a stored or dropped T5: the source's
         vae.save_pretrained(tmp / "vae")
         subs = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else []
-        trained += [None] * (len(encoders) - len(trained))  # a T5 left out of the bundle: the source's
         for sub, enc, own in zip(subs, encoders, trained):
             save_encoder_folder(enc, tmp / sub, own)
         tokenizers = bundle.tokenizers if len(bundle.tokenizers) >= len(encoders) else \

@@ -31,8 +31,8 @@ from vramfit.models.adapter import (
 from vramfit.models.objectives import loss_of, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
-    first_part, lazy_state, load_clip_tokenizers, merge_counts, require_tokenizers, save_encoder_folder,
-    shipped_config, trained_encoder_states,
+    first_part, folder_encoders, lazy_state, load_clip_tokenizers, merge_counts, require_tokenizers,
+    save_encoder_folder, shipped_config, trained_encoder_states,
 )
 from vramfit.models.sdxl.sgm_unet import (
     check_text_time, diffusers_to_sgm_unet, sgm_to_diffusers_unet, unet_config_from_sgm, unet_key_map,
@@ -361,10 +361,8 @@ class SDXLFamily:
 
         tmp = begin_folder(folder)
         save_model_folder(bundle.denoiser, tmp / "unet", dtype)
-        vae, encoders = (bundle.vae, bundle.text_encoders) if bundle.vae is not None else \
-            self.load_encoders(bundle.source)
+        vae, encoders, trained = folder_encoders(self, bundle, dtype)
         vae.save_pretrained(tmp / "vae")
-        trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else [None] * len(encoders)
         for sub, enc, own in zip(("text_encoder", "text_encoder_2"), encoders, trained):
             save_encoder_folder(enc, tmp / sub, own)
         for sub, tok in zip(("tokenizer", "tokenizer_2"), bundle.tokenizers):
