@@ -767,28 +767,29 @@ def run_generate(args) -> int:
                     "families side by side, not a model and its fine-tune", base_text,
                     base[1].display_name, args.model, model[1].display_name)
     asked = asked_skip_layers(args)
+    # (flag, family, model text) of each model named, for the checks before either loads
+    named = [(flag, resolved[1], text) for flag, resolved, text in
+             (("--model", model, args.model), ("--base", base, base_text)) if resolved is not None]
     if asked.given and asked.on is not False:  # off is what a family without it does already
-        for flag, resolved, text in (("--model", model, args.model), ("--base", base, base_text)):
-            family = resolved[1] if resolved is not None else None
-            if family is not None and not family.skip_layer_guidance:
+        for flag, family, text in named:
+            if not family.skip_layer_guidance:
                 with_slg = " and ".join(f.display_name for f in FAMILIES.values() if f.skip_layer_guidance)
                 raise GenerateError(f"{asked.key} applies to the skip-layer guidance of {with_slg} models; "
                                     f"{flag} {text} ({family.display_name}) samples without it: leave "
                                     f"{asked.key} out, or give --slg off")
             # both models' blocks before either loads: --base would otherwise fail once --model rendered
-            problem = family.skip_layer_problem(ModelConfig(path=text), asked) if family is not None else None
+            problem = family.skip_layer_problem(ModelConfig(path=text), asked)
             if problem:
                 raise GenerateError(f"{problem} (for {flag} {text})")
-    if not any(family.has_t5 for family in (model[1], base[1] if base else model[1])):
+    if not any(family.has_t5 for _, family, _ in named):
         with_t5 = " and ".join(f.display_name for f in FAMILIES.values() if f.has_t5)
         for flag, value in (("--t5", args.t5), ("--max-sequence-length", args.max_sequence_length)):
             if value is not None:
                 raise GenerateError(f"{flag} applies to {with_t5} models; {args.model} is an "
                                     f"{model[1].display_name} model")
     if args.t5 == "none":  # before any weight loads: the pipeline would refuse only after
-        for flag, resolved, text in (("--model", model, args.model), ("--base", base, base_text)):
-            family = resolved[1] if resolved is not None else None
-            if family is not None and family.has_t5 and not family.samples_without_t5:
+        for flag, family, text in named:
+            if family.has_t5 and not family.samples_without_t5:
                 raise GenerateError(f"--t5 none: {family.display_name} samples with its T5 encoder ({flag} "
                                     f"{text}); store it smaller with --t5 int8 or --t5 nf4")
     out = _output_folder(Path(args.out))
