@@ -38,7 +38,8 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
   training state's copy of the trained weights (those not at home in CPU memory already) and what
   the checkpoint holds while it is written: a full fine-tune's single file is written a tensor at
   a time from a single-file source (`written_at_once`: about its largest tensor; the whole
-  checkpoint from a diffusers folder); a LoRA's adapter.
+  checkpoint from a diffusers folder); a diffusers-folder save (`diffusers_save_bytes`): its
+  denoiser a tensor at a time and the VAE and encoders read again; a LoRA's adapter.
 On a CPU run the device is this memory: each phase adds the device prediction's peak. Several
 processes on this machine (torchrun, accelerate launch: LOCAL_WORLD_SIZE) each hold all of it.
 

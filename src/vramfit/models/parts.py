@@ -405,9 +405,8 @@ def _store_t5(model, keys: list[str], take: Callable[[list[str]], dict[str, torc
 def _return_freed_memory() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
     A part's bf16 tensors and the quantizer's temporaries, freed once it is stored, would otherwise
-    stay resident between the stored tensors allocated beside them: measured on a float8 T5 of 12
-    blocks (0.7 B values) stored int8, the resident memory grew by 1.9x the stored encoder
-    without it (peak 2.0x), by 1.0x with it (peak 1.2x)."""
+    stay resident between the stored tensors allocated beside them, so that the resident memory
+    grows by about twice the stored encoder (tests/test_t5_load.py bounds it)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
