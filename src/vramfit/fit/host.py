@@ -34,7 +34,7 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
   after caching. The caption and latent caches are on disk and read a batch at a time: no term.
 - samples: the train terms, plus the grid's VAE and encoders reloaded from the file in the grid's
   dtype, T5 stored as it loads (where captions and latents are cached the kept VAE serves).
-- save: the train terms but the offloaded buffers (freed after training), plus the larger of the
+- save: the train terms (saves come between steps too, the step's buffers held), plus the larger of the
   training state's copy of the trained weights (those not at home in CPU memory already) and what
   the checkpoint holds while it is written: a full fine-tune's single file is written a tensor at
   a time from a single-file source (`written_at_once`: about its largest tensor; the whole
