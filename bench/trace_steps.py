@@ -145,10 +145,12 @@ def main(argv=None) -> None:
             log(f"the allocator history overflowed its {MEMORY_ENTRIES} entries: the sums miss what was "
                 "allocated before it (fewer --skip/--active steps keep all of it)")
         torch.cuda.memory._record_memory_history(enabled=None)
+        # pinned CPU memory as torch's caching host allocator holds it (asked for, and reserved)
         peak.update(workload=args.workload, case=args.case, commit=_commit(), step_wall_s=walls,
-                    gpu=torch.cuda.get_device_name())
+                    gpu=torch.cuda.get_device_name(), host_allocator=torch.cuda.host_memory_stats())
         (args.out / f"{tag}.peak.json").write_text(json.dumps(peak, indent=1))
-        print(json.dumps({k: peak[k] for k in ("windows", "peak_bytes", "reached_by", "by_own_frame")},
+        print(json.dumps({k: peak[k] for k in ("windows", "peak_bytes", "reached_by", "by_own_frame",
+                                               "host_allocator")},
                          indent=1)[:6000])
         return
     summary = summarize(trace, walls) if trace.exists() else dict(step_wall_s=walls)

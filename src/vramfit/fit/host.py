@@ -16,6 +16,9 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
   read a tensor at a time without a memory map (formats/safetensors_io.py `read_tensors`): no
   second copy. Not counted: a diffusers folder's from_pretrained maps its other weight files while
   they load (their pages resident meanwhile).
+- fit probe (memory.fit_probe, on a GPU): the models as loaded, and beside them the probe's
+  stand-in denoiser placed as the run places it (the train phase's denoiser terms); its memory is
+  given back before caching (memory/pinned.py: no pinned block stays cached).
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
   pinned: it stays counted).
@@ -243,14 +246,9 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
             parts[f"{processes - 1} more processes"] = (processes - 1) * sum(parts.values())
         phases.append(PhaseEstimate(name, sum(parts.values()), parts))
 
-    add("load", {"denoiser": loaded, "vae": vae, **loaded_encoders(facts, cfg, cpu)})
+    as_loaded = {"denoiser": loaded, "vae": vae, **loaded_encoders(facts, cfg, cpu)}
+    add("load", as_loaded)
     encoders = prepared_encoders(facts, cfg, cpu)
-    if cfg.cache.latents:  # the VAE on the device
-        add("cache_latents", {"denoiser": loaded, **encoders})
-    if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home
-        on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
-        add("cache_text", {"denoiser": loaded, "vae": vae,
-                           "text encoders": sum(encoders.values()) - on_device})
     grids = cfg.sample.grids
     models: dict[str, int] = {}
     if not cfg.cache.text:  # live captions: the encoders wait in CPU memory between uses
@@ -266,7 +264,16 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
               "ema": den.ema}
     placing = {**models, "denoiser cast": den.placed, "unit being pinned": den.largest_unit,
                "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
-    add("train", max(steady, placing, key=lambda d: sum(d.values())))
+    placed = max(steady, placing, key=lambda d: sum(d.values()))
+    if cfg.memory.fit_probe and not cpu:  # before caching: its stand-in placed beside the models as loaded
+        add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in placed.items() if k not in models}})
+    if cfg.cache.latents:  # the VAE on the device
+        add("cache_latents", {"denoiser": loaded, **encoders})
+    if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home
+        on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
+        add("cache_text", {"denoiser": loaded, "vae": vae,
+                           "text encoders": sum(encoders.values()) - on_device})
+    add("train", placed)
     if grids:
         item = weight_item_bytes(cfg)
         reloaded = 0 if cfg.cache.latents and cfg.cache.text else \

@@ -6,6 +6,7 @@ is one /proc read per sample. Cost on CPU-only runs: the sampler thread alone.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import psutil
 import torch
 
 from vramfit.formats.safetensors_io import write_text_atomic
+from vramfit.memory import pinned
 
 GIB = 2**30
 
@@ -72,6 +74,9 @@ class PhaseMemory:
     gpu_peak_allocated: int = 0
     gpu_peak_reserved: int = 0
     rss_peak: int = 0
+    # pinned CPU memory held at the phase's end: torch's caching host allocator's blocks (rounded up,
+    # cached ones too) and the exact-size ones of memory/pinned.py
+    pinned: int = 0
     steps: int = 0
     step_seconds: Optional[float] = None  # median seconds per step, for phases that step
     images_per_second: Optional[float] = None  # training: images a step (batch x accumulation) / median step
@@ -106,6 +111,20 @@ class MemoryReport:
             ips = f"{p.images_per_second:.2f}" if p.images_per_second is not None else "-"
             rows.append(f"{p.name:<14}{alloc:>11}{resv:>11}{p.rss_peak / GIB:>9.2f}G{p.seconds:>8.1f}s{per:>9}{ips:>9}")
         return "\n".join(rows)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")  # glibc: malloc_trim (`return_freed_host_memory`)
+    _LIBC.malloc_trim  # noqa: B018 - musl's libc.so.6, if any, may lack it
+except (OSError, AttributeError):
+    _LIBC = None
+
+
+def return_freed_host_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    freed tensors between live ones otherwise stay resident."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 class _RssSampler(threading.Thread):
@@ -152,6 +171,8 @@ class MemoryTracker:
                 torch.cuda.synchronize(self.device)
                 rec.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
                 rec.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
+                stats = getattr(torch.cuda, "host_memory_stats", dict)()  # not in older torch
+                rec.pinned = stats.get("allocated_bytes.current", 0) + pinned.locked_bytes()
             rec.rss_peak = sampler.stop()
             rec.seconds = time.perf_counter() - t0
             self.report.phases.append(rec)

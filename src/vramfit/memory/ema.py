@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from vramfit.memory import pinned
 from vramfit.memory.stochastic_rounding import copy_stochastic_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -102,8 +103,7 @@ class EMA:
         if self._staging is None:
             self._staging = {}
             for n, p in self.params.items():
-                t = torch.empty(p.shape, dtype=p.dtype)
-                self._staging[n] = t.pin_memory() if p.device.type == "cuda" else t
+                self._staging[n] = pinned.empty(p.numel(), p.dtype, pin=p.device.type == "cuda").view(p.shape)
         return self._staging
 
     def _apply_after(self, event, d: float, values: dict[str, torch.Tensor]) -> None:

@@ -36,6 +36,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from vramfit.memory import pinned
 from vramfit.memory.accounting import CopyCounters, concrete_device, tensor_bytes
 
 # T5EncoderModel; CLIPTextModelWithProjection; CLIPTextModel (transformers 5 has no text_model in it)
@@ -75,7 +76,7 @@ def _map_parts(t: torch.Tensor, fn) -> torch.Tensor:
 def _pinned(t: torch.Tensor) -> torch.Tensor:
     if all(p.is_pinned() for p in plain_parts(t)):
         return t
-    return _map_parts(t.detach(), lambda p: p if p.is_pinned() else p.pin_memory())
+    return _map_parts(t.detach(), lambda p: p if p.is_pinned() else pinned.copy_of(p))
 
 
 def _copy_to(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:

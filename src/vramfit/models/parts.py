@@ -8,7 +8,6 @@ family's folder.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 from importlib import resources
@@ -23,6 +22,7 @@ from vramfit.formats import clip as clipfmt
 from vramfit.formats.safetensors_io import (
     CheckpointError, Lazy, load_prefixed, meta_tensors, read_header, read_tensors,
 )
+from vramfit.memory.accounting import return_freed_host_memory
 from vramfit.memory.quantize import mark_fp8_source, mark_stored, plain_state, quantize_encoder
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
@@ -209,11 +209,6 @@ def clip_text_model(state: dict, act: str, projection: bool, path: Path):
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")  # glibc: malloc_trim (`_return_freed_memory`)
-    _LIBC.malloc_trim  # noqa: B018 - musl's libc.so.6, if any, may lack it
-except (OSError, AttributeError):
-    _LIBC = None
 
 
 def t5_config_from_keys(sd: dict[str, torch.Tensor]) -> dict:
@@ -403,12 +398,11 @@ def _store_t5(model, keys: list[str], take: Callable[[list[str]], dict[str, torc
 
 
 def _return_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
-    A part's bf16 tensors and the quantizer's temporaries, freed once it is stored, would otherwise
+    """Give the C heap's free pages back (memory/accounting.py `return_freed_host_memory`). A
+    part's bf16 tensors and the quantizer's temporaries, freed once it is stored, would otherwise
     stay resident between the stored tensors allocated beside them, so that the resident memory
     grows by about twice the stored encoder (tests/test_t5_load.py bounds it)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    return_freed_host_memory()
 
 
 def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

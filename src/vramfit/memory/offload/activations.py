@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from vramfit.memory import pinned
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload.units import StreamStats
 
@@ -87,7 +88,7 @@ class ActivationOffload:
             # (train/graphs.py), so this is a save that call did not make
             raise RuntimeError(f"offloaded activations: a {dtype} tensor of {numel} values saved only "
                                "while recording has no pinned buffer")
-        buffer = HostBuffer(torch.empty(numel, dtype=dtype, pin_memory=self.cuda))
+        buffer = HostBuffer(pinned.empty(numel, dtype, pin=self.cuda))
         self.buffers.append(buffer)
         return buffer
 

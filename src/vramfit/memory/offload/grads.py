@@ -54,6 +54,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from vramfit.memory import pinned
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload.slots import SlotPool, use_count
 from vramfit.memory.offload.units import StreamStats, Unit
@@ -96,6 +97,7 @@ class GradsHome:
         self._home: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
         self._home_summed: set[int] = set()
         self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._staging: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -215,15 +217,17 @@ class GradsHome:
             return
         self.stats.grads_moved += 1
         if self.steps is not None:  # summed at home when backward ends (on the CPU: now)
-            self._staged.append((p, self._copy_home(grad) if self.cuda else grad))
+            self._staged.append((p, self._copy_home(grad, self._staging_of(unit, p)) if self.cuda else grad))
             if not self.cuda:
                 self._add_staged()
             return
         self._moved.append((p, self._copy_home(grad)))
 
-    def _copy_home(self, grad: torch.Tensor) -> torch.Tensor:
-        """A new CPU tensor (pinned on CUDA) that `grad` is copied into, on the copy-home stream."""
-        host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
+    def _copy_home(self, grad: torch.Tensor, host: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`host` (else a new CPU tensor, pinned on CUDA) that `grad` is copied into, on the
+        copy-home stream."""
+        if host is None:
+            host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
             self.back.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.back):
@@ -383,6 +387,15 @@ class GradsHome:
                 trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda)
         return kept[1][key]
 
+    def _staging_of(self, unit: Unit, p: nn.Parameter) -> torch.Tensor:
+        """Where `p`'s gradient is copied home before it is added into its sum: a kept pinned
+        buffer per dtype of the unit (made at its first use, exactly its size), a view per weight."""
+        kept = self._staging.get(unit.index)
+        if kept is None:
+            trained = [q for q in unit.params if q.requires_grad]
+            kept = self._staging[unit.index] = _kept_sums(trained, {id(q): q.dtype for q in trained}, pin=True)
+        return kept[1][id(p)]
+
     def _add_staged(self) -> None:
         """The gradients copied home in this backward into their sums (the copies are done): the
         first one of a step copied in, the later ones added."""
@@ -436,7 +449,7 @@ def _kept_sums(params: list[nn.Parameter], dtypes: dict[int, torch.dtype], *, de
     sizes: dict[torch.dtype, int] = {}
     for p in params:
         sizes[dtypes[id(p)]] = sizes.get(dtypes[id(p)], 0) + p.numel()
-    buffers = {dtype: torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
+    buffers = {dtype: pinned.zeros(n, dtype, pin=pin) if pin else torch.zeros(n, dtype=dtype, device=device)
                for dtype, n in sizes.items()}
     offsets = dict.fromkeys(buffers, 0)
     views = {}

@@ -55,6 +55,8 @@ class Unit:
     homed: Optional[object] = None  # CUDA event: the stepped values' copy back home is done
     owner: Optional["Unit"] = None  # of a one-weight unit fetched again alone (grads.py `_fetch_alone`)
     slot: Optional[Slot] = None  # where its copy (fetched, or kept for its gradients) is
+    # the buffers (one per dtype) its homes are views of, in order (weights.py `_homes_of`); None: apart
+    packed: Optional[dict] = None
 
     def position(self, p: nn.Parameter) -> int:
         return next(i for i, q in enumerate(self.params) if q is p)

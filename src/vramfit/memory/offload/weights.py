@@ -34,6 +34,7 @@ from torch import nn
 
 from vramfit.config.load import ConfigError
 from vramfit.config.schema import MemoryConfig
+from vramfit.memory import pinned
 from vramfit.memory.accounting import concrete_device, tensor_bytes
 from vramfit.memory.offload.activations import ActivationOffload, HostBuffer
 from vramfit.memory.offload.grads import GradsHome
@@ -104,10 +105,10 @@ class WeightStreamer:
         for name, module in named:
             params = [p for p in module.parameters() if streamed(p) and id(p) not in seen]
             seen.update(id(p) for p in params)
-            homes = [self._to_home(p.data) for p in params]
+            packed, homes = self._homes_of(params)
             for p, home in zip(params, homes):
                 p.data = home
-            unit = Unit(len(self.units), name, params, homes, sum(tensor_bytes(h) for h in homes))
+            unit = Unit(len(self.units), name, params, homes, sum(tensor_bytes(h) for h in homes), packed=packed)
             self.units.append(unit)
             self._hook_calls(module, unit, {id(p) for p in params})
         self._move_resident(seen)
@@ -179,6 +180,22 @@ class WeightStreamer:
         self.slots.forget_events()
 
     # ---- placement ---------------------------------------------------------------------------
+
+    def _homes_of(self, params: list[nn.Parameter]) -> tuple[Optional[dict[torch.dtype, torch.Tensor]],
+                                                              list[torch.Tensor]]:
+        """A unit's homes, and the buffers that hold them: one per dtype, in order (on CUDA pinned,
+        exactly its size: memory/pinned.py), so that a fetch copies each buffer whole, one copy
+        instead of one a weight. Copies: never the caller's storage."""
+        packed = {dtype: pinned.empty(n, dtype, pin=self.cuda) for dtype, n in layout([p.data for p in params]).items()}
+        offsets = dict.fromkeys(packed, 0)
+        homes = []
+        for p in params:
+            t = p.data
+            home = packed[t.dtype].narrow(0, offsets[t.dtype], t.numel()).view(t.shape)
+            home.copy_(t)
+            offsets[t.dtype] += t.numel()
+            homes.append(home)
+        return packed, homes
 
     def _to_home(self, t: torch.Tensor) -> torch.Tensor:
         home = t.detach().to("cpu").contiguous()
@@ -261,11 +278,14 @@ class WeightStreamer:
                     self.side.wait_event(event)
             slot.read_home = unit.homed = None
         with torch.cuda.stream(self.side) if self.cuda else nullcontext():
+            for dtype, home in (unit.packed or {}).items():  # the homes in the slot's order: whole
+                buffers[dtype].narrow(0, 0, home.numel()).copy_(home, non_blocking=self.cuda)
             offsets = dict.fromkeys(buffers, 0)
             views = []
             for h in unit.homes:
                 view = buffers[h.dtype].narrow(0, offsets[h.dtype], h.numel()).view(h.shape)
-                view.copy_(h, non_blocking=self.cuda)
+                if unit.packed is None:
+                    view.copy_(h, non_blocking=self.cuda)
                 offsets[h.dtype] += h.numel()
                 views.append(view)
             if self.cuda:
@@ -316,6 +336,7 @@ class WeightStreamer:
             if p.data_ptr() != unit.homes[i].data_ptr():
                 unit.homes[i] = self._to_home(p.data)
                 p.data = unit.homes[i]
+                unit.packed = None  # the homes are no longer the buffers' views: copied one by one
 
     def _bind(self, unit: Unit) -> None:
         unit.await_copy(self.device)
