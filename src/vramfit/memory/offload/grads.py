@@ -35,7 +35,7 @@ device with it: a bf16 gradient's fp32 sum as a part the step adds in fp32 (move
 at a time, by `step_now`), else added into the gradient. A weight whose gradient came only from
 earlier micro-batches hands its sum to the hooks' `finish`. Costs the streamed trained weights'
 values in the sum's dtype of pinned CPU memory, kept, and one micro-batch's gradients staged beside
-them. On ("device"):
+them (kept too, a buffer per dtype a unit; all of exactly their size: memory/pinned.py). On ("device"):
 they stay on the device, added into kept sums (one buffer per dtype a unit, made at the first
 gradient of that unit and kept, as slots are, until `drop`) as each gradient arrives: bf16 with
 train.stochastic_rounding as optim/in_backward.py sums (fp32 add, stochastic rounding), else added
