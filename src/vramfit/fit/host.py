@@ -63,6 +63,7 @@ from vramfit.config.schema import RunConfig, parse_size
 from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
 from vramfit.fit.model_facts import (EncoderFacts, ModelFacts, encoder_bytes, sampled_encoder_bytes,
                                      weight_item_bytes)
+from vramfit.memory.offload.staging import SHEETS
 from vramfit.train.distributed import launched_world
 
 BASELINE = 470 * MIB  # about: RSS after importing torch (CPU build), vramfit.run, diffusers, transformers
@@ -175,12 +176,13 @@ def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
     pinned CPU memory (memory.streamed_grad_sums not "device", memory/offload/grads.py). A full
     fine-tune trains every streamed weight: a value per value at home, fp32 for bf16 weights with
     train.stochastic_rounding (twice the homes' bytes), else in their dtype (the homes' bytes); on a
-    GPU, one micro-batch's gradients copied home beside them until backward ends (the homes' bytes)."""
+    GPU, the sheets the gradients are copied into on their way (memory/offload/staging.py: SHEETS
+    x the largest unit)."""
     t = cfg.train
     if not (streamed_step_on_device(cfg) and t.grad_accum > 1) or cfg.memory.streamed_grad_sums == "device":
         return 0
     widened = 2 if t.precision == "full_bf16" and t.stochastic_rounding else 1
-    return den.streamed * widened + (0 if cpu else den.streamed)
+    return den.streamed * widened + (0 if cpu else SHEETS * den.largest_unit)
 
 
 def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int:

@@ -26,16 +26,17 @@ is fetched again alone, on the compute stream.
 
 Accumulation (several micro-batches a step) while stepping on the device. `sums_on_device` off
 (memory.streamed_grad_sums = "home"): the gradients of the earlier micro-batches are copied home
-(pinned) as above and, when backward ends, added on the CPU into kept sums in pinned CPU memory (a
-buffer per dtype a unit, the first gradient copied in): fp32 for bf16 gradients with
+into a few kept pinned sheets and added on the CPU, by a worker thread while backward goes on
+(staging.py), into kept sums in pinned CPU memory (a buffer per dtype a unit, the first gradient
+copied in; all exactly their size: memory/pinned.py): fp32 for bf16 gradients with
 train.stochastic_rounding, so the sum is exact and needs no rounding pass (a plain add: about a
 tenth of the cost of the fp32 add with stochastic rounding the hooks' bf16 sums pay), else in the
 gradient's dtype, as autograd would sum them. When the last micro-batch steps the sum goes to the
 device with it: a bf16 gradient's fp32 sum as a part the step adds in fp32 (moved there one tensor
 at a time, by `step_now`), else added into the gradient. A weight whose gradient came only from
 earlier micro-batches hands its sum to the hooks' `finish`. Costs the streamed trained weights'
-values in the sum's dtype of pinned CPU memory, kept, and one micro-batch's gradients staged beside
-them (kept too, a buffer per dtype a unit; all of exactly their size: memory/pinned.py). On ("device"):
+values in the sum's dtype of pinned CPU memory, kept, and the sheets (staging.py SHEETS x the
+largest unit's values). On ("device"):
 they stay on the device, added into kept sums (one buffer per dtype a unit, made at the first
 gradient of that unit and kept, as slots are, until `drop`) as each gradient arrives: bf16 with
 train.stochastic_rounding as optim/in_backward.py sums (fp32 add, stochastic rounding), else added
@@ -56,7 +57,8 @@ from torch import nn
 
 from vramfit.memory import pinned
 from vramfit.memory.accounting import tensor_bytes
-from vramfit.memory.offload.slots import SlotPool, use_count
+from vramfit.memory.offload.slots import SlotPool, layout, use_count
+from vramfit.memory.offload.staging import StagedSums
 from vramfit.memory.offload.units import StreamStats, Unit
 
 
@@ -96,8 +98,7 @@ class GradsHome:
         # home of this backward's gradients, added into the sums when it ends
         self._home: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
         self._home_summed: set[int] = set()
-        self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self._staging: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
+        self._staging: Optional[StagedSums] = None  # on CUDA: the copies home on their way into the sums
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -141,9 +142,8 @@ class GradsHome:
         self._gathering = None
         self._sums.clear()
         self._summed.clear()
-        if self.cuda and self._staged:
-            self.back.synchronize()  # their copies home are done before their memory goes
-        self._staged.clear()
+        if self._staging is not None:
+            self._staging.drop()  # no addition into the sums still runs before they go
         self._home.clear()
         self._home_summed.clear()
 
@@ -216,18 +216,22 @@ class GradsHome:
             self._add_to_sum(unit, p, grad)
             return
         self.stats.grads_moved += 1
-        if self.steps is not None:  # summed at home when backward ends (on the CPU: now)
-            self._staged.append((p, self._copy_home(grad, self._staging_of(unit, p)) if self.cuda else grad))
-            if not self.cuda:
-                self._add_staged()
+        if self.steps is not None:  # into its sum at home: behind its copy there (on the CPU: now)
+            first = id(p) not in self._home_summed
+            self._home_summed.add(id(p))
+            total = self._home_sum_of(id(p))
+            if self.cuda:
+                self._staged_sums().add(total, grad, unit, first)
+            elif first:
+                total.copy_(grad)
+            else:
+                total.add_(grad)
             return
         self._moved.append((p, self._copy_home(grad)))
 
-    def _copy_home(self, grad: torch.Tensor, host: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`host` (else a new CPU tensor, pinned on CUDA) that `grad` is copied into, on the
-        copy-home stream."""
-        if host is None:
-            host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
+    def _copy_home(self, grad: torch.Tensor) -> torch.Tensor:
+        """A new CPU tensor (pinned on CUDA) that `grad` is copied into, on the copy-home stream."""
+        host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
         if self.cuda:
             self.back.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.back):
@@ -387,26 +391,20 @@ class GradsHome:
                 trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda)
         return kept[1][key]
 
-    def _staging_of(self, unit: Unit, p: nn.Parameter) -> torch.Tensor:
-        """Where `p`'s gradient is copied home before it is added into its sum: a kept pinned
-        buffer per dtype of the unit (made at its first use, exactly its size), a view per weight."""
-        kept = self._staging.get(unit.index)
-        if kept is None:
-            trained = [q for q in unit.params if q.requires_grad]
-            kept = self._staging[unit.index] = _kept_sums(trained, {id(q): q.dtype for q in trained}, pin=True)
-        return kept[1][id(p)]
+    def _staged_sums(self) -> StagedSums:
+        """The sheets gradients wait in between their copy home and their sum (staging.py), as
+        large as the largest unit's trained values of each dtype; made at first use."""
+        if self._staging is None:
+            sizes: dict[torch.dtype, int] = {}
+            for unit in self.units:
+                for dtype, n in layout([p for p in unit.params if p.requires_grad]).items():
+                    sizes[dtype] = max(sizes.get(dtype, 0), n)
+            self._staging = StagedSums(sizes, self.back)
+        return self._staging
 
-    def _add_staged(self) -> None:
-        """The gradients copied home in this backward into their sums (the copies are done): the
-        first one of a step copied in, the later ones added."""
-        staged, self._staged = self._staged, []
-        for p, grad in staged:
-            total = self._home_sum_of(id(p))
-            if id(p) in self._home_summed:
-                total.add_(grad)
-            else:
-                total.copy_(grad)
-                self._home_summed.add(id(p))
+    def staging_bytes(self) -> int:
+        """Pinned bytes of the sheets gradients wait in on their way into the sums at home."""
+        return 0 if self._staging is None else self._staging.nbytes()
 
     def home_sum_buffers(self) -> list[torch.Tensor]:
         """The kept sums in CPU memory (a buffer per dtype a unit)."""
@@ -429,8 +427,8 @@ class GradsHome:
         if self.cuda and not self.recording:
             self.side.synchronize()  # no copy may still read a home the optimizer will change
             self.back.synchronize()
-        if self._staged:
-            self._add_staged()
+        if self._staging is not None:
+            self._staging.wait()  # every earlier micro-batch's gradient in its sum
         for p, grad in self._stash.items():
             p.grad = grad
         self._stash.clear()
