@@ -11,6 +11,8 @@ Not run in CI.
 
 usage: python bench/budget_sweep.py {ssd1b,sd3m} --out DIR [--budgets 2,3,4,6,8] [--steps 3] [--seed]
        [--tiny]
+       python bench/budget_sweep.py {ssd1b,sd3m} --out DIR --from ROWS.json [ROWS.json ...]
+         (the table and plot again from earlier runs' rows, joined by budget: the later file's row wins)
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def row_of(budget: str, report: dict) -> dict:
                 train_reserved_gib=round(train["gpu_peak_reserved"] / GIB, 2),
                 max_reserved_gib=round(max(p["gpu_peak_reserved"] for p in phases) / GIB, 2),
                 peak_rss_gib=round(max(p["rss_peak"] for p in phases) / GIB, 2),
+                pinned_gib=round(max(p.get("pinned", 0) for p in phases) / GIB, 2),
                 s_per_image=round(1 / ips, 4) if ips else None)
 
 
@@ -72,14 +75,16 @@ def seed_point(example: str, steps: int, tiny: bool) -> Optional[dict]:
 
 def markdown(example: str, rows: list[dict], seed: Optional[dict]) -> str:
     lines = [f"### {EXAMPLES[example][0]} under a budget", "",
-             "| budget | planner's choice | train alloc GiB | train resv GiB | max resv GiB | peak RSS GiB | s / image |",
-             "|---|---|---|---|---|---|---|"]
+             "| budget | planner's choice | train alloc GiB | train resv GiB | max resv GiB | peak RSS GiB "
+             "| pinned GiB | s / image |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['budget']} | failed: {r['note'][-200:]!r} | | | | | |")
+            lines.append(f"| {r['budget']} | failed: {r['note'][-200:]!r} | | | | | | |")
             continue
         lines.append(f"| {r['budget']} | {r['choice'] or 'as written'} | {r['train_alloc_gib']} | "
-                     f"{r['train_reserved_gib']} | {r['max_reserved_gib']} | {r['peak_rss_gib']} | {r['s_per_image']} |")
+                     f"{r['train_reserved_gib']} | {r['max_reserved_gib']} | {r['peak_rss_gib']} | "
+                     f"{r.get('pinned_gib', '')} | {r['s_per_image']} |")
     if seed:
         lines += ["", f"Seed recipe: {seed['peak_gib']} GiB peak allocated, {seed['s_per_image']} s per image."]
     return "\n".join(lines) + "\n"
@@ -117,7 +122,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", action="store_true", help="also measure the seed recipe's point")
     ap.add_argument("--tiny", action="store_true", help="tiny models at 64x64 on the CPU (checks the script)")
+    ap.add_argument("--from", dest="sources", nargs="+", type=Path, help="rows of earlier runs: no run")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sources:
+        rows, seed = joined(args.sources)
+        report(args.example, rows, seed, args.out)
+        return
     toml, default_budgets, res, _ = EXAMPLES[args.example]
     res = 64 if args.tiny else res
     ckpt = checkpoint(args.example, args.work, args.tiny)
@@ -127,24 +138,40 @@ def main() -> None:
     if args.tiny:
         base += ["train.device=cpu", "data.bucket_step=32", "train.batch_size=1", "train.grad_accum=2",
                  "sample.steps=2"]
-    args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     out = args.out / f"budget_{args.example}.json"
     for gib in (args.budgets or default_budgets).split(","):
         budget = f"{gib}GiB"
         log(f"{args.example} at {budget} ...")
-        report = run_train(ROOT / "examples" / toml, [*base, f"memory.vram_budget={budget}"],
+        memory = run_train(ROOT / "examples" / toml, [*base, f"memory.vram_budget={budget}"],
                            args.work / f"run-{args.example}-{gib}", echo=False)
-        rows.append(row_of(budget, report))
+        rows.append(row_of(budget, memory))
         log(json.dumps({k: v for k, v in rows[-1].items() if k != "command"}))
         out.write_text(json.dumps({"example": toml, "rows": rows}, indent=2))  # kept if a later one is cut
     seed = seed_point(args.example, args.steps, args.tiny) if args.seed else None
     out.write_text(json.dumps({"example": toml, "rows": rows, "seed": seed}, indent=2))
-    table = markdown(args.example, rows, seed)
-    (args.out / f"budget_{args.example}.md").write_text(table)
+    report(args.example, rows, seed, args.out)
+
+
+def joined(sources: list[Path]) -> tuple[list[dict], Optional[dict]]:
+    """The rows of several runs' JSON by budget (a later file's row replaces an earlier one's), in
+    budget order, and the last seed point found."""
+    by_budget: dict[str, dict] = {}
+    seed = None
+    for path in sources:
+        data = json.loads(path.read_text())
+        by_budget.update({r["budget"]: r for r in data["rows"]})
+        seed = data.get("seed") or seed
+    return sorted(by_budget.values(), key=lambda r: float(r["budget"].removesuffix("GiB"))), seed
+
+
+def report(example: str, rows: list[dict], seed: Optional[dict], out: Path) -> None:
+    """The markdown table (printed too) and, where matplotlib is installed, the plot."""
+    table = markdown(example, rows, seed)
+    (out / f"budget_{example}.md").write_text(table)
     print(table)
-    if plot(args.example, rows, seed, args.out / f"budget_{args.example}.png"):
-        log(f"plot: {args.out / f'budget_{args.example}.png'}")
+    if plot(example, rows, seed, out / f"budget_{example}.png"):
+        log(f"plot: {out / f'budget_{example}.png'}")
 
 
 if __name__ == "__main__":
