@@ -80,3 +80,26 @@ def test_streamed_homes_packed_per_unit_and_fetched_whole():
     assert unit.packed is None and torch.equal(model.transformer_blocks[1].weight, replaced)
     assert torch.equal(model.transformer_blocks[1].bias, values["transformer_blocks.1.bias"])
     streamer.release_all()
+
+
+@pytest.mark.gpu
+def test_cuda_a_refused_lock_falls_back_to_torchs_pinned_memory(monkeypatch, caplog):
+    """Where the driver refuses to lock, the block is torch's pinned memory (with one warning), and
+    CUDA work goes on."""
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(pinned._Locked, "warned", False)
+    locked = pinned.locked_bytes()
+    t = pinned.zeros(1000, torch.float32, device=torch.device("cuda"))
+    assert t.is_pinned() and pinned.locked_bytes() == locked
+    assert "refused to lock" in caplog.text
+    assert torch.equal(t.to("cuda", non_blocking=True).cpu(), torch.zeros(1000))

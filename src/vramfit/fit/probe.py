@@ -29,6 +29,7 @@ from vramfit.config.rules import streamed_sums_on_device
 from vramfit.config.schema import RunConfig
 from vramfit.fit.model_facts import read_facts
 from vramfit.fit.planner import PlanError, budget_of, choose, setting
+from vramfit.memory import pinned
 from vramfit.memory.accounting import return_freed_host_memory
 from vramfit.memory.ema import EMA
 from vramfit.optim.build import build_optimizer, build_schedule
@@ -153,6 +154,7 @@ def fit_probe(family, bundle, cfg: RunConfig, device: torch.device, buckets: lis
         return None
     finally:
         free_device_memory(device)
+        pinned.release_deferred()
         return_freed_host_memory()  # the stand-in's host memory, before the run's own is made
         if cfg.train.cuda_graphs is True and device.type == "cuda":
             # the cuBLAS workspaces the probe's recordings made would pin their pool through caching

@@ -103,7 +103,8 @@ class EMA:
         if self._staging is None:
             self._staging = {}
             for n, p in self.params.items():
-                self._staging[n] = pinned.empty(p.numel(), p.dtype, pin=p.device.type == "cuda").view(p.shape)
+                self._staging[n] = pinned.empty(p.numel(), p.dtype, pin=p.device.type == "cuda",
+                                                 device=p.device).view(p.shape)
         return self._staging
 
     def _apply_after(self, event, d: float, values: dict[str, torch.Tensor]) -> None:

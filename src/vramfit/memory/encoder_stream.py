@@ -73,10 +73,10 @@ def _map_parts(t: torch.Tensor, fn) -> torch.Tensor:
     return type(t).__tensor_unflatten__({n: _map_parts(getattr(t, n), fn) for n in names}, ctx, t.size(), t.stride())
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if all(p.is_pinned() for p in plain_parts(t)):
         return t
-    return _map_parts(t.detach(), lambda p: p if p.is_pinned() else pinned.copy_of(p))
+    return _map_parts(t.detach(), lambda p: p if p.is_pinned() else pinned.copy_of(p, device))
 
 
 def _copy_to(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
@@ -183,14 +183,14 @@ class EncoderStreamer:
 
     def _pin_homes(self) -> None:
         for group in self.groups:
-            pinned: dict[int, torch.Tensor] = {}  # id(old home) -> its pinned replacement
+            replaced: dict[int, torch.Tensor] = {}  # id(old home) -> its pinned replacement
             for e in group.entries:
                 key = id(e.home)
-                if key not in pinned:
-                    t = _pinned(e.home)
-                    pinned[key] = e.home if t is e.home else \
+                if key not in replaced:
+                    t = _pinned(e.home, self.device)
+                    replaced[key] = e.home if t is e.home else \
                         nn.Parameter(t, requires_grad=False) if e.kind == "_parameters" else t
-                e.home = pinned[key]
+                e.home = replaced[key]
                 getattr(e.module, e.kind)[e.name] = e.home
 
     # ---- per layer ------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class ActivationOffload:
             # (train/graphs.py), so this is a save that call did not make
             raise RuntimeError(f"offloaded activations: a {dtype} tensor of {numel} values saved only "
                                "while recording has no pinned buffer")
-        buffer = HostBuffer(pinned.empty(numel, dtype, pin=self.cuda))
+        buffer = HostBuffer(pinned.empty(numel, dtype, pin=self.cuda, device=self.device))
         self.buffers.append(buffer)
         return buffer
 

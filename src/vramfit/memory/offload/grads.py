@@ -388,7 +388,7 @@ class GradsHome:
         if kept is None:
             trained = [p for p in unit.params if p.requires_grad]
             kept = self._home[unit.index] = _kept_sums(
-                trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda)
+                trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda, device=self.device)
         return kept[1][key]
 
     def _staged_sums(self) -> StagedSums:
@@ -399,7 +399,7 @@ class GradsHome:
             for unit in self.units:
                 for dtype, n in layout([p for p in unit.params if p.requires_grad]).items():
                     sizes[dtype] = max(sizes.get(dtype, 0), n)
-            self._staging = StagedSums(sizes, self.back)
+            self._staging = StagedSums(sizes, self.back, self.device)
         return self._staging
 
     def staging_bytes(self) -> int:
@@ -443,11 +443,12 @@ class GradsHome:
 
 
 def _kept_sums(params: list[nn.Parameter], dtypes: dict[int, torch.dtype], *, device=None, pin: bool = False):
-    """Zeroed buffers, one per dtype (of `dtypes`, by parameter id), and a view of them per parameter."""
+    """Zeroed buffers, one per dtype (of `dtypes`, by parameter id), and a view of them per parameter:
+    on `device`, or with `pin` in pinned CPU memory for copies to and from `device`."""
     sizes: dict[torch.dtype, int] = {}
     for p in params:
         sizes[dtypes[id(p)]] = sizes.get(dtypes[id(p)], 0) + p.numel()
-    buffers = {dtype: pinned.zeros(n, dtype, pin=pin) if pin else torch.zeros(n, dtype=dtype, device=device)
+    buffers = {dtype: pinned.zeros(n, dtype, device=device) if pin else torch.zeros(n, dtype=dtype, device=device)
                for dtype, n in sizes.items()}
     offsets = dict.fromkeys(buffers, 0)
     views = {}

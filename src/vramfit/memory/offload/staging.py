@@ -33,8 +33,9 @@ class _Sheet:
     """Pinned buffers (one per dtype) that gradients are copied into in arrival order, and what
     each one is added into."""
 
-    def __init__(self, sizes: dict[torch.dtype, int], pin: bool):
-        self.buffers = {dtype: pinned.empty(n, dtype, pin=pin) for dtype, n in sizes.items()}
+    def __init__(self, sizes: dict[torch.dtype, int], device: Optional[torch.device]):
+        self.buffers = {dtype: pinned.empty(n, dtype, pin=device is not None, device=device)
+                        for dtype, n in sizes.items()}
         self.used = dict.fromkeys(self.buffers, 0)
         self.owner: Optional[object] = None  # the unit whose gradients it holds
         self.entries: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (sum, staged copy, first)
@@ -69,12 +70,13 @@ def _add(entries: list[tuple[torch.Tensor, torch.Tensor, bool]], copied) -> None
 
 
 class StagedSums:
-    """Adds gradients on the device into sums in CPU memory, through kept pinned sheets of
-    `sizes` values per dtype (at least the largest gradient's), copied on the stream `back`
-    (None: no copy stream, the copy into the sheet is a plain one; used off CUDA by the tests)."""
+    """Adds gradients on `device` into sums in CPU memory, through kept pinned sheets of `sizes`
+    values per dtype (at least the largest gradient's), copied on the stream `back` (None for both:
+    no copy stream, plain memory, the copy into the sheet a plain one; used off CUDA by the tests)."""
 
-    def __init__(self, sizes: dict[torch.dtype, int], back: Optional[torch.cuda.Stream], sheets: int = SHEETS):
-        self.sizes, self.back, self.count = dict(sizes), back, max(2, sheets)
+    def __init__(self, sizes: dict[torch.dtype, int], back: Optional[torch.cuda.Stream],
+                 device: Optional[torch.device] = None, sheets: int = SHEETS):
+        self.sizes, self.back, self.device, self.count = dict(sizes), back, device, max(2, sheets)
         self.sheets: list[_Sheet] = []
         self._filling: Optional[_Sheet] = None
         self._out: list[_Sheet] = []  # handed to the worker, oldest first
@@ -155,6 +157,6 @@ class StagedSums:
         if free is not None:
             return free
         if len(self.sheets) < self.count:
-            self.sheets.append(_Sheet(self.sizes, pin=self.back is not None))
+            self.sheets.append(_Sheet(self.sizes, self.device))
             return self.sheets[-1]
         return self._reclaim()

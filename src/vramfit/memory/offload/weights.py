@@ -186,7 +186,8 @@ class WeightStreamer:
         """A unit's homes, and the buffers that hold them: one per dtype, in order (on CUDA pinned,
         exactly its size: memory/pinned.py), so that a fetch copies each buffer whole, one copy
         instead of one a weight. Copies: never the caller's storage."""
-        packed = {dtype: pinned.empty(n, dtype, pin=self.cuda) for dtype, n in layout([p.data for p in params]).items()}
+        packed = {dtype: pinned.empty(n, dtype, pin=self.cuda, device=self.device)
+                  for dtype, n in layout([p.data for p in params]).items()}
         offsets = dict.fromkeys(packed, 0)
         homes = []
         for p in params:
