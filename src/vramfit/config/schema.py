@@ -704,8 +704,9 @@ class MemoryConfig(_Section):
         "sums kept on the GPU, added into as each gradient arrives (costs the streamed weights' "
         "gradient bytes on the GPU, for the whole run); \"home\": copied to pinned CPU memory, summed "
         "there (in fp32 where bf16 weights round stochastically) and brought back for the step (costs "
-        "a copy each way, the CPU's additions after each backward, a second or more a micro-batch for "
-        "a billion weights, and twice the streamed weights' bytes of pinned host memory). Unset: "
+        "a copy each way, the CPU's additions, a second or more a micro-batch for a billion weights, done "
+        "by a worker thread while backward goes on, and twice the streamed weights' bytes of pinned host "
+        "memory). Unset: "
         "\"device\" where it applies and the planner predicts the train phase with the sums fits "
         "vram_budget (without one: the GPU's memory); else \"home\". The run's config.toml leaves it "
         "unset, saying what it resolved to.")
