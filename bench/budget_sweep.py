@@ -50,13 +50,20 @@ def row_of(budget: str, report: dict) -> dict:
         return dict(row, status="failed", note=str(report.get("error", "no train phase"))[-1500:])
     phases = report.get("phases", [])
     ips = train.get("images_per_second")
-    return dict(row, status="ok", choice=planner_choice(report.get("log_lines", [])),
+    lines = report.get("log_lines", [])
+    return dict(row, status="ok", choice=planner_choice(lines), probe=probe_peak(lines),
                 train_alloc_gib=round(train["gpu_peak_allocated"] / GIB, 2),
                 train_reserved_gib=round(train["gpu_peak_reserved"] / GIB, 2),
                 max_reserved_gib=round(max(p["gpu_peak_reserved"] for p in phases) / GIB, 2),
                 peak_rss_gib=round(max(p["rss_peak"] for p in phases) / GIB, 2),
                 pinned_gib=round(max(p.get("pinned", 0) for p in phases) / GIB, 2),
                 s_per_image=round(1 / ips, 4) if ips else None)
+
+
+def probe_peak(lines: list[str]) -> Optional[str]:
+    """What the fit probe measured, as its log line says ("... peaked at 1.23 GiB of 4.00 GiB")."""
+    found = next((x for x in lines if "fit probe:" in x and "peaked at" in x), None)
+    return found.split("peaked at", 1)[1].strip() if found else None
 
 
 def seed_point(example: str, steps: int, tiny: bool) -> Optional[dict]:
