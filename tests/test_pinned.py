@@ -103,3 +103,27 @@ def test_cuda_a_refused_lock_falls_back_to_torchs_pinned_memory(monkeypatch, cap
     assert t.is_pinned() and pinned.locked_bytes() == locked
     assert "refused to lock" in caplog.text
     assert torch.equal(t.to("cuda", non_blocking=True).cpu(), torch.zeros(1000))
+
+
+def test_probe_stand_in_weights_read_as_zeros_and_take_no_host_memory():
+    """fit/probe.py `untouched_zeros`: the stand-in's weights read as zeros, tied weights stay
+    tied, and 256 MiB of them add almost nothing to the process's resident memory."""
+    import psutil
+    from accelerate import init_empty_weights
+
+    from vramfit.fit.probe import untouched_zeros
+
+    with init_empty_weights(include_buffers=False):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 8192), torch.nn.Linear(8192, 4096),
+                                    torch.nn.Linear(4096, 4096))
+    model.append(torch.nn.Linear(4096, 4096, device="meta"))
+    model[3].weight = model[2].weight  # tied
+    model[1].bias.requires_grad_(False)
+    before = psutil.Process().memory_info().rss
+    untouched_zeros(model)
+    grown = psutil.Process().memory_info().rss - before
+    assert grown < 16 * 2**20
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model[3].weight is model[2].weight
+    assert not model[1].bias.requires_grad and model[0].weight.requires_grad
+    assert not model[0].weight[:2, :8].any() and not model[2].bias.any()

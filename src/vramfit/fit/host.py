@@ -16,9 +16,11 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
   read a tensor at a time without a memory map (formats/safetensors_io.py `read_tensors`): no
   second copy. Not counted: a diffusers folder's from_pretrained maps its other weight files while
   they load (their pages resident meanwhile).
-- fit probe (memory.fit_probe, on a GPU): the models as loaded, and beside them the probe's
-  stand-in denoiser placed as the run places it (the train phase's denoiser terms); its memory is
-  given back before caching (memory/pinned.py: no pinned block stays cached).
+- fit probe (memory.fit_probe, on a GPU): the models as loaded, and beside them what the probe's
+  stand-in denoiser holds once placed as the run places it (the train phase's steady denoiser
+  terms: its weights read as zeros from pages never written, fit/probe.py `untouched_zeros`, so
+  neither it nor its cast is resident); given back before caching (memory/pinned.py: no pinned
+  block stays cached).
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
   pinned: it stays counted).
@@ -268,7 +270,7 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
                "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
     placed = max(steady, placing, key=lambda d: sum(d.values()))
     if cfg.memory.fit_probe and not cpu:  # before caching: its stand-in placed beside the models as loaded
-        add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in placed.items() if k not in models}})
+        add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in steady.items() if k not in models}})
     if cfg.cache.latents:  # the VAE on the device
         add("cache_latents", {"denoiser": loaded, **encoders})
     if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
@@ -73,14 +74,35 @@ def stand_in(bundle, dtype: torch.dtype):
     real = bundle.denoiser
     with init_empty_weights(include_buffers=False):
         model = type(real).from_config(real.config)
-    model = model.to(dtype).to_empty(device="cpu")
+    model = model.to(dtype)
+    untouched_zeros(model)
     real_buffers = dict(real.named_buffers())
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
         for name, b in model.named_buffers():
             b.copy_(real_buffers[name])  # fixed tables (positional embeddings), small
     return dataclasses.replace(bundle, denoiser=model, vae=None, text_encoders=[])
+
+
+def untouched_zeros(model: torch.nn.Module, align: int = 64) -> None:
+    """Give `model`'s (meta) parameters CPU memory that reads as zeros and is not resident: views
+    of one anonymous memory map never written. Pages nobody writes are the kernel's shared zero
+    page, so the stand-in costs no host memory until the run's placement copies from it (into its
+    own homes, or to the device), where a zeroed copy would hold the denoiser's size beside the
+    real one for the whole probe."""
+    placed: dict[int, torch.nn.Parameter] = {}
+    slots = [(m, name, p) for m in model.modules() for name, p in m.named_parameters(recurse=False)]
+    total = sum(-(-p.numel() * p.element_size() // align) * align for _, _, p in slots) or align
+    memory = mmap.mmap(-1, total)  # each tensor below keeps it alive
+    offset = 0
+    for module, name, p in slots:
+        if id(p) not in placed:  # tied weights stay tied
+            # a tensor of its own over the map (not a view of one): views of one base would share
+            # autograd's version counter, and a weight stepped in place would fail the others' checks
+            data = torch.frombuffer(memory, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape) \
+                if p.numel() else torch.empty(p.shape, dtype=p.dtype)
+            placed[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            offset += -(-p.numel() * p.element_size() // align) * align
+        module._parameters[name] = placed[id(p)]
 
 
 def cuda_peak(device: torch.device, reserved: bool = False) -> Measure:
