@@ -59,7 +59,8 @@ def test_streamed_homes_packed_per_unit_and_fetched_whole():
     model.transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
     model.transformer_blocks[1].to(torch.bfloat16)
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    originals = [p.data for p in model.parameters()]  # kept alive: their memory is not reused
+    storages = {t.untyped_storage().data_ptr() for t in originals}
     streamer = WeightStreamer(model, torch.device("cpu"), blocks=("transformer_blocks",), stream=True,
                               stream_trainable=True, max_unit_bytes=2**20, offload_activations=False)
     for unit in streamer.units:
