@@ -12,12 +12,15 @@ engine (train/engine.py) takes:
   full fine-tune, the trained weights too; LoRA matrices, embeddings, conv_in/out and the final
   norms stay resident), a unit's state, the counters;
 - slots.py: the slot pool, device buffers (one per dtype) that units are copied into, kept;
-- weights.py: the weights' homes in pinned CPU memory, the copies into slots ahead of use on a
-  side stream, eviction, the forward and backward boundaries, CUDA graph recording;
+- weights.py: the weights' homes in pinned CPU memory (a buffer per dtype a unit, copied whole),
+  the copies into slots ahead of use on a side stream, eviction, the forward and backward
+  boundaries, CUDA graph recording;
 - grads.py: gradients of streamed weights moved home to pinned CPU memory and handed to the home
   parameters, or the weights stepped on the device in backward (the earlier micro-batches'
   gradients then summed on the device, or at home: memory.streamed_grad_sums);
+- staging.py: the sums at home added by a worker thread behind the gradients' copies there;
 - activations.py: other saved-for-backward tensors offloaded into kept pinned buffers.
+Pinned memory is of exactly the size asked for (memory/pinned.py).
 
 Costs: per step the streamed weights cross PCIe about twice (forward, and backward's recompute
 under checkpointing or its re-fetch of saved weights without), and for a full fine-tune their
