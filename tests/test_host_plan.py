@@ -110,6 +110,30 @@ def test_the_host_budget_refuses_a_combination_and_names_the_key(cache_root):
         choose(with_values(cfg, {"memory.host_budget": "300MiB"}), 64 * GIB, facts)
 
 
+def test_the_fit_probe_phase_is_planned_and_named_where_it_is_what_does_not_fit(cache_root):
+    """On a GPU the fit probe's phase holds the models as loaded and the stand-in's placed buffers
+    (streamed homes and the sums at home) at once: a host budget between the train phase and it is
+    refused naming memory.fit_probe, and fits with the probe off."""
+    cfg = _cfg(cache_root, "train.mode=full", "train.optimizer=adafactor", "train.precision=full_bf16",
+               "train.optimizer_in_backward=true", "train.grad_accum=2", "memory.stream_weights=true",
+               "memory.streamed_grad_sums=home", "memory.offload_activations=false", "train.cuda_graphs=false",
+               "train.gradient_checkpointing=true", "cache.vae_tiling=false", "memory.stream_encoders=false",
+               "memory.resident_blocks=0")
+    cfg = with_values(cfg, {"train.device": "cuda"})
+    facts = read_facts(cfg, cache_root)
+    phases = {p.name: p for p in host_prediction(facts, cfg, for_gpu=True).phases}
+    probe, train = phases["fit probe"], phases["train"]
+    assert probe.parts["stand-in's streamed homes"] == train.parts["streamed homes"] > 0
+    assert probe.parts["stand-in's streamed gradient sums"] == train.parts["streamed gradient sums"] > 0
+    assert probe.peak > max(p.peak for name, p in phases.items() if name != "fit probe")
+    budget = f"{(probe.peak + max(p.peak for n, p in phases.items() if n != 'fit probe')) // 2}"
+    short = with_values(cfg, {"memory.host_budget": budget})
+    with pytest.raises(PlanError, match=r"in the fit probe phase.*memory\.fit_probe = false leaves out"):
+        choose(short, 64 * GIB, facts)
+    off = choose(with_values(short, {"memory.fit_probe": False}), 64 * GIB, facts)
+    assert off.chosen is not None
+
+
 def _gpu_peak(cfg, facts) -> int:
     return predict(facts, cfg).peak
 

@@ -910,6 +910,8 @@ def choose(cfg: RunConfig, budget: int, facts: ModelFacts, captions: int = TEXT_
                 f"combinations that fit {usable / GIB:.2f} GiB of GPU memory the smallest host "
                 f"prediction is {peak / GIB:.2f} GiB in the {phase} phase, with {_describe(tried)} "
                 "(the others do not fit the GPU)")
+        if phase == "fit probe":  # its stand-in's buffers beside the models as loaded
+            note += "; memory.fit_probe = false leaves out the fit probe, whose phase this is"
         if cfg.memory.host_budget is not None:
             raise PlanError(f"nothing fits in host memory: {note}; give memory.host_budget at least "
                             "that where the machine has it, or leave out what holds host memory (streamed "
