@@ -202,6 +202,29 @@ def test_the_planner_keeps_the_most_blocks_that_fit(sd3m):
     assert choose(mine, budget, sd3m).config.memory.resident_blocks == 2
 
 
+def test_resident_blocks_with_the_step_in_backward_and_accumulation_count_the_measured_share(sd3m):
+    """The measured term (fit/calibration.json RESIDENT_ACCUM_SHARE): that share of the resident
+    stream blocks' weight bytes in the train phase where the step runs inside backward over several
+    micro-batches, none with one micro-batch or no block resident."""
+    from vramfit.fit.planner import RESIDENT_ACCUM_SHARE, resident_block_bytes
+
+    term = "resident blocks, accumulating (measured)"
+
+    def train(accum: int, resident: int = 6):
+        cfg = RunConfig.model_validate({**SD3_FULL, "train": {**SD3_FULL["train"], "grad_accum": accum}})
+        cfg = with_values(cfg, {"memory.resident_blocks": resident})
+        return cfg, next(p for p in predict(sd3m, cfg).phases if p.name == "train")
+
+    cfg, phase = train(4)
+    kept = resident_block_bytes(sd3m, cfg)
+    assert kept > 0 and phase.parts[term] == int(RESIDENT_ACCUM_SHARE * kept)
+    assert term not in train(1)[1].parts
+    none, phase = train(4, resident=0)
+    assert term not in phase.parts
+    assert resident_block_bytes(sd3m, none) == 0
+    assert term not in next(p for p in predict(sd3m, none).phases if p.name == "train").parts
+
+
 def test_resident_blocks_without_streaming_or_beyond_the_block_count_are_refused(images, tmp_path, cache_root,
                                                                                  capsys):
     assert main(["plan", "--set", "model.path=tiny:ssd1b", "--set", "memory.resident_blocks=2"]) == 2
