@@ -84,7 +84,7 @@ def stand_in(bundle, dtype: torch.dtype):
 
 
 def untouched_zeros(model: torch.nn.Module, align: int = 64) -> None:
-    """Give `model`'s (meta) parameters CPU memory that reads as zeros and is not resident: views
+    """Give `model`'s (meta) parameters CPU memory that reads as zeros and is not resident: parts
     of one anonymous memory map never written. Pages nobody writes are the kernel's shared zero
     page, so the stand-in costs no host memory until the run's placement copies from it (into its
     own homes, or to the device), where a zeroed copy would hold the denoiser's size beside the
