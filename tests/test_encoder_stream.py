@@ -195,6 +195,7 @@ def test_t5_token_table_stays_in_cpu_memory_while_the_rest_encodes(cache_root, p
     _, bundle = _bundle(cache_root, "tiny:sd3", precision, widen=False)
     t5 = bundle.text_encoders[2]
     table = t5.get_input_embeddings()
+    held = t5.encoder.embed_tokens  # the same module, or one of the same (tied) weight
     keys = set(t5.state_dict())
     ids = torch.randint(2, 100, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -207,8 +208,8 @@ def test_t5_token_table_stays_in_cpu_memory_while_the_rest_encodes(cache_root, p
             looked_up.table.register_forward_hook(lambda m, i, o: moved.append(o.device))
             got = t5(ids)[0]
     assert moved == [CPU] and torch.equal(got, ref)
-    assert t5.get_input_embeddings() is table and t5.encoder.embed_tokens is table
-    assert set(t5.state_dict()) == keys
+    assert t5.get_input_embeddings() is table and t5.encoder.embed_tokens is held
+    assert held.weight is table.weight and set(t5.state_dict()) == keys
     model = ModelConfig(path="tiny:sd3", t5_precision=precision)
     facts = read_facts(RunConfig(model=model), cache_root / "enc")
     enc = next(e for e in facts.encoders if e.kind == "t5")
@@ -219,6 +220,25 @@ def test_t5_token_table_stays_in_cpu_memory_while_the_rest_encodes(cache_root, p
     clip = next(e for e in facts.encoders if e.kind == "clip")
     assert encoder_device_bytes(clip, model, MemoryConfig())[0] == clip.stored_bytes  # CLIP moves whole
     assert whole < sum(tensor_bytes(t) for t in _tensors(t5))
+
+
+def test_a_token_table_held_twice_stays_in_cpu_memory_in_both_places():
+    """T5 built by transformers may hold its tied token table in two modules (`shared` and
+    `encoder.embed_tokens`); both are looked up in CPU memory while the encoder is on the device,
+    and both come back afterwards."""
+    from transformers import T5Config, T5EncoderModel
+
+    t5 = T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32, num_layers=1,
+                                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False))
+    shared = t5.shared
+    held = torch.nn.Embedding(64, 16)
+    held.weight = shared.weight  # a second module over the same tied weight
+    t5.encoder.embed_tokens = held
+    with torch.no_grad(), encoder_on(t5, CPU, False):
+        assert isinstance(t5.shared, HostLookup) and t5.encoder.embed_tokens is t5.shared
+        assert all(m is not shared and m is not held for m in t5.modules())
+        t5(torch.randint(2, 64, (1, 5)))
+    assert t5.shared is shared and t5.encoder.embed_tokens is held
 
 
 def test_nf4_t5_runs_on_the_cpu_through_torchao(cache_root):

@@ -295,13 +295,24 @@ def encoder_on(encoder: nn.Module, device: torch.device, stream: bool) -> Iterat
             yield streamer
         return
     table = encoder.get_input_embeddings() if keeps_embedding_on_host(encoder) else None
+    holders = _holders_of(encoder, table) if table is not None else []
     if table is not None:
         table.to("cpu")
-        encoder.set_input_embeddings(HostLookup(table))
+        lookup = HostLookup(table)
+        for parent, name, _ in holders:
+            setattr(parent, name, lookup)
     try:
         encoder.to(device)
         yield None
     finally:
         encoder.to("cpu")
-        if table is not None:
-            encoder.set_input_embeddings(table)
+        for parent, name, module in holders:
+            setattr(parent, name, module)
+
+
+def _holders_of(encoder: nn.Module, table: nn.Embedding) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every (parent, attribute, module) of `encoder` holding an embedding of `table`'s weight: T5
+    keeps its token table twice (`shared` and `encoder.embed_tokens`, one tied weight), and not every
+    transformers release's `set_input_embeddings` replaces both."""
+    return [(parent, name, child) for parent in encoder.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Embedding) and child.weight is table.weight]
