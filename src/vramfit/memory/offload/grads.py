@@ -58,7 +58,7 @@ from torch import nn
 from vramfit.memory import pinned
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload.slots import SlotPool, layout, use_count
-from vramfit.memory.offload.staging import StagedSums
+from vramfit.memory.offload.staging import StagedSums, copy_home
 from vramfit.memory.offload.units import StreamStats, Unit
 
 
@@ -232,13 +232,7 @@ class GradsHome:
     def _copy_home(self, grad: torch.Tensor) -> torch.Tensor:
         """A new CPU tensor (pinned on CUDA) that `grad` is copied into, on the copy-home stream."""
         host = torch.empty(grad.size(), dtype=grad.dtype, pin_memory=self.cuda)
-        if self.cuda:
-            self.back.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.back):
-                host.copy_(grad, non_blocking=True)
-            grad.record_stream(self.back)  # its memory is reused only after the copy
-        else:
-            host.copy_(grad)
+        copy_home(host, grad, self.back if self.cuda else None)
         return host
 
     def _fetch_alone(self, unit: Unit, p: nn.Parameter) -> Unit:

@@ -58,6 +58,18 @@ class _Sheet:
         self.owner, self.entries, self.done = None, [], None
 
 
+def copy_home(host: torch.Tensor, grad: torch.Tensor, back: Optional[torch.cuda.Stream]) -> None:
+    """`grad` into `host`: on the stream `back` once the work queued so far on the current stream is
+    done, `grad`'s memory reused only after the copy; with no stream (off CUDA) a plain copy."""
+    if back is None:
+        host.copy_(grad)
+        return
+    back.wait_stream(torch.cuda.current_stream(grad.device))
+    with torch.cuda.stream(back):
+        host.copy_(grad, non_blocking=True)
+    grad.record_stream(back)
+
+
 def _add(entries: list[tuple[torch.Tensor, torch.Tensor, bool]], copied) -> None:
     """The worker's part: once the copies are done, each staged gradient into its sum."""
     if copied is not None:
@@ -93,13 +105,7 @@ class StagedSums:
                 raise ValueError(f"a gradient of {grad.numel()} {grad.dtype} values does not fit a sheet "
                                  f"of {self.sizes}")
         staged = sheet.take(grad, owner)
-        if self.back is not None:
-            self.back.wait_stream(torch.cuda.current_stream(grad.device))
-            with torch.cuda.stream(self.back):
-                staged.copy_(grad, non_blocking=True)
-            grad.record_stream(self.back)  # its memory is reused only after the copy
-        else:
-            staged.copy_(grad)
+        copy_home(staged, grad, self.back)
         sheet.entries.append((total, staged, first))
 
     def wait(self) -> None:
