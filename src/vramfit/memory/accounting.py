@@ -171,8 +171,8 @@ class MemoryTracker:
                 torch.cuda.synchronize(self.device)
                 rec.gpu_peak_allocated = torch.cuda.max_memory_allocated(self.device)
                 rec.gpu_peak_reserved = torch.cuda.max_memory_reserved(self.device)
-                stats = getattr(torch.cuda, "host_memory_stats", dict)()  # not in older torch
                 pinned.release_deferred()
+                stats = getattr(torch.cuda, "host_memory_stats", dict)()  # not in older torch
                 rec.pinned = stats.get("allocated_bytes.current", 0) + pinned.locked_bytes()
             rec.rss_peak = sampler.stop()
             rec.seconds = time.perf_counter() - t0
