@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import sys
 import threading
 import weakref
 from typing import Optional
@@ -64,7 +65,10 @@ def _unlock_now(ptr: int, nbytes: int, device: int, keep: np.ndarray) -> None:
 
 
 def _unlock(ptr: int, nbytes: int, device: int, keep: np.ndarray) -> None:
-    """The finalizer of a block's last view: unlocked now where that is safe, else deferred."""
+    """The finalizer of a block's last view: unlocked now where that is safe, else deferred (at the
+    interpreter's exit nothing: the process gives its memory back, and CUDA may be gone already)."""
+    if sys.is_finalizing():
+        return
     if _safe_here():
         _unlock_now(ptr, nbytes, device, keep)
     else:
