@@ -206,7 +206,7 @@ def test_resident_blocks_with_the_step_in_backward_and_accumulation_count_the_me
     """The measured term (fit/calibration.json RESIDENT_ACCUM_SHARE): that share of the resident
     stream blocks' weight bytes in the train phase where the step runs inside backward over several
     micro-batches, none with one micro-batch or no block resident."""
-    from vramfit.fit.planner import RESIDENT_ACCUM_SHARE, resident_block_bytes
+    from vramfit.fit.planner import RESIDENT_ACCUM_SHARE
 
     term = "resident blocks, accumulating (measured)"
 
@@ -216,12 +216,12 @@ def test_resident_blocks_with_the_step_in_backward_and_accumulation_count_the_me
         return cfg, next(p for p in predict(sd3m, cfg).phases if p.name == "train")
 
     cfg, phase = train(4)
-    kept = resident_block_bytes(sd3m, cfg)
+    kept = device_terms(sd3m, cfg)["kept block bytes"]
     assert kept > 0 and phase.parts[term] == int(RESIDENT_ACCUM_SHARE * kept)
     assert term not in train(1)[1].parts
     none, phase = train(4, resident=0)
     assert term not in phase.parts
-    assert resident_block_bytes(sd3m, none) == 0
+    assert device_terms(sd3m, none)["kept block bytes"] == 0
     assert term not in next(p for p in predict(sd3m, none).phases if p.name == "train").parts
 
 

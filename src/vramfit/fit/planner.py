@@ -184,6 +184,7 @@ class _Tensor:
     dtype_bytes: int
     trained: bool
     streamed: bool = False
+    kept_block: bool = False  # a weight of a stream block memory.resident_blocks keeps on the device
 
 
 def _adapted_modules(facts: ModelFacts, cfg: RunConfig) -> list[tuple[str, torch.nn.Module, int]]:
@@ -280,16 +281,6 @@ def _stream_blocks(facts: ModelFacts, cfg: RunConfig, quantized: dict[int, int],
                          lambda p: id(p) not in quantized, resident)
 
 
-def resident_block_bytes(facts: ModelFacts, cfg: RunConfig) -> int:
-    """Weight bytes of the stream blocks memory.resident_blocks keeps on the device (0 unstreamed)."""
-    if not (cfg.memory.stream_weights and cfg.memory.resident_blocks):
-        return 0
-    quantized = _quantized(facts, cfg)
-    kept = [unit for _, unit, keep in _stream_blocks(facts, cfg, quantized, cfg.memory.resident_blocks) if keep]
-    return weight_item_bytes(cfg) * sum(p.numel() for unit in kept for p in unit.parameters()
-                                        if id(p) not in quantized)
-
-
 def block_count(facts: ModelFacts, cfg: RunConfig) -> int:
     """The stream blocks of `cfg`'s run (the denoiser's blocks, those over memory.stream_unit_mib
     cut into their parts), among which memory.resident_blocks counts."""
@@ -315,6 +306,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
     lora = cfg.train.mode == "lora"
     quantized = _quantized(facts, cfg)
     streamed_ids: set[int] = set()
+    kept_ids: set[int] = set()
     unit_sizes: list[int] = []
     if cfg.memory.stream_weights:
         try:
@@ -323,6 +315,7 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
             raise PlanError(resident_problem(facts, cfg)) from None
         for _, unit, kept in found:
             if kept:
+                kept_ids.update(id(p) for p in unit.parameters())
                 continue
             ids = [id(p) for p in unit.parameters() if id(p) not in quantized and id(p) not in streamed_ids]
             streamed_ids.update(ids)
@@ -333,7 +326,8 @@ def _denoiser_tensors(facts: ModelFacts, cfg: RunConfig) -> tuple[list[_Tensor],
         if size is not None:
             tensors.append(_Tensor(name, tuple(p.shape), size, 1, False))
             continue
-        tensors.append(_Tensor(name, tuple(p.shape), p.numel(), dtype_bytes, not lora, id(p) in streamed_ids))
+        tensors.append(_Tensor(name, tuple(p.shape), p.numel(), dtype_bytes, not lora, id(p) in streamed_ids,
+                               id(p) in kept_ids))
     for name, b in facts.denoiser.named_buffers():
         if b.is_floating_point():
             tensors.append(_Tensor(name, tuple(b.shape), b.numel(), dtype_bytes, False))
@@ -469,7 +463,9 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             # the optimizer steps packs of tensors of up to this many values (optim/base.py)
             "pack numel": min(sum(x.numel for x in trained),
                               max(stepped.numel, ParamOptimizer.MIN_PACK_NUMEL)),
-            "trained numel": sum(x.numel for x in trained)}
+            "trained numel": sum(x.numel for x in trained),
+            # the weights of the stream blocks memory.resident_blocks keeps (quantized ones apart)
+            "kept block bytes": sum(x.numel * x.dtype_bytes for x in on_device if x.kept_block)}
 
 
 def _ema_item(cfg: RunConfig) -> int:
@@ -507,7 +503,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
                                     if e.kind != "clip" and cfg.model.t5_precision != "none"), default=0)
     base["workspace"] = WORKSPACE
     if t.optimizer_in_backward and t.grad_accum > 1 and cfg.memory.resident_blocks:
-        base["resident blocks, accumulating (measured)"] = int(RESIDENT_ACCUM_SHARE * resident_block_bytes(facts, cfg))
+        base["resident blocks, accumulating (measured)"] = int(RESIDENT_ACCUM_SHARE * terms["kept block bytes"])
     accumulated = grads if t.grad_accum > 1 else 0  # the earlier micro-batches' sum lives on
     if t.cuda_graphs is True and not t.optimizer_in_backward:
         # train/graphs.py: the gradient buffers stay allocated, and the recordings' pool keeps the
