@@ -29,7 +29,7 @@ def test_cuda_exact_size_locked_and_released():
     locked = pinned.locked_bytes()
     n = 3 * 2**20 + 17  # an odd size, which torch's allocator would round to 4 Mi values
     host = pinned.empty(n, torch.float32)
-    assert pinned.is_locked(host)
+    assert host.is_pinned()
     assert pinned.locked_bytes() == locked + 4 * n
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
     host.copy_(torch.arange(n, dtype=torch.float32))

@@ -148,8 +148,3 @@ def zeros(numel: int, dtype: torch.dtype, *, pin: bool = True, device: Optional[
 def copy_of(t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
     """A page-locked (on CUDA) contiguous copy of the CPU tensor `t`, for copies to `device`."""
     return empty(t.numel(), t.dtype, device=device).view(t.shape).copy_(t)
-
-
-def is_locked(t: torch.Tensor) -> bool:
-    """Whether `t`'s memory is page-locked (by this module or torch's allocator)."""
-    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()

@@ -392,17 +392,12 @@ def _store_t5(model, keys: list[str], take: Callable[[list[str]], dict[str, torc
         part.load_state_dict({k[len(head):]: t for k, t in _bf16(take(names)).items()}, strict=False,
                              assign=True)
         quantize_encoder(part, precision)
-        _return_freed_memory()
+        # the part's bf16 tensors and the quantizer's temporaries, freed now, would otherwise stay
+        # resident between the stored tensors beside them: about twice the stored encoder
+        # (tests/test_t5_load.py bounds it)
+        return_freed_host_memory()
     model.requires_grad_(False)
     mark_stored(model, precision)
-
-
-def _return_freed_memory() -> None:
-    """Give the C heap's free pages back (memory/accounting.py `return_freed_host_memory`). A
-    part's bf16 tensors and the quantizer's temporaries, freed once it is stored, would otherwise
-    stay resident between the stored tensors allocated beside them, so that the resident memory
-    grows by about twice the stored encoder (tests/test_t5_load.py bounds it)."""
-    return_freed_host_memory()
 
 
 def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
