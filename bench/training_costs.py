@@ -7,19 +7,21 @@ SDXL at 1024x1024, batch 1, the real architecture with random weights (bench/bui
 inside backward (full text encoders, the optimizers that step all parameters at once) are measured
 against the full baseline with the step after backward. Per case, from the run's memory report
 (<name>.memory.json): the train phase's peak allocated and reserved GPU memory, its peak RSS and
-its median step time (the first step left out). A case the config refuses, or that fails or times
-out, is a row with its error. CUDA graphs, the fit probe and sample grids are off in every case, so
+its median step time (the first step left out), beside the planner's prediction of the train phase
+for the same config (fit/planner.py `predict`, from the layout's shipped config; CPU, no run). A case
+the config refuses, or that fails or times out, is a row with its error. CUDA graphs, the fit probe and sample grids are off in every case, so
 that a delta is the option's own.
 
 Writes <out>/training_costs.json (rows, merged with the rows an earlier command wrote there for the
 same model, shape, steps and GPU: a second command runs only the cases with no row yet or one that
-timed out, unless --rerun) and <out>/training_costs.md (a markdown table for docs/training.md).
+timed out, unless --rerun; --predict-only fills in the planner's column of saved rows and runs nothing) and <out>/training_costs.md (a markdown table for docs/training.md).
 The cases run in the order of CASES; the last ones (optimizers on the full fine-tune) write training
 states of up to about 55 GB (Prodigy's fp32 state of SDXL's UNet) under --work, deleted after each
 case. Not run in CI; its CPU smoke test is tests/test_bench_training_costs.py.
 
 usage: python bench/training_costs.py --out DIR [--model sdxl|ssd1b|tiny:sdxl|PATH] [--resolution N]
            [--steps N] [--cases NAME,...] [--timeout S] [--deadline S] [--work DIR] [--rerun]
+           [--predict-only]
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ from typing import Optional
 
 import torch
 from vramfit.cli import main as vramfit_main
+from vramfit.config import ConfigError, load_config
+from vramfit.fit.model_facts import facts_for_layout, shipped_layouts
+from vramfit.fit.planner import predict
 
 from build import ROOT, ensure_model, log, make_images, run_train, train_command, train_phase
 from run import config_problem, gpu_name, key_exists, src_digest
@@ -172,6 +177,20 @@ def measure(case: Case, shape: list[str], args, timeout: float) -> dict:
                 steps=train.get("steps"))
 
 
+def predicted_train(case: Case, layout: str, resolution: int) -> Optional[int]:
+    """The planner's train-phase peak (bytes allocated) for the case's config on a shipped layout (None
+    for a checkpoint path or a tiny model, which have no shipped config, and for a refused config)."""
+    if layout not in shipped_layouts():
+        return None
+    sets = [f"data.resolution={resolution}", f"data.min_size={resolution}", *case_sets(case)]
+    try:
+        cfg = load_config(None, sets, need_data=False, need_model=False)
+    except ConfigError:
+        return None
+    train = predict(facts_for_layout(layout), cfg).phase("train")
+    return None if train is None else train.peak
+
+
 def _gib(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
@@ -195,9 +214,9 @@ def markdown(data: dict) -> str:
              f"{data['steps']} steps (median of all but the first); {data.get('gpu') or data['device']}, "
              f"torch {data['torch']}, source {data['src_digest']}; CUDA graphs off. Baselines: "
              + "; ".join(f"`{name}`: {label}" for name, label in BASE_LABELS.items()) + ".", "",
-             "| case | key | peak alloc GiB | peak reserved GiB | delta vs its baseline GiB | step s "
-             "| peak RSS GiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | key | peak alloc GiB | planner GiB | peak reserved GiB | delta vs its baseline GiB "
+             "| step s | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for case in CASES:
         r = rows.get(case.name)
         if r is None:
@@ -205,11 +224,11 @@ def markdown(data: dict) -> str:
         if r["status"] != "ok":
             last = (r.get("error") or "").strip().splitlines()[-1:] or [""]
             why = last[0][:160].replace("|", "/")
-            lines.append(f"| {case.name} | {case.key} | {r['status']}: {why} | | | | |")
+            lines.append(f"| {case.name} | {case.key} | {r['status']}: {why} | | | | | |")
             continue
         step = "-" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         lines.append(f"| {case.name} | {case.key} | {_gib(r.get('peak_allocated'))} | "
-                     f"{_gib(r.get('peak_reserved'))} | {delta(r, rows)} | {step} | "
+                     f"{_gib(r.get('predicted_train'))} | {_gib(r.get('peak_reserved'))} | {delta(r, rows)} | {step} | "
                      f"{_gib(r.get('rss_peak'))} |")
     if data.get("not_run"):
         lines += ["", f"Not run for lack of time: {', '.join(data['not_run'])}."]
@@ -253,6 +272,8 @@ def parse_args(argv=None):
     ap.add_argument("--in-process", action="store_true",
                     help="run every case in this process (a CPU smoke test: peaks and RSS mix between cases, "
                     "no --timeout)")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="add the planner's prediction to the rows saved in --out and redraw the table; run nothing")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each run's command and output")
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases or [] if c not in BY_NAME]
@@ -261,8 +282,27 @@ def parse_args(argv=None):
     return args
 
 
+def add_predictions(path: Path) -> dict:
+    """--predict-only: the planner's train-phase prediction added to every row saved at `path`, by this
+    source (its digest recorded beside the measuring run's)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: no saved rows to add predictions to ({exc}); run the bench first")
+    for r in data["rows"]:
+        if r["status"] == "ok":
+            r["predicted_train"] = predicted_train(BY_NAME[r["case"]], data["model"], data["resolution"])
+    data["predicted_src_digest"] = src_digest(ROOT / "src")
+    path.write_text(json.dumps(data, indent=2))
+    path.with_name(MD_NAME).write_text(markdown(data))
+    return data
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.predict_only:
+        print(markdown(add_predictions(args.out / JSON_NAME)))
+        return 0
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -299,6 +339,8 @@ def main(argv=None) -> int:
         started = time.time()
         r = rows[case.name] = dict(measure(case, shape, args, timeout), date=data["date"],
                                    src_digest=data["src_digest"])
+        if r["status"] == "ok":
+            r["predicted_train"] = predicted_train(case, args.model, res)
         if r["status"] in ("ok", "failed", "timeout"):  # it ran (a refused or skipped case took no time)
             walls.setdefault(kind, []).append(time.time() - started)
         said = (f", {_gib(r.get('peak_allocated'))} GiB, {r.get('step_s')} s/step" if r["status"] == "ok"

@@ -78,3 +78,31 @@ def test_every_case_passes_the_config_check(costs, tmp_path):
     problems = {c.name: costs.config_problem(None, [*shape, *costs.case_sets(c)]) for c in listed}
     assert {k: v for k, v in problems.items() if v} == {}
     assert all(not costs.missing_keys(c) for c in listed)
+
+
+def test_predict_only_adds_the_planners_train_phase_to_saved_rows(costs, tmp_path):
+    """--predict-only reads saved rows of a shipped layout, adds the planner's train-phase peak of each
+    case's config (the table's "planner" column) and runs nothing; a refused case gets none."""
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ["lora", "full_after", "full_after_prodigy", "full_after_adamw", "dora_int8"]
+    rows = [dict(case=n, base=costs.BY_NAME[n].base, key=costs.BY_NAME[n].key, status="ok",
+                 peak_allocated=2**30, peak_reserved=2**30, rss_peak=2**30, step_s=1.0) for n in names]
+    rows[-1].update(status="refused", error="config refused: lora.type")
+    saved = dict(model="sdxl", resolution=1024, steps=4, gpu="a GPU", device="cuda", torch="x",
+                 src_digest="d", rows=rows, not_run=[])
+    (out / "training_costs.json").write_text(json.dumps(saved))
+    assert costs.main(["--out", str(out), "--work", str(tmp_path / "work"), "--predict-only"]) == 0
+    data = json.loads((out / "training_costs.json").read_text())
+    pred = {r["case"]: r.get("predicted_train") for r in data["rows"]}
+    assert pred["dora_int8"] is None and data["gpu"] == "a GPU" and data["predicted_src_digest"]
+    # a full fine-tune's gradients and AdamW's two moments: the model's size in bf16 three times more
+    assert 4 * 2**30 < pred["lora"] < pred["full_after"] < pred["full_after_adamw"] < pred["full_after_prodigy"]
+    assert pred["full_after_adamw"] - pred["full_after"] > 9 * 2**30  # two fp32 moments of 2.6 B values
+    assert "| planner GiB |" in (out / "training_costs.md").read_text()
+    assert not (tmp_path / "work").exists()
+
+
+def test_predict_only_without_saved_rows_says_so(costs, tmp_path):
+    with pytest.raises(SystemExit, match="no saved rows"):
+        costs.main(["--out", str(tmp_path), "--predict-only"])
