@@ -59,7 +59,8 @@ def _toy_inputs(steps: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
     return [[torch.randn(4, 32, generator=g).to(dtype) for _ in range(ACCUM)] for _ in range(steps)]
 
 
-def _toy_run(sums, dtype=torch.float32, round_sums=False, steps=2, after_step=None, skipped=None):
+def _toy_run(sums, dtype=torch.float32, round_sums=False, steps=2, after_step=None, skipped=None,
+             shared=False):
     """Train the toy: resident (`sums` None) or streamed with its sums "home" or on the "device";
     the last block runs in the earlier micro-batches only. `skipped`: inputs of micro-batches run
     first as a step whose last backward is skipped (as train/engine.py does for a non-finite loss:
@@ -75,6 +76,8 @@ def _toy_run(sums, dtype=torch.float32, round_sums=False, steps=2, after_step=No
     hooks = BackwardSteps(params, opt, in_backward=True, round_sums=round_sums, device=torch.device("cpu"))
     if streamer is not None:
         streamer.step_on_device(hooks)
+        if shared:
+            streamer.share_home_sums()
     if skipped is not None:
         for x in skipped:
             hooks.begin(last=False)
@@ -325,6 +328,18 @@ def test_home_sums_of_bf16_gradients_are_exact_fp32_sums(monkeypatch):
     assert rounded_to_nearest.grads.home_sum_bytes() == 2 * sum(p.numel() for p in trained)
 
 
+def test_shared_home_sums_hold_the_largest_units_and_the_steps_still_run():
+    """`share_home_sums` (the fit probe's stand-in): one fp32 buffer as large as the largest unit's
+    trained values serves every unit; the steps run, every weight stepped and finite."""
+    before = _Toy(torch.bfloat16)
+    weights, streamer, _ = _toy_run("home", torch.bfloat16, round_sums=True, steps=2, shared=True)
+    units = [sum(p.numel() for p in u.params if p.requires_grad) for u in streamer.units]
+    assert len(units) == 4 and streamer.grads.home_sum_bytes() == 4 * max(units) < 4 * sum(units)
+    assert len(streamer.grads.home_sum_buffers()) == 1
+    for w, p in zip(weights, before.parameters()):
+        assert torch.isfinite(w).all() and not torch.equal(w, p.detach())
+
+
 def test_home_sums_with_stochastic_rounding_track_the_resident_and_device_runs():
     """Exact sums at home against the resident run's and the device's stochastically rounded ones."""
     resident, _, _ = _toy_run(None, torch.bfloat16, round_sums=True)
@@ -387,6 +402,21 @@ def test_device_sums_by_default_that_do_not_fit_go_home(images, tmp_path, cache_
     host = host_prediction(read_facts(cfg, cache_root / "off"), cfg).phase("train").parts
     assert kept[-1][2] == host["streamed gradient sums"] == 4 * sum(p.numel() for p in run.trainable) > 0
     assert kept[-1][3] == {False}  # on the CPU nothing is pinned
+
+
+def test_the_probes_stand_in_sums_at_home_in_one_set_as_large_as_the_largest_units(
+        images, tmp_path, cache_root, streamers, probe_over_with_device_sums):
+    """The fit probe's stand-in with its sums at home: every unit's sums share the largest unit's
+    buffers (its sums' values matter to nothing, a sum per value would double the streamed weights in
+    CPU memory); the run after it keeps a sum per value."""
+    made, kept = streamers
+    code, losses, _ = _run(images, tmp_path / "run", cache_root / "off", *STREAMED)
+    assert code == 0 and len(losses) == 3 and probe_over_with_device_sums == ["device", "home"]
+    run = made[-1]
+    per_unit = [4 * sum(p.numel() for p in u.params if p.requires_grad) for u in run.units]
+    assert len([n for n in per_unit if n]) > 1
+    at_home = {k[2] for k in kept if k[2]}  # bytes of the sums at home when each streamer's sums went
+    assert at_home == {max(per_unit), sum(per_unit)}
 
 
 def test_device_sums_the_user_wrote_that_do_not_fit_stop_the_run(images, tmp_path, cache_root, capsys,

@@ -19,7 +19,8 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - fit probe (memory.fit_probe, on a GPU): the models as loaded, and beside them what the probe's
   stand-in denoiser holds once placed as the run places it (the train phase's steady denoiser
   terms: its weights read as zeros from pages never written, fit/probe.py `untouched_zeros`, so
-  neither it nor its cast is resident); given back before caching (memory/pinned.py: no pinned
+  neither it nor its cast is resident; its units share one set of gradient sums at home); given back
+  before caching (memory/pinned.py: no pinned
   block stays cached).
 - cache_latents, cache_text: the same models, T5 now stored as model.t5_precision asks, less the
   one on the device (the VAE; the largest encoder, which memory.stream_encoders keeps at home,
@@ -173,18 +174,19 @@ def _grid_encoders(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
                if e.kind != "t5" or cfg.model.t5_precision != "none")
 
 
-def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool) -> int:
+def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool, shared: bool = False) -> int:
     """The gradient sums of earlier micro-batches of streamed weights that step on the device, kept in
     pinned CPU memory (memory.streamed_grad_sums not "device", memory/offload/grads.py). A full
     fine-tune trains every streamed weight: a value per value at home, fp32 for bf16 weights with
     train.stochastic_rounding (twice the homes' bytes), else in their dtype (the homes' bytes); on a
     GPU, the sheets the gradients are copied into on their way (memory/offload/staging.py: SHEETS
-    x the largest unit)."""
+    x the largest unit). `shared`: the fit probe's stand-in, whose units share the largest unit's
+    sums (grads.py `share_home_sums`)."""
     t = cfg.train
     if not (streamed_step_on_device(cfg) and t.grad_accum > 1) or cfg.memory.streamed_grad_sums == "device":
         return 0
     widened = 2 if t.precision == "full_bf16" and t.stochastic_rounding else 1
-    return den.streamed * widened + (0 if cpu else SHEETS * den.largest_unit)
+    return (den.largest_unit if shared else den.streamed) * widened + (0 if cpu else SHEETS * den.largest_unit)
 
 
 def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int:
@@ -270,7 +272,8 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
                "denoiser placed by layer": placed_by_layer(facts, cfg, loaded, cpu)}
     placed = max(steady, placing, key=lambda d: sum(d.values()))
     if cfg.memory.fit_probe and not cpu:  # before caching: its stand-in placed beside the models as loaded
-        add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in steady.items() if k not in models}})
+        probed = {**steady, "streamed gradient sums": home_sums(cfg, den, cpu, shared=True)}
+        add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in probed.items() if k not in models}})
     if cfg.cache.latents:  # the VAE on the device
         add("cache_latents", {"denoiser": loaded, **encoders})
     if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home

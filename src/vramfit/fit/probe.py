@@ -125,6 +125,8 @@ def probe_steps(family, bundle, cfg: RunConfig, device: torch.device, bucket: tu
     dtype = torch.bfloat16 if cfg.train.precision == "full_bf16" else torch.float32
     twin = stand_in(bundle, dtype)
     streamer = place_denoiser(twin, cfg, device)
+    if streamer is not None:  # its sums at home: the GPU's work and copies, not a sum per value
+        streamer.share_home_sums()
     optimizer = build_optimizer(twin.denoiser.parameters(), train)
     schedule = build_schedule(optimizer, train)
     batch = family.synthetic_batch(dict(twin.denoiser.config), cfg.step_batch, bucket, cfg)

@@ -50,7 +50,7 @@ the copies home and back and the CPU's additions (in bf16 over a billion values:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -99,6 +99,8 @@ class GradsHome:
         self._home: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
         self._home_summed: set[int] = set()
         self._staging: Optional[StagedSums] = None  # on CUDA: the copies home on their way into the sums
+        # `share_home_sums`: one set of home sums for every unit (False: not asked; None: not made yet)
+        self._shared_home: Union[bool, None, dict[torch.dtype, torch.Tensor]] = False
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -146,6 +148,8 @@ class GradsHome:
             self._staging.drop()  # no addition into the sums still runs before they go
         self._home.clear()
         self._home_summed.clear()
+        if self._shared_home is not False:
+            self._shared_home = None  # made again at the next gradient, as the others
 
     def unbinding(self, unit: Unit) -> None:
         """`unit` stops being the compute copy: its gathered gradients step now."""
@@ -375,15 +379,38 @@ class GradsHome:
         """fp32 for a bf16 gradient the hooks would sum with stochastic rounding, else its own."""
         return torch.float32 if p.dtype == torch.bfloat16 and self.steps.round_sums else p.dtype
 
+    def share_home_sums(self) -> None:
+        """Give every unit's sums at home the same buffers, as large as the largest unit's: for the fit
+        probe's stand-in, which measures GPU memory and whose sums' values matter to nothing, so that
+        it does not hold a sum per streamed value (twice the streamed weights' bytes for bf16 weights
+        summed in fp32) in CPU memory beside the real model. The copies and additions stay the same."""
+        self._shared_home = None
+
     def _home_sum_of(self, key: int) -> torch.Tensor:
         """The kept sum at home of the weight whose id is `key` (made at its unit's first use)."""
         unit = self._unit_of[key]
         kept = self._home.get(unit.index)
         if kept is None:
             trained = [p for p in unit.params if p.requires_grad]
-            kept = self._home[unit.index] = _kept_sums(
-                trained, {id(p): self._home_sum_dtype(p) for p in trained}, pin=self.cuda, device=self.device)
+            dtypes = {id(p): self._home_sum_dtype(p) for p in trained}
+            if self._shared_home is False:
+                buffers = _zeroed(_sizes(trained, dtypes), pin=self.cuda, device=self.device)
+            else:
+                buffers = self._shared_sum_buffers()
+            kept = self._home[unit.index] = buffers, _views(buffers, trained, dtypes)
         return kept[1][key]
+
+    def _shared_sum_buffers(self) -> dict[torch.dtype, torch.Tensor]:
+        """`share_home_sums`' buffers: per dtype the largest unit's count (made at first use, when the
+        hooks that decide the sums' dtypes are set)."""
+        if self._shared_home is None:
+            sizes: dict[torch.dtype, int] = {}
+            for unit in self.units:
+                trained = [p for p in unit.params if p.requires_grad]
+                for dtype, n in _sizes(trained, {id(p): self._home_sum_dtype(p) for p in trained}).items():
+                    sizes[dtype] = max(sizes.get(dtype, 0), n)
+            self._shared_home = _zeroed(sizes, pin=self.cuda, device=self.device)
+        return self._shared_home
 
     def _staged_sums(self) -> StagedSums:
         """The sheets gradients wait in between their copy home and their sum (staging.py), as
@@ -401,8 +428,9 @@ class GradsHome:
         return 0 if self._staging is None else self._staging.nbytes()
 
     def home_sum_buffers(self) -> list[torch.Tensor]:
-        """The kept sums in CPU memory (a buffer per dtype a unit)."""
-        return [b for buffers, _ in self._home.values() for b in buffers.values()]
+        """The kept sums in CPU memory (a buffer per dtype a unit; shared ones once)."""
+        seen = {id(b): b for buffers, _ in self._home.values() for b in buffers.values()}
+        return list(seen.values())
 
     def home_sum_bytes(self) -> int:
         """Bytes of the kept sums in CPU memory."""
@@ -439,15 +467,30 @@ class GradsHome:
 def _kept_sums(params: list[nn.Parameter], dtypes: dict[int, torch.dtype], *, device=None, pin: bool = False):
     """Zeroed buffers, one per dtype (of `dtypes`, by parameter id), and a view of them per parameter:
     on `device`, or with `pin` in pinned CPU memory for copies to and from `device`."""
+    buffers = _zeroed(_sizes(params, dtypes), pin=pin, device=device)
+    return buffers, _views(buffers, params, dtypes)
+
+
+def _sizes(params: list[nn.Parameter], dtypes: dict[int, torch.dtype]) -> dict[torch.dtype, int]:
+    """Values per dtype of `params`' sums (`dtypes` by parameter id)."""
     sizes: dict[torch.dtype, int] = {}
     for p in params:
         sizes[dtypes[id(p)]] = sizes.get(dtypes[id(p)], 0) + p.numel()
-    buffers = {dtype: pinned.zeros(n, dtype, device=device) if pin else torch.zeros(n, dtype=dtype, device=device)
-               for dtype, n in sizes.items()}
+    return sizes
+
+
+def _zeroed(sizes: dict[torch.dtype, int], *, pin: bool, device) -> dict[torch.dtype, torch.Tensor]:
+    return {dtype: pinned.zeros(n, dtype, device=device) if pin else torch.zeros(n, dtype=dtype, device=device)
+            for dtype, n in sizes.items()}
+
+
+def _views(buffers: dict[torch.dtype, torch.Tensor], params: list[nn.Parameter],
+           dtypes: dict[int, torch.dtype]) -> dict[int, torch.Tensor]:
+    """A view of `buffers` per parameter (by id), in order from each dtype's start."""
     offsets = dict.fromkeys(buffers, 0)
     views = {}
     for p in params:
         dtype = dtypes[id(p)]
         views[id(p)] = buffers[dtype].narrow(0, offsets[dtype], p.numel()).view(p.shape)
         offsets[dtype] += p.numel()
-    return buffers, views
+    return views

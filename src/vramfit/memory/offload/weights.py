@@ -140,6 +140,11 @@ class WeightStreamer:
         values home; None: back to moving their gradients home (the normal path)."""
         self.grads.steps = steps
 
+    def share_home_sums(self) -> None:
+        """One set of gradient sums at home for every unit (grads.py `share_home_sums`: the fit
+        probe's stand-in, whose sums' values matter to nothing)."""
+        self.grads.share_home_sums()
+
     @property
     def _recording(self) -> bool:
         return self.grads.recording
