@@ -18,8 +18,12 @@ case). Each step runs in a fresh process, so peaks do not mix. Not run in CI.
 `--tiny` runs the same path on the CPU in seconds with the tiny SD3.5 architectures
 (models/sd3/tiny.py) at 64x64.
 
+`--variant NAME:KEY=VALUE,...` trains the same LoRA again with those settings (e.g. a quantized
+base: `nf4:lora.base_quantization=nf4`), a row of its own under the layout's "variants".
+
 usage: python bench/sd35_layouts.py --out DIR [--layouts medium,large] [--tiny] [--steps 4]
                                     [--res 1024] [--with-t5] [--no-stock] [--work DIR]
+                                    [--variant NAME:KEY=VALUE,...]
 """
 from __future__ import annotations
 
@@ -176,6 +180,21 @@ def _gib(n) -> float | None:
     return round(n / GIB, 2) if n else None
 
 
+def _trained(sets: list[str], run_dir: Path) -> dict:
+    """One `vramfit train` run's training phase: peaks, median step, peak RSS, and the layout vramfit
+    read from the file's keys (as its LoRA's metadata names it)."""
+    report = run_train(None, sets, run_dir, echo=False)
+    train = train_phase(report)
+    if report.get("error") or train is None:
+        return {"error": report.get("error", "no training phase in the report")}
+    with safe_open(str(run_dir / "bench.safetensors"), "pt") as fh:
+        read_as = fh.metadata().get("vramfit.layout")
+    return {"peak_allocated_gib": _gib(train["gpu_peak_allocated"]),
+            "peak_reserved_gib": _gib(train["gpu_peak_reserved"]),
+            "step_s": round(train["step_seconds"], 4), "rss_peak_gib": _gib(train["rss_peak"]),
+            "lora_rank": 16, "layout": read_as}
+
+
 def run_layout(layout: str, args) -> dict:
     folder = args.work / (f"tiny_sd3.5_{layout}" if args.tiny else f"sd3.5_{layout}")
     model = folder / f"sd3.5_{layout}.safetensors"
@@ -199,17 +218,13 @@ def run_layout(layout: str, args) -> dict:
     if args.tiny:
         sets.append("data.bucket_step=32")
     run_dir = args.work / f"run-{'tiny-' if args.tiny else ''}{layout}"
-    report = run_train(None, sets, run_dir, echo=False)
-    train = train_phase(report)
-    if report.get("error") or train is None:
-        row["vramfit"] = {"error": report.get("error", "no training phase in the report")}
+    row["vramfit"] = _trained(sets, run_dir)
+    if "error" in row["vramfit"]:
         return row
+    for name, extra in args.variant:  # the same run with the memory savers the variant sets
+        row.setdefault("variants", {})[name] = dict(_trained([*sets, *extra], run_dir.with_name(
+            f"{run_dir.name}-{name}")), sets=extra)
     lora = run_dir / "bench.safetensors"
-    with safe_open(str(lora), "pt") as fh:
-        read_as = fh.metadata().get("vramfit.layout")  # the layout vramfit read from the file's keys
-    row["vramfit"] = {"peak_allocated_gib": _gib(train["gpu_peak_allocated"]),
-                      "peak_reserved_gib": _gib(train["gpu_peak_reserved"]),
-                      "step_s": round(train["step_seconds"], 4), "lora_rank": 16, "layout": read_as}
     me = str(Path(__file__).resolve())
     row["check"] = _result([sys.executable, me, "check", layout, str(folder), str(lora), *flags])
     if not args.no_stock:
@@ -251,7 +266,14 @@ def main() -> None:
     ap.add_argument("--res", type=int, default=1024)
     ap.add_argument("--with-t5", action="store_true", help="write a T5-XXL text_encoders/t5xxl_fp16 file too")
     ap.add_argument("--no-stock", action="store_true", help="leave out the stock diffusers-recipe row")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="also train with these settings (a run of its own per layout), e.g. "
+                    "nf4:lora.base_quantization=nf4; repeatable")
     args = ap.parse_args()
+    bad = [v for v in args.variant if ":" not in v or "=" not in v]
+    if bad:
+        raise SystemExit(f"--variant {bad[0]!r}: give NAME:KEY=VALUE[,KEY=VALUE...]")
+    args.variant = [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
@@ -273,9 +295,13 @@ def main() -> None:
               f"{v.get('step_s') or 'error':>9}{s.get('peak_allocated_gib') or '-':>11}"
               f"{s.get('step_s') or '-':>9}  "
               f"{'ok' if c.get('lora_matches') else c.get('error', 'failed')[-200:]}")
+        for name, v in r.get("variants", {}).items():
+            print(f"  {name:<12}{'':>10}{v.get('peak_allocated_gib') or '-':>13}"
+                  f"{v.get('step_s') or v.get('error', 'error')[-200:]:>9}")
     print(f"written {out}")
     failed = any("error" in r.get(k, {}) or (k == "check" and not r[k].get("lora_matches"))
-                 for r in rows for k in ("vramfit", "check", "stock") if k in r)
+                 for r in rows for k in ("vramfit", "check", "stock") if k in r) or \
+        any("error" in v for r in rows for v in r.get("variants", {}).values())
     sys.exit(1 if failed else 0)
 
 
