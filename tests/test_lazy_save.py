@@ -205,3 +205,29 @@ def test_the_predicted_save_counts_a_diffusers_folders_reloaded_encoders(cache_r
              for name, cfg in (("single", single), ("both", both))}
     encoders = sum(e.stored_bytes for e in facts.encoders if e.kind == "clip")
     assert saved["both"] >= saved["single"] and saved["both"] >= 4 * facts.vae_params + encoders
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sd3"])
+def test_a_single_file_saved_from_a_diffusers_folder_is_predicted_by_its_largest_tensor(name, cache_root, tmp_path,
+                                                                                      monkeypatch):
+    """From a diffusers-folder source the denoiser is still written a tensor at a time; the VAE and
+    encoders, read from the folder, are converted whole. The planned save term covers what the
+    write held at once and counts the denoiser by its largest tensor, not whole."""
+    tiny = resolve_source(ModelConfig(path=f"tiny:{name}"))
+    family = detect_family(tiny)
+    family.save_diffusers(family.load(tiny), tmp_path / "folder", torch.bfloat16)
+    cfg = load_config(None, [f"model.path={tmp_path / 'folder'}", f"cache.dir={cache_root}", "data.resolution=64",
+                             "train.device=cpu", "train.mode=full", "save.dtype=bf16"], need_data=False)
+    facts = read_facts(cfg, cache_root)
+    assert facts.largest_denoiser_values == 0  # no single-file facts: the folder's bound applies
+    n = sum(p.numel() for p in facts.denoiser.parameters())
+    written = written_at_once(facts, cfg, 2, n)
+    bundle = family.load(resolve_source(cfg.model, cache_root))
+    seen = {"peak": 0}
+    module = sys.modules[type(family).__module__]
+    monkeypatch.setattr(module, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
+    family.save_single_file(bundle, tmp_path / "m.safetensors", torch.bfloat16, {})
+    assert 0 < seen["peak"] <= written
+    assert facts.vae_stored_bytes == 4 * facts.vae_params  # the folder's VAE in fp32, as loaded
+    carried = facts.vae_stored_bytes + sum(e.stored_bytes for e in facts.encoders)
+    assert written - carried < n  # the denoiser's share: under half its size in bf16

@@ -43,8 +43,8 @@ Each phase (bytes resident in the process, RSS; n: a model's parameter count):
 - save: the train terms (saves come between steps too, the step's buffers held), plus the larger of the
   training state's copy of the trained weights (those not at home in CPU memory already) and what
   the checkpoint holds while it is written: a full fine-tune's single file is written a tensor at
-  a time from a single-file source (`written_at_once`: about its largest tensor; the whole
-  checkpoint from a diffusers folder); a diffusers-folder save (`diffusers_save_bytes`): its
+  a time (`written_at_once`: about its largest tensor; from a diffusers folder also the VAE and
+  encoders, read whole to be carried over); a diffusers-folder save (`diffusers_save_bytes`): its
   denoiser a tensor at a time and the VAE and encoders read again; a LoRA's adapter.
 On a CPU run the device is this memory: each phase adds the device prediction's peak. Several
 processes on this machine (torchrun, accelerate launch: LOCAL_WORLD_SIZE) each hold all of it.
@@ -189,16 +189,24 @@ def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool, shared: bool = False
     return (den.largest_unit if shared else den.streamed) * widened + (0 if cpu else SHEETS * den.largest_unit)
 
 
+# The most tensors a single-file layout joins into one from the denoiser's (q, k and v; Flux's linear1
+# joins them with the MLP's input, 1.75 times the largest of its parts)
+JOINED = 3
+
+
 def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int:
     """Host bytes a full fine-tune's single file holds while it is written (`item`: bytes a value of
-    save.dtype; `n`: the denoiser's values). From a single file, a tensor at a time
-    (formats/safetensors_io.py `save_atomic_lazy`): the largest denoiser tensor made in save.dtype
-    with the parts it is joined from (twice its size), or the largest part read from the source as
-    stored; text encoders trained whole are first copied in save.dtype. From a diffusers folder
-    (no single-file facts), the whole checkpoint: the denoiser in save.dtype, the VAE and the
-    encoders as stored (they are converted whole)."""
+    save.dtype; `n`: the denoiser's values, unused: it is never held whole). The families write it a
+    tensor at a time (formats/safetensors_io.py `save_atomic_lazy`): the largest denoiser tensor
+    made in save.dtype with the parts it is joined from (twice its size). From a single file, or
+    the largest part read from the source as stored; text encoders trained whole are first copied
+    in save.dtype. From a diffusers folder (no single-file facts: the largest tensor as joined is
+    bounded by JOINED times the model's largest), with the VAE and encoders as stored, which are
+    read and converted whole."""
     if not facts.largest_denoiser_values:
-        return item * n + 2 * facts.vae_params + sum(e.stored_bytes for e in facts.encoders)
+        largest = JOINED * max((p.numel() for p in facts.denoiser.parameters()), default=0)
+        vae = facts.vae_stored_bytes or 2 * facts.vae_params  # unread (a shipped layout): fp16
+        return 2 * item * largest + vae + sum(e.stored_bytes for e in facts.encoders)
     whole = cfg.train.text_encoders == "full"
     trained = sum(e.params for e in facts.encoders if e.kind == "clip") if whole else 0
     return max(2 * item * facts.largest_denoiser_values, facts.largest_part_bytes) + item * trained

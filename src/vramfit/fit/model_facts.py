@@ -70,6 +70,7 @@ class ModelFacts:
     # bytes as stored; 0 where the source is not a single file
     largest_denoiser_values: int = 0
     largest_part_bytes: int = 0
+    vae_stored_bytes: int = 0  # a diffusers folder's VAE as its files store it; 0 where not read
 
 
 _ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -141,6 +142,7 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
             vae_header = read_header(own["vae"])[0]
             vae_prefix = files.vae_prefix if any(k.startswith(files.vae_prefix) for k in vae_header) else ""
         vae_params = sum(math.prod(v["shape"]) for k, v in vae_header.items() if k.startswith(vae_prefix))
+        vae_stored = 0  # copied a tensor at a time when saved
         sizes = {k: (math.prod(v["shape"]), _ELEMENT_SIZE.get(v["dtype"], 4)) for k, v in header.items()}
         largest = (max((n for k, (n, _) in sizes.items() if k.startswith(prefix)), default=0),
                    max((n * item for k, (n, item) in sizes.items() if not k.startswith(prefix)), default=0))
@@ -151,7 +153,9 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         config = json.loads((source.path / files.denoiser_folder / "config.json").read_text())
         loaded = 0  # fp32, counted from the model below
         config = {k: v for k, v in config.items() if not k.startswith("_")}
-        vae_params = sum(math.prod(v["shape"]) for v in _headers(source.path / "vae").values())
+        vae_header = _headers(source.path / "vae")
+        vae_params = sum(math.prod(v["shape"]) for v in vae_header.values())
+        vae_stored = sum(math.prod(v["shape"]) * _ELEMENT_SIZE.get(v["dtype"], 4) for v in vae_header.values())
         vae_cfg = source.path / "vae" / "config.json"
         sample_size = json.loads(vae_cfg.read_text()).get("sample_size", 1024) if vae_cfg.is_file() else 1024
         tile = vae_tile(sample_size)
@@ -164,7 +168,8 @@ def read_facts(cfg: RunConfig, cache_root: Optional[Path] = None) -> ModelFacts:
         denoiser = cls.from_config(config)
     loaded = loaded or 4 * sum(p.numel() for p in denoiser.parameters())
     return ModelFacts(family.name, dict(denoiser.config), denoiser, vae_params, tile, encoders,
-                      loaded_bytes=loaded, largest_denoiser_values=largest[0], largest_part_bytes=largest[1])
+                      loaded_bytes=loaded, largest_denoiser_values=largest[0], largest_part_bytes=largest[1],
+                      vae_stored_bytes=vae_stored)
 
 
 # ---- bytes of what vramfit allocates, exactly -------------------------------------------------------
