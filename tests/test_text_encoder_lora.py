@@ -246,3 +246,19 @@ def test_flow_families_train_their_clip_encoders(name, tmp_path, images, cache_r
             with torch.no_grad():
                 got = enc(ids, output_hidden_states=True).hidden_states[-2]
             assert torch.allclose(got, trained[i], atol=1e-5), (file, i)
+
+
+def test_cache_and_data_say_captions_are_not_cached_while_the_encoders_train(tmp_path, images, cache_root,
+                                                                             capsys):
+    """`vramfit cache` and `vramfit data` with text-encoder training: no caption is cached, and both
+    say why, naming the key (not a count of text entries that will never be made)."""
+    args = train_args(images, tmp_path / "out", cache_root, "train.mode=lora", "lora.rank=2",
+                      "lora.text_encoder_rank=2", model="tiny:sdxl")
+    capsys.readouterr()
+    assert main(["cache", *args[1:]]) == 0
+    out = capsys.readouterr().out
+    assert "text_cached 0" in out and "latents_cached" in out
+    assert "captions not cached: lora.text_encoder_rank trains the text encoders" in out
+    assert main(["data", *args[1:], "--per-bucket", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "text cache entries: none (lora.text_encoder_rank: the text encoders train" in out

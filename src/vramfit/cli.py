@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vramfit.config import ConfigError, load_config
+from vramfit.config.rules import TRAINED_ENCODERS_KEY
 
 # Start-up: the modules that train, plan or render import torch and diffusers, so the commands
 # import them only once the config is read: they took 3.2 of the 3.5 s that reporting a bad config
@@ -255,6 +256,9 @@ def cmd_cache(args) -> int:
     _ignore_signals()  # the cache is filled; what is left is to say so
     print(f"{len(scanned.items)} images usable, {len(scanned.problems)} skipped")
     print("cache: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    trained = TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)
+    if trained:
+        print(f"captions not cached: {trained} trains the text encoders, so every caption is encoded each step")
     print("\nmemory by phase:\n" + tracker.report.table())
     return 0
 

@@ -386,8 +386,8 @@ class LoraSettings(_Section):
                              "factor is brought near (peft's decompose_factor); -1: near its square root.")
     text_encoder_rank: int = Field(
         0, ge=0, le=1024, description="Also train a LoRA of this rank on the CLIP text encoders' attention "
-        "and MLP linears (q_proj, k_proj, v_proj, out_proj, fc1, fc2): SDXL family, CLIP-L and CLIP-G. "
-        "0: the text encoders stay frozen. The captions are then encoded anew each step (cache.text is "
+        "and MLP linears (q_proj, k_proj, v_proj, out_proj, fc1, fc2): CLIP-L and CLIP-G of the SDXL family "
+        "and SD3, CLIP-L of Flux.1 (T5 stays frozen). 0: the text encoders stay frozen. The captions are then encoded anew each step (cache.text is "
         "turned off); train.text_encoder_lr sets their learning rate.")
     text_encoder_alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator of the "
                                                 "text encoders' LoRA; default: lora.text_encoder_rank.")

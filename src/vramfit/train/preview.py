@@ -26,6 +26,7 @@ from typing import Any, Optional
 from PIL import Image
 from tqdm.auto import tqdm
 
+from vramfit.config.rules import TRAINED_ENCODERS_KEY
 from vramfit.config.schema import DatasetConfig, RunConfig
 from vramfit.data import contact_sheet, masks
 from vramfit.data.buckets import fit_to_bucket
@@ -202,6 +203,9 @@ def _text_entries(cfg: RunConfig, data: TrainingData) -> str:
     entries = data.text_entries()
     empty = " and the empty caption of caption_dropout" if data.empty_key else ""
     what = f"{len(entries)}: {len(entries) - bool(data.empty_key)} distinct caption variants{empty}"
+    trained = TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)
+    if trained:  # cache.text is turned off for them where the run resolves (fit/resolve.py)
+        return f"none ({trained}: the text encoders train, every caption is encoded each step: {what})"
     return what if cfg.cache.text else f"none (cache.text = false; encoded while training: {what})"
 
 
