@@ -213,3 +213,44 @@ def test_conv_adapter_runs_over_a_bf16_base(sdxl, kind):
     conv = model.down_blocks[0].resnets[0].conv1
     x = torch.randn(1, conv.get_base_layer().in_channels, 8, 8, dtype=torch.bfloat16)
     assert conv(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model", ["tiny:sd3", "tiny:flux"])
+def test_transformer_dora_file_is_read_by_comfyui_and_diffusers_as_trained(images, tmp_path, cache_root, model):
+    """SD3 and Flux.1 DoRA, trained through the CLI and saved as their "lora" file (the one ComfyUI
+    reads for them): applied as ComfyUI applies lora_A/lora_B and dora_scale, every module gives
+    peft's merged weight; diffusers' loader takes the same file (it drops dora_scale and reads the
+    magnitude)."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from vramfit.lora_tools import load_model
+
+    out = tmp_path / "run"
+    sets = ("train.mode=lora", "lora.type=dora", "lora.rank=2", "train.steps=2", "train.lr=1e-2",
+            "save.formats=['lora']", "save.name=m")
+    assert main(train_args(images, out, cache_root / "ad3", *sets, model=model)) == 0
+    saved = load_file(str(out / "m.safetensors"))
+    modules: dict[str, dict] = {}
+    for key, t in saved.items():
+        comp, rest = key.split(".", 1)
+        assert comp == "transformer"
+        for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "dora_scale"):
+            if rest.endswith("." + part):
+                modules.setdefault(rest[:-len(part) - 1], {})[part] = t
+    assert modules and all(len(parts) == 4 for parts in modules.values())
+    _, bundle = load_model(model, t5=False)
+    base = dict(bundle.denoiser.named_modules())
+    # peft's merge of the same file into the same base, through diffusers' loader
+    cls = SD3Transformer2DModel if model == "tiny:sd3" else FluxTransformer2DModel
+    merged = cls.from_config(bundle.denoiser.config).to(bundle.denoiser.dtype)
+    merged.load_state_dict(bundle.denoiser.state_dict())
+    merged.load_lora_adapter({k: v for k, v in saved.items() if not k.endswith("dora_scale")},
+                             prefix="transformer", adapter_name="x")
+    merged.fuse_lora()
+    fused = dict(merged.named_modules())
+    for name, parts in modules.items():
+        weight = base[name].weight.detach().float()
+        comfy = _comfy_weight(weight, {"lora_down.weight": parts["lora_A.weight"].float(),
+                                       "lora_up.weight": parts["lora_B.weight"].float(),
+                                       "dora_scale": parts["dora_scale"].float()})
+        torch.testing.assert_close(comfy, fused[name].weight.detach().float(), rtol=1e-3, atol=1e-4, msg=name)

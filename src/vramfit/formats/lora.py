@@ -59,6 +59,7 @@ DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig JS
 
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")  # peft's DoRA
+_DORA_SCALE = re.compile(r"^(?P<module>.+)\.dora_scale$")  # ComfyUI's DoRA (to_diffusers' comfy_dora)
 # kohya text-encoder module names (HF CLIP / T5 paths with "." -> "_").
 _KOHYA_CLIP = re.compile(
     r"^text_model_encoder_layers_(\d+)_(self_attn_(?:q|k|v|out)_proj|mlp_fc[12])$")
@@ -249,9 +250,14 @@ def lora_ranks(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- diffusers format
-def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: Alpha = None) -> dict:
+def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: Alpha = None,
+                 comfy_dora: bool = False) -> dict:
     """The diffusers file layout of a denoiser LoRA: the denoiser's pipeline component name
     (``unet.``, ``transformer.``: the family's `denoiser_component`) before the peft keys.
+    A DoRA module carries peft's ``lora_magnitude_vector`` (diffusers reads it); with
+    ``comfy_dora`` also ComfyUI's ``dora_scale`` from the state (train/lora.py `lora_state`), for
+    families whose ComfyUI LoRA is this file (SD3, Flux.1): ComfyUI reads DoRA from that key only,
+    and diffusers drops it with a warning.
 
     ``alpha`` is the ``lora_alpha`` the LoRA was trained with (a number, or {module: alpha}); when
     it differs from a module's rank, ``lora_B`` is multiplied by ``alpha / rank`` so that loaders
@@ -288,6 +294,12 @@ def to_diffusers(peft_state: Mapping[str, torch.Tensor], component: str, alpha: 
                 raise ValueError(f"to_diffusers: module {module!r} has a lora_magnitude_vector of "
                                  f"{tuple(magnitude.shape)}, not one value per output ({b.shape[0]})")
             out[f"{prefix}.{module}.lora_magnitude_vector"] = magnitude
+            scale = other[module].get("dora_scale")
+            if comfy_dora and scale is None:
+                raise ValueError(f"to_diffusers: DoRA module {module!r} has no dora_scale, which ComfyUI reads; "
+                                 "pass the state train/lora.py lora_state makes")
+            if comfy_dora:
+                out[f"{prefix}.{module}.dora_scale"] = scale
     return out
 
 
@@ -463,8 +475,8 @@ def detect_format(keys, families: Iterable[LoraFamily]) -> str:
     if all(k.startswith((KOHYA_UNET, *KOHYA_TE)) for k in keys):
         return "kohya"
     components = (*DENOISER_COMPONENTS, *TEXT_ENCODERS)
-    if all(k.split(".", 1)[0] in components and "lora" in k for k in keys):
-        return "diffusers"
+    if all(k.split(".", 1)[0] in components and ("lora" in k or _DORA_SCALE.match(k)) for k in keys):
+        return "diffusers"  # (ComfyUI's DoRA dora_scale beside peft's magnitude: to_diffusers' comfy_dora)
     roots = tuple(root for family in families for root in family.lora_roots)
     if all(_PEFT_KEY.match(k) and k.startswith(roots) for k in keys):
         return "peft"
@@ -614,7 +626,12 @@ def load_lora(path: Union[str, Path], families: Iterable[LoraFamily],
         comp, rest = key.split(".", 1) if fmt == "diffusers" else (None, key)
         magnitude = _MAGNITUDE.match(rest) if adapters and comp not in TEXT_ENCODERS else None
         if magnitude:  # DoRA, as peft and diffusers name it
-            extra[magnitude["module"]] = {"lora_magnitude_vector": t}
+            extra.setdefault(magnitude["module"], {})["lora_magnitude_vector"] = t
+            continue
+        scale = _DORA_SCALE.match(rest) if comp not in TEXT_ENCODERS else None
+        if scale:  # DoRA, as ComfyUI reads it (peft's magnitude beside it is what vramfit applies)
+            if adapters:
+                extra.setdefault(scale["module"], {})["dora_scale"] = t
             continue
         parts.setdefault(comp, {})[_to_peft_key(rest)] = t
     denoisers = [c for c in parts if c in DENOISER_COMPONENTS or c is None]

@@ -524,7 +524,7 @@ class FluxFamily:
         """"lora": diffusers keys with alpha/rank folded into lora_B (FluxPipeline.load_lora_weights);
         "lora_kohya": kohya's BFL names, fused modules exact (models/flux/kohya.py)."""
         if fmt == "lora":
-            return to_diffusers(state, self.denoiser_component, alpha=alpha)
+            return to_diffusers(state, self.denoiser_component, alpha=alpha, comfy_dora=True)
         return to_kohya_flux(state, config, alpha)
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):

@@ -645,8 +645,8 @@ class SD3Family:
     def lora_tensors(self, fmt: str, state: dict[str, torch.Tensor], config: Mapping,
                      alpha: float) -> dict[str, torch.Tensor]:
         """"lora": diffusers keys with alpha/rank folded into lora_B (diffusers and ComfyUI read them
-        at scale 1)."""
-        return to_diffusers(state, self.denoiser_component, alpha=alpha)
+        at scale 1); a DoRA module's magnitude both as diffusers reads it and as ComfyUI does."""
+        return to_diffusers(state, self.denoiser_component, alpha=alpha, comfy_dora=True)
 
     def pipeline(self, bundle: ModelBundle, vae, encoders: list, tokenizers: list):
         """A StableDiffusion3Pipeline with SD3's shift-3 flow-matching scheduler; T5 where both
