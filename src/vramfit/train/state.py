@@ -231,6 +231,10 @@ def load_state(path: Path, model: torch.nn.Module, optimizer, schedule, generato
     # the rounding generators themselves
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     schedule.load_state_dict(torch.load(path / "schedule.pt", weights_only=True))
+    # the next step's rate by this run's schedule: one resumed with more train.steps has another
+    # curve than the saved run's, whose last rate the optimizer's state holds
+    for group, base, rate in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
+        group["lr"] = base * rate(schedule.last_epoch)
     rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["generator"])
     torch.set_rng_state(rng["torch"])
