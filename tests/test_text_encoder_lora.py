@@ -130,7 +130,6 @@ def test_encoder_lr_zero_keeps_the_encoders(tmp_path, images, cache_root):
 
 @pytest.mark.parametrize("sets, key", [
     (("train.optimizer_in_backward=true",), "lora.text_encoder_rank"),
-    (("train.optimizer=prodigy",), "lora.text_encoder_rank"),
     (("memory.stream_encoders=true",), "lora.text_encoder_rank"),
     (("train.cuda_graphs=true",), "train.cuda_graphs"),
     (("cache.text=true",), "cache.text"),
@@ -262,3 +261,28 @@ def test_cache_and_data_say_captions_are_not_cached_while_the_encoders_train(tmp
     assert main(["data", *args[1:], "--per-bucket", "0"]) == 0
     out = capsys.readouterr().out
     assert "text cache entries: none (lora.text_encoder_rank: the text encoders train" in out
+
+
+@pytest.mark.parametrize("optimizer", ["prodigy", "schedulefree_adamw", "came"])
+def test_whole_step_optimizers_train_the_encoders_in_a_group_of_their_own(tmp_path, images, cache_root,
+                                                                          optimizer):
+    """The optimizers that step every parameter at once (optim/wrapped.py) take the text encoders'
+    LoRA as a second group at train.text_encoder_lr: the encoders' LoRA moves, and 4 steps equal 2
+    then 2 more resumed (the wrapped optimizer's state of both groups in the training state)."""
+    sets = (*TE, f"train.optimizer={optimizer}", "train.steps=4", "save.state_every_steps=2",
+            "save.keep_last=5", *(("train.lr=1.0", "train.text_encoder_lr=0.5") if optimizer == "prodigy" else ()))
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(train_args(images, whole, cache_root, *sets, model="tiny:sdxl")) == 0
+    shutil.copytree(whole / "state" / "step-000002", part / "state" / "step-000002")
+    (part / "state" / "latest").write_text("step-000002\n")
+    assert main([*train_args(images, part, cache_root, *sets, model="tiny:sdxl"), "--resume", "latest"]) == 0
+    a, b = (load_file(str(o / "state" / "step-000004" / "weights.safetensors")) for o in (whole, part))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    groups = torch.load(whole / "state" / "step-000004" / "optimizer.pt", weights_only=True)["wrapped"]["param_groups"]
+    assert len(groups) == 2
+    if optimizer == "prodigy":
+        assert [g["lr"] for g in groups] == [1.0, 0.5]
+    start = load_file(str(whole / "state" / "step-000002" / "weights.safetensors"))
+    for i in (0, 1):
+        ups = [k for k in a if k.startswith(f"text_encoder_{i}.") and "lora_B" in k]
+        assert ups and any(not torch.equal(a[k], start[k]) for k in ups)

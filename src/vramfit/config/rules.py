@@ -246,13 +246,10 @@ def _full_text_encoders(cfg: Any) -> Optional[str]:
 def _trained_encoder_clashes(cfg: Any) -> Optional[str]:
     """What trained text encoders (a LoRA on them or all their weights) cannot be used with."""
     t = cfg.train
-    why = WHOLE_STEP_OPTIMIZERS.get(t.optimizer)
     clash = [(key, reason) for key, reason, on in (
         ("train.optimizer_in_backward", "the text encoders' gradients are complete only after the "
          "denoiser's backward has passed through them, outside its gradient hooks; set it to false",
          t.optimizer_in_backward),
-        (f"train.optimizer = {t.optimizer!r}", f"{why}, built over the denoiser's parameters alone, with no "
-         "second group at train.text_encoder_lr; use adamw, adamw8bit, adafactor or lion", bool(why)),
         ("memory.stream_encoders", "a streamed encoder's weights leave the GPU layer by layer, while the "
          "trained ones must stay there until backward; set it to false", cfg.memory.stream_encoders),
         ("ema.enabled", "the EMA averages the denoiser's weights only; set it to false",

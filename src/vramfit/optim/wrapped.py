@@ -97,6 +97,19 @@ class WrappedOptimizer(ParamOptimizer):
     def step_param(self, p, grad, finite=None) -> None:
         self.step_params([(p, grad)], finite)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """A further group (the trained text encoders at train.text_encoder_lr) joins the wrapped
+        optimizer too, with shadows of its own: its class's defaults and this group's learning rate
+        (Prodigy's estimate then spans both groups, as in its reference)."""
+        super().add_param_group(param_group)
+        inner = getattr(self, "inner", None)
+        if inner is None:  # the constructor's first group, before the wrapped optimizer exists
+            return
+        group = self.param_groups[-1]
+        shadows = [p if p.dtype == torch.float32 else torch.empty(0, device=p.device) for p in group["params"]]
+        self.shadows += shadows
+        inner.add_param_group({"params": shadows, "lr": group["lr"]})
+
     def _write(self, p: torch.Tensor, value: torch.Tensor) -> None:
         if self.rounding is not None and p.dtype == torch.bfloat16:
             copy_stochastic_(p.data, value, self.rounding(p.device))
