@@ -1,9 +1,11 @@
 """`vramfit lora merge | extract | resize` through the CLI on tiny models: merged weights equal peft's
-own merge (LoRA, DoRA, LoHa, LoKr, text-encoder LoRA), extraction recovers a merged LoRA, resizing
-gives the best lower-rank product."""
+own merge (LoRA, DoRA, LoHa, LoKr, text-encoder LoRA), extraction recovers a merged LoRA (linears,
+convolutions, text encoders; layers no file carries named with their energy), resizing gives the
+best lower-rank product."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -14,10 +16,13 @@ from conftest import SIZE, train_args
 from vramfit.cli import main
 from vramfit.config.schema import LoraSettings
 from vramfit.data.synth import make_synthetic_dataset
-from vramfit.formats.lora import TEXT_ENCODERS, load_lora, lora_config_kwargs, save_lora
+from vramfit.formats.lora import (
+    TEXT_ENCODERS, load_lora, lora_config_kwargs, save_lora, text_encoder_lora,
+)
+from vramfit.formats.safetensors_io import read_header
 from vramfit.lora_tools import load_model
 from vramfit.models.registry import FAMILIES
-from vramfit.train.lora import apply_lora, lora_state
+from vramfit.train.lora import TEXT_ENCODER_TARGETS, apply_lora, lora_state
 
 LORA = ("train.mode=lora", "lora.rank=4", "train.lr=1e-2", "save.name=m", "save.formats=['lora_kohya', 'lora']")
 
@@ -110,6 +115,153 @@ def test_merge_equals_peft_merge_and_extract_recovers_the_lora(trained, tmp_path
 
     meta = read_header(extracted)[1]
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0" and meta["ss_network_dim"] == "4"
+
+
+def _layers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: fp32 weight} of a model's linears and 2-D convolutions."""
+    return {n: m.weight.detach().float() for n, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+
+
+@pytest.fixture(scope="module")
+def conv_merged(tmp_path_factory, cache_root):
+    """tiny:sdxl with a rank-2 LoRA of its linears and convolutions (lora.conv_rank=2, two steps)
+    merged in fp32: the merged checkpoint, for the extract tests of convolutions."""
+    root = tmp_path_factory.mktemp("conv")
+    make_synthetic_dataset(root / "images", n=4, size=SIZE, seed=1)
+    with pytest.MonkeyPatch.context() as env:  # conftest's per-test isolation, for this module's run
+        env.setenv("XDG_CACHE_HOME", str(cache_root / "xdg"))
+        env.setenv("HF_HOME", str(cache_root / "hf"))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        assert main(train_args(root / "images", root / "run", cache_root / "lt", "train.mode=lora", "lora.rank=2",
+                               "lora.conv_rank=2", "train.lr=1e-2", "save.name=m", model="tiny:sdxl")) == 0
+        merged = root / "merged.safetensors"
+        assert main(["lora", "merge", "tiny:sdxl", str(root / "run" / "m.safetensors"), "--out", str(merged),
+                     "--dtype", "fp32"]) == 0
+    return merged
+
+
+def test_extract_recovers_every_convolution_and_linear_of_a_merged_conv_lora(conv_merged, tmp_path, capsys):
+    """Rank 4 >= the trained 2: base + each extracted product is the merged weight (to 1e-4 of the
+    change) for every linear and convolution that changed, in both formats; all energy is kept."""
+    out = tmp_path / "x.safetensors"
+    assert main(["lora", "extract", "tiny:sdxl", str(conv_merged), "--rank", "4", "--out", str(out), "--dtype",
+                 "fp32", "--format", "lora_kohya", "--format", "lora"]) == 0
+    printed = capsys.readouterr().out
+    base, merged = _layers(load_model("tiny:sdxl")[1].denoiser), _layers(load_model(str(conv_merged))[1].denoiser)
+    changed = {n for n in base if not torch.equal(base[n], merged[n])}
+    convs = {n for n in changed if base[n].dim() == 4}
+    assert len(convs) > 40 and len(changed) > len(convs)  # the resnets' and samplers' convolutions, the linears
+    assert f"rank 4 on {len(changed)} layers" in printed and "100.0% of the difference's energy" in printed
+    assert float(read_header(out)[1]["vramfit.extract_kept_energy"]) > 0.9999
+    config = dict(load_model("tiny:sdxl")[1].denoiser.config)
+    for path in (out, tmp_path / "x-diffusers.safetensors"):
+        products = _products(path, config)
+        assert set(products) == changed, path
+        for name in changed:
+            delta = (merged[name] - base[name]).flatten(1)
+            assert (products[name] - delta).norm() <= 1e-4 * delta.norm() + 1e-7, (path, name)
+    raw = load_file(str(out))
+    conv = next(n for n in convs if n.endswith("conv1"))
+    down = next(k for k in raw if k.endswith(".lora_down.weight") and raw[k].shape[1:] == base[conv].shape[1:])
+    assert raw[down].shape[0] == 4 and raw[down.replace("lora_down", "lora_up")].shape[2:] == (1, 1)
+    assert json.loads(read_header(out)[1]["ss_network_args"]) == {"conv_dim": "4", "conv_alpha": "4"}
+
+
+def test_an_extracted_kohya_conv_lora_merges_back_into_the_tuned_weights(conv_merged, tmp_path):
+    """extract (kohya, convolutions too) then merge into the base: the merged checkpoint again."""
+    out = tmp_path / "x.safetensors"
+    assert main(["lora", "extract", "tiny:sdxl", str(conv_merged), "--rank", "2", "--out", str(out),
+                 "--dtype", "fp32"]) == 0
+    assert all(k.startswith("lora_unet_") for k in load_file(str(out)))
+    again = tmp_path / "again.safetensors"
+    assert main(["lora", "merge", "tiny:sdxl", str(out), "--out", str(again), "--dtype", "fp32"]) == 0
+    want, got = _layers(load_model(str(conv_merged))[1].denoiser), _layers(load_model(str(again))[1].denoiser)
+    base = _layers(load_model("tiny:sdxl")[1].denoiser)
+    assert any(w.dim() == 4 and not torch.equal(w, base[n]) for n, w in want.items())
+    for name, w in want.items():
+        assert (got[name] - w).norm() <= 1e-4 * (w - base[name]).norm() + 1e-6, name
+
+
+def test_extract_leaves_out_convolutions_a_format_cannot_carry_and_says_so(conv_merged, tmp_path, capsys,
+                                                                          caplog, monkeypatch):
+    """A family whose diffusers writer refuses convolutions: the linears are extracted, the
+    convolutions left out and named, and the kept share is of the whole difference."""
+    family = FAMILIES["sdxl"]
+    write = family.lora_tensors
+
+    def linears_only(fmt, state, config, alpha):
+        if any(t.dim() == 4 for t in state.values()):
+            raise ValueError("no convolutions here")
+        return write(fmt, state, config, alpha)
+
+    monkeypatch.setattr(family, "lora_tensors", linears_only)
+    out = tmp_path / "x.safetensors"
+    with caplog.at_level("WARNING"):
+        assert main(["lora", "extract", "tiny:sdxl", str(conv_merged), "--rank", "4", "--out", str(out),
+                     "--dtype", "fp32", "--format", "lora"]) == 0
+    printed = capsys.readouterr().out
+    left = json.loads(read_header(out)[1]["vramfit.extract_left_out"])
+    assert len(left) > 40 and all(n.endswith(("conv1", "conv2", "conv", "conv_shortcut")) for n in left)
+    share = sum(left.values())
+    kept = float(read_header(out)[1]["vramfit.extract_kept_energy"])
+    assert 0 < share < 1 and kept == pytest.approx(1 - share, abs=1e-4)
+    assert f"keeping {100 * kept:.1f}%" in printed and f"{100 * kept:.1f}" != "100.0"
+    assert f"{len(left)} layer(s) that differ are left out" in caplog.text
+    assert f"{len(left)} layer(s) that differ left out ({100 * share:.1f}% of it" in printed
+    assert not any(t.dim() == 4 for t in load_file(str(out)).values())
+
+
+def test_extract_takes_text_encoder_lora_and_names_the_layers_it_leaves_out(tmp_path, capsys, caplog):
+    """A text-encoder LoRA (both CLIPs' attention and MLP linears, and CLIP-G's text_projection, which
+    text-encoder LoRA files do not name) merged, then extracted at its rank: lora_te1_ / lora_te2_
+    and text_encoder(_2). keys that, merged again, give the tuned encoders; text_projection is left
+    out with its share of the energy."""
+    _, base = load_model("tiny:sdxl")
+    gen = torch.Generator().manual_seed(0)
+    states = []
+    for i, encoder in enumerate(base.text_encoders):
+        state = {}
+        for name, m in encoder.named_modules():
+            if isinstance(m, torch.nn.Linear) and (name.rsplit(".", 1)[-1] in TEXT_ENCODER_TARGETS
+                                                   or (i == 1 and name == "text_projection")):
+                state[f"{name}.lora_A.weight"] = torch.randn(2, m.in_features, generator=gen) * 0.1
+                state[f"{name}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=gen) * 0.1
+        states.append(state)
+    lora = tmp_path / "te.safetensors"
+    save_lora(lora, text_encoder_lora(states, 2.0, kohya=False))
+    tuned_path = tmp_path / "tuned.safetensors"
+    assert main(["lora", "merge", "tiny:sdxl", str(lora), "--out", str(tuned_path), "--dtype", "fp32"]) == 0
+    out = tmp_path / "x.safetensors"
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        assert main(["lora", "extract", "tiny:sdxl", str(tuned_path), "--rank", "2", "--out", str(out), "--dtype",
+                     "fp32", "--format", "lora_kohya", "--format", "lora"]) == 0
+    printed = capsys.readouterr().out
+    kohya, diffusers = load_file(str(out)), load_file(str(tmp_path / "x-diffusers.safetensors"))
+    assert {k.split("_text_model", 1)[0] for k in kohya} == {"lora_te1", "lora_te2"}
+    assert {k.split(".", 1)[0] for k in diffusers} == {"text_encoder", "text_encoder_2"}
+    assert f"rank 2 on {sum(len(s) for s in states) // 2 - 1} layers" in printed
+    assert "1 layer(s) that differ are left out" in caplog.text and "text_projection" in caplog.text
+
+    tuned = load_model(str(tuned_path))[1].text_encoders
+    want = [_layers(e) for e in tuned]
+    orig = [_layers(e) for e in base.text_encoders]
+    energy = {(i, n): float((w - orig[i][n]).square().sum()) for i in range(2) for n, w in want[i].items()}
+    share = energy[1, "text_projection"] / sum(energy.values())
+    left = json.loads(read_header(out)[1]["vramfit.extract_left_out"])
+    assert list(left) == ["text_encoder_2.text_projection"] and left[list(left)[0]] == pytest.approx(share, rel=1e-4)
+    assert f"keeping {100 * (1 - share):.1f}%" in printed and share > 1e-3
+    for path in (out, tmp_path / "x-diffusers.safetensors"):
+        again = tmp_path / f"again-{path.name}"
+        assert main(["lora", "merge", "tiny:sdxl", str(path), "--out", str(again), "--dtype", "fp32"]) == 0
+        got = [_layers(e) for e in load_model(str(again))[1].text_encoders]
+        for i in range(2):
+            for name, w in want[i].items():
+                if name == "text_projection":  # left out: the base's
+                    assert torch.equal(got[i][name], orig[i][name])
+                    continue
+                assert (got[i][name] - w).norm() <= 1e-4 * (w - orig[i][name]).norm() + 1e-6, (path, i, name)
 
 
 @pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # two adapters, on purpose

@@ -147,9 +147,12 @@ def cmd_lora(args) -> int:
     elif args.tool == "extract":
         result = lora_tools.extract(args.base, args.tuned, args.rank, args.out, args.formats or (), args.device,
                                     args.dtype, args.min_change, args.tokenizers)
+        left = result["left_out"]
         print(f"{', '.join(result['files'])}: rank {args.rank} on {result['layers']} layers "
               f"({result['unchanged_layers']} unchanged), keeping {100 * result['kept_energy']:.1f}% of the "
-              "difference's energy")
+              "difference's energy"
+              + (f"; {len(left)} layer(s) that differ left out ({100 * sum(v['energy'] for v in left.values()):.1f}%"
+                 " of it: no file of this model carries them)" if left else ""))
     else:
         result = lora_tools.resize(args.lora, args.rank, args.out, args.device)
         print(f"{args.out}: {result['resized_layers']} of {result['layers']} layers resized to rank {args.rank}"

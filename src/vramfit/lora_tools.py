@@ -3,8 +3,13 @@
 * merge: adds each adapter's scaled weight change to the denoiser's weights (LoRA, LoHa, LoKr; a
   DoRA's with its magnitudes, as peft merges it) and a text-encoder LoRA's to the CLIP encoders, and
   saves the checkpoint in its own layout through the family (a single file in, a single file out).
-* extract: the best LoRA of a given rank (truncated SVD, per linear layer) of the difference between
-  a fine-tuned checkpoint and its base, written in the family's LoRA formats.
+* extract: the best LoRA of a given rank (truncated SVD, per layer) of the difference between a
+  fine-tuned checkpoint and its base, written in the family's LoRA formats: the denoiser's linears
+  and convolutions (as peft's LoRA of a Conv2d and kohya's conv LoRA: down [r, in, kh, kw], up
+  [out, r, 1, 1]) and the CLIP text encoders' attention and MLP linears (the text-encoder LoRA
+  training writes). Every layer that differs is accounted for: one no LoRA file of the family
+  carries is left out by name, with its share of the difference's energy, so the kept share it
+  reports is of the whole difference.
 * resize: each layer's product re-factored at a lower rank the same way, key names kept, so a file
   of any format and family stays that format.
 
@@ -18,7 +23,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -26,12 +31,13 @@ from safetensors.torch import load_file
 from vramfit.config.schema import ModelConfig
 from vramfit.formats.lora import (
     DIFFUSERS_METADATA_KEY, DORA_PARTS, LOHA_PARTS, LOKR_PARTS, LORA_FILE_SUFFIXES, TEXT_ENCODERS, load_lora,
-    lora_scale_metadata, lycoris_delta, peft_modules, save_lora,
+    lora_scale_metadata, lycoris_delta, peft_modules, save_lora, text_encoder_lora,
 )
 from vramfit.formats.safetensors_io import read_header
 from vramfit.generate import generate_device
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source, write_tokenizers
+from vramfit.train.lora import TEXT_ENCODER_TARGETS
 
 log = logging.getLogger("vramfit")
 
@@ -60,8 +66,9 @@ def _refuse_non_lora(path, keys, tool: str) -> None:
                          f"LoKr or LoHa); {tool} takes LoRA files only")
 
 
-def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+def _adaptable(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The layers a LoRA adapts, by name: linears and 2-D convolutions."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
 
 
 # ---- merge --------------------------------------------------------------------------------------
@@ -251,10 +258,17 @@ def merge(model_path: str, loras: Sequence[tuple[Path, float]], out: Path, dtype
 
 @dataclass
 class Extracted:
-    state: dict  # peft keys
-    layers: int
-    unchanged: int
-    kept: float  # share of the difference's energy (squared Frobenius norm) the LoRA keeps
+    """The LoRA of one model's difference from its base (extract_state)."""
+
+    state: dict  # peft keys, the model's own module names
+    unchanged: int  # layers whose weights do not differ (or by no more than min_change)
+    energy: dict  # {layer: its difference's energy (squared Frobenius norm)}, every layer that differs
+    kept: dict  # {layer: the energy its LoRA keeps}, the layers in `state`
+    left_out: dict  # {layer: why no LoRA here carries it}, layers that differ but are not in `state`
+
+    @property
+    def layers(self) -> int:
+        return len(self.kept)
 
 
 def low_rank(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -267,58 +281,159 @@ def low_rank(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return (root[:, None] * vh[:r]).contiguous(), (u[:, :r] * root[None, :]).contiguous(), kept
 
 
+def _factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(down, up, kept energy share) of one layer's difference at rank `rank`: a convolution's
+    [out, in, kh, kw] is factored as the [out, in*kh*kw] matrix it multiplies by, giving down
+    [r, in, kh, kw] and up [out, r, 1, 1] (peft's LoRA of a Conv2d, kohya's conv LoRA; a 1x1
+    convolution is a linear's SVD). Zero-padded to `rank` where the layer is narrower, so every
+    module has rank `rank` and alpha = rank means scale 1 in each format (they write one alpha)."""
+    down, up, kept = low_rank(delta.flatten(1), rank)
+    pad = rank - down.shape[0]
+    if pad:
+        down = torch.cat([down, down.new_zeros(pad, down.shape[1])])
+        up = torch.cat([up, up.new_zeros(up.shape[0], pad)], dim=1)
+    kernel = [1] * (delta.dim() - 2)
+    return down.reshape(rank, *delta.shape[1:]), up.reshape(delta.shape[0], rank, *kernel).contiguous(), kept
+
+
 def extract_state(base: torch.nn.Module, tuned: torch.nn.Module, rank: int, device: torch.device,
-                  min_change: float = 0.0) -> Extracted:
-    """A rank-`rank` LoRA (peft keys) of every linear layer whose weights differ between the two."""
-    base_layers, state, unchanged = _linears(base), {}, 0
-    energy_total = energy_kept = 0.0
-    for name, layer in _linears(tuned).items():
-        other = base_layers.get(name)
-        if other is None or other.weight.shape != layer.weight.shape:
-            raise ValueError(f"layer {name!r} differs in shape between the two checkpoints: they are not the "
-                             "same architecture")
+                  min_change: float = 0.0,
+                  why_not: Optional[Callable[[str, torch.nn.Module], Optional[str]]] = None) -> Extracted:
+    """A rank-`rank` LoRA (peft keys) of every linear and 2-D convolution whose weights differ
+    between the two (_factors). `why_not(name, layer)`: why no LoRA file here carries that layer,
+    None where one does; a grouped convolution is carried by none. Layers left out are named in
+    the result with their energy. A layer not in both models with one shape is an error."""
+    base_layers, tuned_layers = _adaptable(base), _adaptable(tuned)
+    odd = sorted(n for n in {*base_layers, *tuned_layers} if n not in base_layers or n not in tuned_layers
+                 or base_layers[n].weight.shape != tuned_layers[n].weight.shape)
+    if odd:
+        raise ValueError(f"layer {odd[0]!r} differs in shape between the two checkpoints: they are not the "
+                         "same architecture")
+    got = Extracted({}, 0, {}, {}, {})
+    for name, layer in tuned_layers.items():
+        other = base_layers[name]
         delta = layer.weight.detach().to(device, torch.float32) - other.weight.detach().to(device, torch.float32)
         size = float(delta.norm())
         if size <= min_change * max(float(other.weight.detach().float().norm()), 1e-12) or size == 0.0:
-            unchanged += 1
+            got.unchanged += 1
             continue
-        down, up, kept = low_rank(delta, rank)
-        state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"] = down.cpu(), up.cpu()
-        energy_total += size * size
-        energy_kept += kept * size * size
-    return Extracted(state, len(state) // 2, unchanged, energy_kept / energy_total if energy_total else 1.0)
+        got.energy[name] = size * size
+        if isinstance(layer, torch.nn.Conv2d) and layer.groups != 1:
+            why = "a grouped convolution, which no LoRA layout carries"
+        else:
+            why = why_not(name, layer) if why_not is not None else None
+        if why is not None:
+            got.left_out[name] = why
+            continue
+        down, up, kept = _factors(delta, rank)
+        got.state[f"{name}.lora_A.weight"], got.state[f"{name}.lora_B.weight"] = down.cpu(), up.cpu()
+        got.kept[name] = kept * size * size
+    return got
+
+
+def _conv_refusal(family, formats: Sequence[str], config: dict, rank: int):
+    """why_not of extract_state for the denoiser: a convolution that one of `formats` of `family`
+    cannot write (its lora_tensors refuses a LoRA of that module), None for any other layer."""
+    def why_not(name: str, layer: torch.nn.Module) -> Optional[str]:
+        if not isinstance(layer, torch.nn.Conv2d):
+            return None
+        out_ch, in_ch, *kernel = layer.weight.shape
+        probe = {f"{name}.lora_A.weight": torch.zeros(rank, in_ch, *kernel),
+                 f"{name}.lora_B.weight": torch.zeros(out_ch, rank, *[1] * len(kernel))}
+        for fmt in formats:
+            try:
+                family.lora_tensors(fmt, probe, config, rank)
+            except ValueError as exc:
+                return f"{fmt} files of a {family.display_name} model carry no LoRA of this convolution ({exc})"
+        return None
+    return why_not
+
+
+def _encoder_refusal(name: str, layer: torch.nn.Module) -> Optional[str]:
+    """why_not of extract_state for a CLIP text encoder: text-encoder LoRA files name its attention
+    and MLP linears only (the layers training's text-encoder LoRA adapts, train/lora.py)."""
+    if name.rsplit(".", 1)[-1] in TEXT_ENCODER_TARGETS:
+        return None
+    return f"not an attention or MLP linear ({'/'.join(TEXT_ENCODER_TARGETS)}), the text-encoder layers LoRA files name"
+
+
+def _clip_count(bundle) -> int:
+    """How many of the bundle's leading text encoders are CLIP (those a text-encoder LoRA is of)."""
+    count = 0
+    for encoder in bundle.text_encoders:
+        if encoder is None or not _model_type(encoder).startswith("clip"):
+            break
+        count += 1
+    return count
 
 
 def extract(base_path: str, tuned_path: str, rank: int, out: Path, formats: Sequence[str] = (),
             device: str = "auto", dtype: str = "bf16", min_change: float = 0.0,
             tokenizers: Optional[str] = None) -> dict:
-    """Write the LoRA of rank `rank` that takes `base_path` closest to `tuned_path` (per layer)."""
+    """Write the LoRA of rank `rank` that takes `base_path` closest to `tuned_path` (per layer): of
+    the denoiser's linears and convolutions and, where they differ, of the CLIP text encoders'
+    attention and MLP linears (kohya lora_te1_ / lora_te2_, diffusers text_encoder(_2).). The kept
+    energy is a share of every layer that differs; those no file carries are in "left_out"."""
     dev = generate_device(device)  # a device this machine lacks is named before anything loads
     family, base = load_model(base_path, tokenizers, t5=False)
     tuned_family, tuned = load_model(tuned_path, tokenizers, t5=False)
     if tuned_family.name != family.name:
         raise ValueError(f"{tuned_path} is a {tuned_family.display_name} checkpoint and {base_path} a "
                          f"{family.display_name} one: extract needs two checkpoints of the same model")
-    got = extract_state(base.denoiser, tuned.denoiser, rank, dev, min_change)
-    if not got.state:
-        raise ValueError(f"{tuned_path}: no linear layer of the denoiser differs from {base_path}; nothing to "
-                         "extract")
-    state = {k: v.to(DTYPES[dtype]) for k, v in got.state.items()}
     chosen = list(formats) or [family.lora_formats[0]]
     bad = [f for f in chosen if f not in family.lora_formats]
     if bad:
         raise ValueError(f"--format {bad[0]}: {family.display_name} LoRAs are written as "
                          f"{' or '.join(family.lora_formats)}")
+    config = dict(base.denoiser.config)
+    got = extract_state(base.denoiser, tuned.denoiser, rank, dev, min_change,
+                        _conv_refusal(family, chosen, config, rank))
+    clips = min(_clip_count(base), _clip_count(tuned))
+    encoders = [extract_state(base.text_encoders[i], tuned.text_encoders[i], rank, dev, min_change,
+                              _encoder_refusal) for i in range(clips)]
+    parts = [("", got)] + [(f"{TEXT_ENCODERS[i]}.", e) for i, e in enumerate(encoders)]
+    energy = {p + n: e for p, part in parts for n, e in part.energy.items()}
+    if not energy:
+        raise ValueError(f"{tuned_path}: no linear layer or convolution of the denoiser or the CLIP text "
+                         f"encoders differs from {base_path}; nothing to extract")
+    total = sum(energy.values())
+    kept = sum(e for _, part in parts for e in part.kept.values()) / total
+    left_out = {p + n: {"energy": part.energy[n] / total, "why": why}
+                for p, part in parts for n, why in part.left_out.items()}
+    if left_out:  # the kept share above counts them as lost
+        share = sum(v["energy"] for v in left_out.values())
+        largest = max(left_out, key=lambda n: left_out[n]["energy"])
+        log.warning("extract: %d layer(s) that differ are left out, %.1f%% of the difference's energy "
+                    "(the largest, %s: %s)", len(left_out), 100 * share, largest, left_out[largest]["why"])
+    if not any(part.state for _, part in parts):
+        raise ValueError(f"{tuned_path}: only layers no {family.display_name} LoRA file carries differ from "
+                         f"{base_path} (e.g. {next(iter(left_out))}); nothing to extract")
+    convs = sum(1 for n in got.kept if got.state[f"{n}.lora_A.weight"].dim() == 4)
+    te_layers = sum(e.layers for e in encoders)
+    log.info("extract: %d linear layer(s) and %d convolution(s) of the denoiser, %d text-encoder layer(s)",
+             got.layers - convs, convs, te_layers)
+    state = {k: v.to(DTYPES[dtype]) for k, v in got.state.items()}
+    te_states = [{k: v.to(DTYPES[dtype]) for k, v in e.state.items()} for e in encoders]
     meta = {"vramfit.extracted_from": json.dumps([str(base_path), str(tuned_path)]),
-            "vramfit.extract_kept_energy": f"{got.kept:.6f}", "ss_base_model_version": family.base_model_version}
+            "vramfit.extract_kept_energy": f"{kept:.6f}", "ss_base_model_version": family.base_model_version}
+    if left_out:
+        meta["vramfit.extract_left_out"] = json.dumps({n: round(v["energy"], 6) for n, v in left_out.items()})
+    if te_layers:
+        meta.update({"vramfit.text_encoder_rank": str(rank), "vramfit.text_encoder_alpha": str(rank)})
     paths = []
     for fmt in chosen:
         path = Path(out) if fmt == chosen[0] else _beside(Path(out), fmt)
-        tensors = family.lora_tensors(fmt, state, dict(base.denoiser.config), rank)
+        tensors = family.lora_tensors(fmt, state, config, rank) if state else {}
+        tensors.update(text_encoder_lora(te_states, rank, kohya=fmt == "lora_kohya"))
         style = "kohya" if fmt == "lora_kohya" else "diffusers"
-        save_lora(path, tensors, {**meta, **lora_scale_metadata(rank, rank, style)})
+        scale = lora_scale_metadata(rank, rank, style)
+        if style == "kohya" and convs:  # kohya's conv_dim / conv_alpha, as its trainer and extractor write
+            scale["ss_network_args"] = json.dumps({"conv_dim": str(rank), "conv_alpha": str(rank)})
+        save_lora(path, tensors, {**meta, **scale})
         paths.append(str(path))
-    return {"files": paths, "layers": got.layers, "unchanged_layers": got.unchanged, "kept_energy": got.kept}
+    unchanged = got.unchanged + sum(e.unchanged for e in encoders)
+    return {"files": paths, "layers": got.layers + te_layers, "unchanged_layers": unchanged, "kept_energy": kept,
+            "conv_layers": convs, "text_encoder_layers": te_layers, "left_out": left_out}
 
 
 def _beside(primary: Path, fmt: str) -> Path:
