@@ -137,6 +137,11 @@ def test_planner_counts_the_ema_bytes(cache_root):
     assert [p.peak for p in predict(facts, in_cpu).phases] == [p.peak for p in base.values()]
     assert ema_host_bytes(facts, in_cpu) == 2 * trained  # the fp32 EMA and the staging copy of the LoRA
     assert "host memory: the EMA" in plan_report(facts=facts, cfg=in_cpu, budget=None)
+    # the trained text encoders' LoRA is averaged too: 18 * rank * hidden values a CLIP layer
+    te = with_values(cfg, {"ema.enabled": True, "lora.text_encoder_rank": 2, "cache.text": False})
+    clips = [e for e in facts.encoders if e.kind == "clip"]
+    values = sum(18 * 2 * e.hidden * e.layers for e in clips)
+    assert values > 0 and predict(facts, te).phase("train").parts["ema"] == trained + 4 * values
 
 
 # ---- through the CLI on tiny:sdxl ----------------------------------------------------------------
@@ -248,3 +253,24 @@ def test_resume_gives_the_same_ema(tmp_path, images, cache_root, caplog, capsys)
     assert main([*train_args(images, tmp_path / "torn", cache_root, *sets, model="tiny:sdxl"), "--resume",
                  "latest"]) == 0
     assert "holds no EMA (it was saved without [ema]); the EMA starts at the resumed weights" in caplog.text
+
+
+def test_text_encoder_lora_is_averaged_with_the_denoisers_and_saved_in_the_ema_file(tmp_path, images, cache_root):
+    """[ema] beside lora.text_encoder_rank: the EMA holds the encoders' LoRA too (named as the
+    training state names them), equal to the hand-computed EMA of the saved states; the -ema file
+    carries the encoders' LoRA, averaged, in both formats' keys."""
+    out = tmp_path / "out"
+    assert main(train_args(images, out, cache_root, "train.mode=lora", "train.steps=3", "train.lr=1e-2",
+                           "lora.text_encoder_rank=2", "ema.enabled=true", "ema.decay=0.5",
+                           "save.state_every_steps=1", "save.keep_last=10", model="tiny:sdxl")) == 0
+    states = _states(out)
+    expected = _hand_ema(states, [1, 2, 3], 0.5)
+    assert any(k.startswith("text_encoder_0.") for k in expected) and any(
+        k.startswith("text_encoder_1.") for k in expected)
+    _assert_shadows(states[3], expected)
+    ema_file, trained = (load_file(str(out / f"model{s}.safetensors")) for s in ("-ema", ""))
+    te = [k for k in trained if k.startswith(("lora_te1_", "lora_te2_")) and "lora_up" in k]
+    assert te and set(ema_file) == set(trained)
+    assert any(not torch.equal(ema_file[k], trained[k]) for k in te)
+    diffusers = load_file(str(out / "model-ema-diffusers.safetensors"))
+    assert any(k.startswith("text_encoder.") for k in diffusers)

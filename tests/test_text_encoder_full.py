@@ -159,7 +159,6 @@ def test_flow_families_save_their_trained_clip_encoders(name, clips, tmp_path, i
     (("train.mode=lora",), "train.text_encoders", "lora.text_encoder_rank"),
     (("train.optimizer_in_backward=true",), "train.text_encoders", "train.optimizer_in_backward"),
     (("memory.stream_encoders=true",), "train.text_encoders", "memory.stream_encoders"),
-    (("ema.enabled=true",), "train.text_encoders", "ema.enabled"),
     (("train.cuda_graphs=true",), "train.cuda_graphs", "train.text_encoders = 'full'"),
     (("cache.text=true",), "cache.text", "train.text_encoders = 'full'"),
 ])

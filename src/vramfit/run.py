@@ -299,12 +299,13 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
 
 
 def _ema_of(cfg: RunConfig, bundle: ModelBundle, state: Progress) -> Optional[EMA]:
-    """The EMA of the trained weights (memory/ema.py) with [ema]: from the resumed training state
-    where it holds one, else starting at the weights as they are now."""
+    """The EMA of the trained weights (memory/ema.py) with [ema], the trained text encoders' among
+    them (named as the training state names them): from the resumed training state where it holds
+    one, else starting at the weights as they are now."""
     e = cfg.ema
     if not e.enabled:
         return None
-    params = {n: p for n, p in bundle.denoiser.named_parameters() if p.requires_grad}
+    params = {n: p for n, p in trained_weights(bundle).named_parameters() if p.requires_grad}
     ema = EMA(params, decay=e.decay, update_every=e.update_every, warmup=e.warmup, device=e.device,
               dtype=e.dtype, seed=cfg.train.seed)
     if state.resumed_from:

@@ -251,9 +251,7 @@ def _trained_encoder_clashes(cfg: Any) -> Optional[str]:
          "denoiser's backward has passed through them, outside its gradient hooks; set it to false",
          t.optimizer_in_backward),
         ("memory.stream_encoders", "a streamed encoder's weights leave the GPU layer by layer, while the "
-         "trained ones must stay there until backward; set it to false", cfg.memory.stream_encoders),
-        ("ema.enabled", "the EMA averages the denoiser's weights only; set it to false",
-         cfg.ema.enabled)) if on]
+         "trained ones must stay there until backward; set it to false", cfg.memory.stream_encoders)) if on]
     if not clash:
         return None
     return "cannot be used with " + "; nor with ".join(f"{k}: {r}" for k, r in clash)

@@ -860,7 +860,7 @@ class EmaConfig(_Section):
     """An exponential moving average of the trained weights (memory/ema.py), saved beside them."""
 
     enabled: bool = Field(False, description="Keep an EMA of the trained weights (a LoRA's adapter "
-                          "matrices, or every weight of a full fine-tune), saved as <save.name>-ema beside "
+                          "matrices, or every weight of a full fine-tune; trained text encoders' too), saved as <save.name>-ema beside "
                           "each checkpoint and kept in the training state.")
     decay: float = Field(0.9999, gt=0, lt=1, description="Decay d of each update: ema <- d * ema + (1 - d) "
                          "* weights.")

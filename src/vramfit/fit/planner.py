@@ -455,8 +455,9 @@ def device_terms(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
             # memory.streamed_grad_sums = "device": the streamed weights' sums, kept through the phase
             "gradient sums": sum(x.numel * x.dtype_bytes for x in trained if x.streamed)
             if streamed_sums_on_device(cfg) else 0,
-            "ema": sum(x.numel for x in trained if not x.streamed) * _ema_item(cfg)
-            if cfg.ema.device == "gpu" else 0,
+            # beside the trained weights: the denoiser's not streamed, and the trained text encoders'
+            "ema": (sum(x.numel for x in trained if not x.streamed) + trained_encoder_values(facts, cfg))
+            * _ema_item(cfg) if cfg.ema.device == "gpu" else 0,
             "autocast copies": sum(2 * x.numel for x in on_device if x.dtype_bytes == 4)
             if cfg.train.precision == "mixed_bf16" else 0,
             "largest bytes": largest.numel * largest.dtype_bytes, "largest numel": largest.numel,
@@ -479,7 +480,10 @@ def ema_host_bytes(facts: ModelFacts, cfg: RunConfig) -> int:
     if not cfg.ema.enabled or cfg.ema.device != "cpu":
         return 0
     trained = [x for x in _denoiser_tensors(facts, cfg)[0] if x.trained]
-    return sum(x.numel * (_ema_item(cfg) + x.dtype_bytes) for x in trained)
+    # the trained text encoders' values: fp32 LoRA, or the whole CLIPs in the weights' dtype
+    encoder_item = weight_item_bytes(cfg) if cfg.text_encoder_training == "full" else 4
+    return sum(x.numel * (_ema_item(cfg) + x.dtype_bytes) for x in trained) + \
+        trained_encoder_values(facts, cfg) * (_ema_item(cfg) + encoder_item)
 
 
 def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms: dict[str, int]) -> dict[str, int]:
@@ -530,6 +534,18 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
     return {**base, **max(candidates, key=lambda c: sum(c.values()))}
 
 
+def trained_encoder_values(facts: ModelFacts, cfg: RunConfig) -> int:
+    """Values trained in the CLIP text encoders: every weight (train.text_encoders = "full"), or
+    their LoRA's (lora.text_encoder_rank: 18 * rank * hidden a layer, by q/k/v/out and fc1/fc2);
+    0 where they are frozen."""
+    clips = [e for e in facts.encoders if e.kind == "clip"]
+    if cfg.text_encoder_training == "full":
+        return sum(e.params for e in clips)
+    if cfg.text_encoder_training == "lora":
+        return sum(18 * cfg.lora.text_encoder_rank * e.hidden * e.layers for e in clips)
+    return 0
+
+
 # `_trained_encoders`' terms that live as long as the run, not only through the step
 TRAINED_ENCODERS_KEPT = ("text encoders trained", "text encoder lora", "text encoder optimizer state")
 
@@ -559,9 +575,8 @@ def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
         return {"text encoders trained": sum(weight * e.params for e in clips),
                 "text encoder gradients": sum(weight * e.params for e in clips),
                 "text encoder optimizer state": state, **act}
-    rank = cfg.lora.text_encoder_rank
     return {"text encoders trained": sum(encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in clips),
-            "text encoder lora": sum(16 * 18 * rank * e.hidden * e.layers for e in clips), **act}
+            "text encoder lora": 16 * trained_encoder_values(facts, cfg), **act}
 
 
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
