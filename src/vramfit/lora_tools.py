@@ -30,14 +30,13 @@ from safetensors.torch import load_file
 
 from vramfit.config.schema import ModelConfig
 from vramfit.formats.lora import (
-    DIFFUSERS_METADATA_KEY, DORA_PARTS, LOHA_PARTS, LOKR_PARTS, LORA_FILE_SUFFIXES, TEXT_ENCODERS, load_lora,
-    lora_scale_metadata, lycoris_delta, peft_modules, save_lora, text_encoder_lora,
+    DIFFUSERS_METADATA_KEY, DORA_PARTS, LOHA_PARTS, LOKR_PARTS, LORA_FILE_SUFFIXES, TEXT_ENCODER_TARGETS,
+    TEXT_ENCODERS, load_lora, lora_scale_metadata, lycoris_delta, peft_modules, save_lora, text_encoder_lora,
 )
 from vramfit.formats.safetensors_io import read_header
 from vramfit.generate import generate_device
 from vramfit.models.registry import FAMILIES, detect_family
 from vramfit.models.sources import resolve_source, write_tokenizers
-from vramfit.train.lora import TEXT_ENCODER_TARGETS
 
 log = logging.getLogger("vramfit")
 
@@ -354,7 +353,8 @@ def _encoder_refusal(name: str, layer: torch.nn.Module) -> Optional[str]:
     and MLP linears only (the layers training's text-encoder LoRA adapts, train/lora.py)."""
     if name.rsplit(".", 1)[-1] in TEXT_ENCODER_TARGETS:
         return None
-    return f"not an attention or MLP linear ({'/'.join(TEXT_ENCODER_TARGETS)}), the text-encoder layers LoRA files name"
+    return (f"not an attention or MLP linear ({'/'.join(TEXT_ENCODER_TARGETS)}), the text-encoder layers "
+            "LoRA files name")
 
 
 def _clip_count(bundle) -> int:

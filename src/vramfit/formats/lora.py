@@ -55,6 +55,8 @@ KOHYA_UNET = "lora_unet_"
 KOHYA_TE = {"lora_te_": "text_encoder", "lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2",
             "lora_te3_": "text_encoder_3"}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# The CLIP text encoders' linears a text-encoder LoRA adapts (attention and MLP), as kohya's do
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig JSON in __metadata__
 
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")

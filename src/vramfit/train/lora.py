@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from vramfit.config.schema import LoraSettings, RunConfig, TrainConfig
+from vramfit.formats.lora import TEXT_ENCODER_TARGETS
 from vramfit.memory.quantize import quantize_base
 
 log = logging.getLogger("vramfit")
@@ -25,8 +26,6 @@ ADAPTER = "default"  # peft's name of the one adapter a run trains
 CONV_BLOCKS = ("resnets", "downsamplers", "upsamplers")
 # The factor of each adapter type that a module's scale is folded into (formats carry one per module)
 UP_FACTORS = ("lora_B.weight", "hada_w1_a", "lokr_w1", "lokr_w1_a")
-# The CLIP text encoders' linears lora.text_encoder_rank adapts (attention and MLP), as kohya's do
-TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 
 def target_modules(denoiser: torch.nn.Module, settings: LoraSettings) -> list[str]:
