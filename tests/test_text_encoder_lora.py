@@ -163,19 +163,25 @@ def test_lr_without_rank_is_refused():
 
 @pytest.mark.parametrize("layout", ["sdxl", "sd3m", "flux1-dev"])
 def test_plan_counts_the_trained_encoders(layout):
-    """The train phase grows by the CLIP encoders (weights, LoRA, activations); a frozen T5 (SD3,
-    Flux.1) still comes to the device to encode each step; the plan says so."""
+    """The train phase holds the CLIP encoders (weights, LoRA, activations) and no frozen T5 (SD3,
+    Flux.1), whose outputs are cached in a caption phase where only it is on the device (as
+    train/data.py caches them); the plan says so."""
     facts = facts_for_layout(layout)
     plain = load_config(None, ["train.mode=lora", "cache.text=false"], need_data=False)
     te = with_values(plain, {"lora.text_encoder_rank": 16})
-    before, after = (next(p for p in predict(facts, c).phases if p.name == "train") for c in (plain, te))
-    assert after.peak > before.peak
-    assert after.parts["text encoders trained"] > 0 and after.parts["text encoder lora"] > 0
-    assert after.parts["text encoder activations"] > 0
+    before, after = ({p.name: p for p in predict(facts, c).phases} for c in (plain, te))
+    assert after["train"].parts["text encoders trained"] > 0 and after["train"].parts["text encoder lora"] > 0
+    assert after["train"].parts["text encoder activations"] > 0
+    assert "text encoder" not in after["train"].parts  # no live encoder beyond the trained ones
     t5 = [e for e in facts.encoders if e.kind == "t5"]
-    assert (after.parts.get("text encoder", 0) > 0) == bool(t5)  # T5's weights while it encodes
+    assert ("cache_text" in after) == bool(t5) and "cache_text" not in before
     if t5:
-        assert after.parts["text encoder"] == before.parts["text encoder"]  # the largest, T5, either way
+        assert set(after["cache_text"].parts) >= {t5[0].name, "hidden states"}
+        assert not any(e.name in after["cache_text"].parts for e in facts.encoders if e.kind == "clip")
+        assert before["train"].parts["text encoder"] >= after["cache_text"].parts[t5[0].name]  # T5, live before
+        assert "T5's outputs are cached" in plan_report(te, facts, None)
+    else:
+        assert after["train"].peak > before["train"].peak
     assert "lora.text_encoder_rank" in plan_report(te, facts, None)
 
 
@@ -286,3 +292,53 @@ def test_whole_step_optimizers_train_the_encoders_in_a_group_of_their_own(tmp_pa
     for i in (0, 1):
         ups = [k for k in a if k.startswith(f"text_encoder_{i}.") and "lora_B" in k]
         assert ups and any(not torch.equal(a[k], start[k]) for k in ups)
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_t5_outputs_are_cached_while_the_clip_encoders_train(name, tmp_path, images, cache_root, capsys,
+                                                            monkeypatch):
+    """SD3 and Flux.1 with lora.text_encoder_rank: T5 never trains, so its outputs are cached before
+    training (the cache stage writes an entry per caption) and T5 does not run in any training step;
+    a second run reuses the entries. The conditioning built from a cached T5 part equals the one
+    encoded live."""
+    from transformers import T5EncoderModel
+
+    calls = {"n": 0}
+    forward = T5EncoderModel.forward
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(T5EncoderModel, "forward", counted)
+    model = f"tiny:{name}"
+    sets = (*TE, "train.steps=3", "sample.every_steps=0")
+    cache = cache_root / f"frozen-{name}"
+    shutil.rmtree(cache, ignore_errors=True)
+    capsys.readouterr()
+    assert main(["cache", *train_args(images, tmp_path / "c", cache, *sets, model=model)[1:]]) == 0
+    out = capsys.readouterr().out
+    captions = len({p.read_text() for p in images.glob("*.txt")})
+    assert f"text_cached {captions}" in out and "only T5's outputs are cached" in out
+    cached_calls = calls["n"]
+    assert cached_calls >= 1
+    assert main(train_args(images, tmp_path / "run", cache, *sets, model=model)) == 0
+    assert calls["n"] == cached_calls  # reused: no T5 call while caching again nor in any step
+    # the joined conditioning equals the live one
+    family = FAMILIES[name]
+    bundle = family.load(resolve_source(load_config(None, [f"model.path={model}"], need_data=False).model,
+                                        cache_root))
+    texts = ["a red cube", "two dogs"]
+    live = family.encode_text(bundle, texts, torch.device("cpu"), torch.bfloat16)
+    frozen = family.encode_frozen_text(bundle, texts, torch.device("cpu"), torch.bfloat16)
+    joined = family.encode_text(bundle, texts, torch.device("cpu"), torch.bfloat16, frozen=frozen)
+    assert set(live) == set(joined) and all(torch.equal(live[k], joined[k]) for k in live)
+
+
+def test_data_says_only_t5_outputs_are_cached_while_sd3s_clips_train(tmp_path, images, capsys):
+    args = train_args(images, tmp_path / "out", tmp_path / "cache", "train.mode=lora", "lora.rank=2",
+                      "lora.text_encoder_rank=2", model="tiny:sd3")
+    capsys.readouterr()
+    assert main(["data", *args[1:], "--per-bucket", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "distinct caption variants, T5's outputs only (lora.text_encoder_rank: the CLIP encoders train" in out

@@ -64,8 +64,8 @@ import torch
 from vramfit.config.rules import streamed_step_on_device
 from vramfit.config.schema import RunConfig, parse_size
 from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
-from vramfit.fit.model_facts import (EncoderFacts, ModelFacts, encoder_bytes, sampled_encoder_bytes,
-                                     weight_item_bytes)
+from vramfit.fit.model_facts import (EncoderFacts, ModelFacts, caches_frozen_text, encoder_bytes,
+                                     sampled_encoder_bytes, weight_item_bytes)
 from vramfit.memory.offload.staging import SHEETS
 from vramfit.train.distributed import launched_world
 
@@ -284,7 +284,9 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
         add("fit probe", {**as_loaded, **{f"stand-in's {k}": v for k, v in probed.items() if k not in models}})
     if cfg.cache.latents:  # the VAE on the device
         add("cache_latents", {"denoiser": loaded, **encoders})
-    if cfg.cache.text:  # the largest encoder on the device, unless streamed from its pinned home
+    # the largest encoder on the device (T5 where only its outputs are cached), unless streamed
+    # from its pinned home
+    if cfg.cache.text or caches_frozen_text(facts, cfg):
         on_device = 0 if cfg.memory.stream_encoders else max(encoders.values(), default=0)
         add("cache_text", {"denoiser": loaded, "vae": vae,
                            "text encoders": sum(encoders.values()) - on_device})

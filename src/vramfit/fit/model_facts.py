@@ -222,6 +222,13 @@ class UnknownLayout(ValueError):
     """A layout name no family ships; the message lists the known ones."""
 
 
+def caches_frozen_text(facts: ModelFacts, cfg: RunConfig) -> bool:
+    """Whether the caption phase caches only the outputs of the encoders that never train (T5)
+    while the CLIP encoders train (train/data.py TrainingData's "frozen text")."""
+    return (cfg.text_encoder_training is not None and not cfg.cache.text and cfg.model.t5_precision != "none"
+            and any(e.kind == "t5" for e in facts.encoders))
+
+
 def weight_item_bytes(cfg: RunConfig) -> int:
     """Bytes a value of the denoiser's weights as training holds them (and a sample grid's models):
     bf16 under full_bf16, fp32 otherwise."""

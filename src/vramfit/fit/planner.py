@@ -82,8 +82,8 @@ from vramfit.config.schema import RunConfig, parse_size
 from vramfit.data.buckets import make_buckets
 from vramfit.memory.accounting import pick_device
 from vramfit.memory.checkpointing import recomputed_blocks
-from vramfit.fit.model_facts import (ModelFacts, encoder_device_bytes, quantized_linear_bytes, read_facts,
-                                     sampled_encoder_bytes, state_bytes, weight_item_bytes)
+from vramfit.fit.model_facts import (ModelFacts, caches_frozen_text, encoder_device_bytes, quantized_linear_bytes,
+                                     read_facts, sampled_encoder_bytes, state_bytes, weight_item_bytes)
 from vramfit.fit.estimates import GIB, MIB, PhaseEstimate, Phases, size_text
 from vramfit.fit.host import DenoiserHost, HostPrediction, host_budget_of, local_processes, predict_host
 from vramfit.memory.offload.units import stream_blocks, too_many_resident
@@ -376,9 +376,11 @@ def _vae_phase(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
 
 
 def _text_phase(facts: ModelFacts, cfg: RunConfig, captions: int) -> dict[str, int]:
+    """The caption phase: the largest encoder on the device (only T5 where it alone is cached)."""
     best: dict[str, int] = {}
+    frozen_only = caches_frozen_text(facts, cfg)
     for enc in facts.encoders:
-        if enc.kind == "t5" and cfg.model.t5_precision == "none":
+        if (enc.kind == "t5" and cfg.model.t5_precision == "none") or (frozen_only and enc.kind != "t5"):
             continue
         weights, widened = encoder_device_bytes(enc, cfg.model, cfg.memory)
         tokens = 77 if enc.kind == "clip" else t5_tokens(FAMILIES[facts.family], cfg, facts.config)
@@ -502,9 +504,7 @@ def _train_phase(facts: ModelFacts, cfg: RunConfig, side: tuple[int, int], terms
         base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders), default=0)
     if cfg.text_encoder_training:
         base.update(_trained_encoders(facts, cfg))
-        # a frozen T5 (SD3, Flux.1) still comes to the device each step to encode, without gradients
-        base["text encoder"] = max((encoder_device_bytes(e, cfg.model, cfg.memory)[0] for e in facts.encoders
-                                    if e.kind != "clip" and cfg.model.t5_precision != "none"), default=0)
+        base.pop("text encoder", None)  # a frozen T5's outputs are cached (caches_frozen_text)
     base["workspace"] = WORKSPACE
     if t.optimizer_in_backward and t.grad_accum > 1 and cfg.memory.resident_blocks:
         base["resident blocks, accumulating (measured)"] = int(RESIDENT_ACCUM_SHARE * terms["kept block bytes"])
@@ -612,7 +612,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Pr
     if cfg.cache.latents:
         parts = _vae_phase(facts, cfg)
         phases.append(PhaseEstimate("cache_latents", sum(parts.values()), parts))
-    if cfg.cache.text:
+    if cfg.cache.text or caches_frozen_text(facts, cfg):
         parts = _text_phase(facts, cfg, min(captions, TEXT_CHUNK))
         phases.append(PhaseEstimate("cache_text", sum(parts.values()), parts))
     terms = device_terms(facts, cfg)
@@ -1145,14 +1145,15 @@ def plan_report(cfg: RunConfig, facts: ModelFacts, budget: Optional[int]) -> str
     lines = [f"{model}, largest bucket {side[0]}x{side[1]}, batch {cfg.step_batch}; "
              "predicted peak GPU memory allocated (G = GiB, M = MiB):", "", "as written:",
              predict(facts, cfg).table()]
+    captions = ("cache.text is off: the CLIP encoders encode each caption each step, T5's outputs are cached "
+                "in the caption phase" if caches_frozen_text(facts, cfg) else
+                "cache.text is off, captions are encoded each step")
     if cfg.text_encoder_training == "lora":
         lines.append(f"lora.text_encoder_rank = {cfg.lora.text_encoder_rank}: the CLIP text encoders train "
-                     "in the train phase (their weights, LoRA and activations); cache.text is off, captions "
-                     "are encoded each step")
+                     f"in the train phase (their weights, LoRA and activations); {captions}")
     elif cfg.text_encoder_training == "full":
         lines.append("train.text_encoders = 'full': every weight of the CLIP text encoders trains in the "
-                     "train phase (their weights, gradients, optimizer state and activations); cache.text is "
-                     "off, captions are encoded each step")
+                     "train phase (their weights, gradients, optimizer state and activations); " + captions)
     host = ema_host_bytes(facts, cfg)
     if host:
         lines.append(f"host memory: the EMA (ema.device = \"cpu\") and its staging copy {size_text(host)}")

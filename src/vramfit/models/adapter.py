@@ -149,10 +149,23 @@ class Family(LoraFamily, Protocol):
         set (families with has_t5; see `t5_tokens`)."""
         ...
 
-    def encoder_identity(self, bundle: ModelBundle, part: str) -> str: ...
+    def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
+        """What the cache keys of `part` name: "vae", "text" (every text encoder's outputs), or
+        "frozen text" (the outputs of the encoders that never train, cached while the CLIP encoders
+        train: SD3's and Flux.1's T5; "" where the family has none or the model lacks it)."""
+        ...
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+                    dtype: torch.dtype, *, frozen: Optional[dict[str, torch.Tensor]] = None
+                    ) -> dict[str, torch.Tensor]:
+        """The conditioning of `captions`; `frozen`: the frozen encoders' outputs for them
+        (`encode_frozen_text`, from the cache), which are then not run."""
+        ...
+
+    def encode_frozen_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The outputs of the encoders that never train (see encoder_identity's "frozen text")."""
+        ...
 
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]: ...

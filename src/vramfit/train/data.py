@@ -175,8 +175,13 @@ class TrainingData:
 
     def __init__(self, family: Family, bundle: ModelBundle, records: list[Record], cache_cfg: CacheConfig,
                  cache: DiskCache, device: torch.device, seed: int = 0, prior_weight: float = 1.0,
-                 identities: Optional[dict[str, str]] = None, share: Optional[Callable[[list], list]] = None):
+                 identities: Optional[dict[str, str]] = None, share: Optional[Callable[[list], list]] = None,
+                 frozen_text: bool = False):
         self.family, self.bundle, self.records, self.seed = family, bundle, records, seed
+        # What the text cache holds: every encoder's outputs (cache.text), or, while the CLIP encoders
+        # train (`frozen_text`), those of the encoders that never train (Family.encode_frozen_text:
+        # SD3's and Flux.1's T5), which training joins to the CLIPs' live ones; None: nothing
+        self.text_part: Optional[str] = "text" if cache_cfg.text else "frozen text" if frozen_text else None
         # Over several ranks, `share` picks this rank's part of the entries to encode (distributed.py).
         self.share = share or (lambda items: items)
         self.prior_weight = prior_weight
@@ -234,8 +239,11 @@ class TrainingData:
                 if r.spec.flip and not r.validation:
                     r.flip_key = latent_key(r.image_digest, r.bucket, crop + ("flip",), vae_id,
                                             self.cache_cfg.vae_dtype, store, tiling)
-        if self.cache_cfg.text:
-            text_id = self.identities.get("text") or self.family.encoder_identity(self.bundle, "text")
+        text_id = self.text_part and (self.identities.get(self.text_part)
+                                      or self.family.encoder_identity(self.bundle, self.text_part))
+        if not text_id:  # a model with no frozen encoder (SDXL, T5 left out) caches no text
+            self.text_part = None
+        else:
             for r in self.records:
                 r.text_keys = tuple(text_key(c, text_id, store) for c in r.captions)
             if self.drops_captions:
@@ -283,11 +291,15 @@ class TrainingData:
         self.pending["text"], self.stats["text_cached"] = list(keys), 0
         for start in _bar(range(0, len(keys), TEXT_CHUNK), "cache text", progress):
             chunk = keys[start:start + TEXT_CHUNK]
-            out = self.family.encode_text(self.bundle, [pending[k] for k in chunk], self.device,
-                                          DTYPES[self.cache_cfg.dtype])
+            out = self._encode_cached_part([pending[k] for k in chunk])
             for i, key in enumerate(chunk):
                 self.cache.put("text", key, {k: v[i] for k, v in out.items()}, {})
                 self.stats["text_cached"] += 1
+
+    def _encode_cached_part(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """What a text entry holds for `captions`: every encoder's outputs, or the frozen ones'."""
+        encode = self.family.encode_text if self.text_part == "text" else self.family.encode_frozen_text
+        return encode(self.bundle, captions, self.device, DTYPES[self.cache_cfg.dtype])
 
     def written(self, kind: str) -> int:
         """How many of the cache stage's entries of `kind` are in the cache now: counted on disk, so a
@@ -298,7 +310,8 @@ class TrainingData:
         """Entries and bytes of the run's text and latent cache entries (what the cache holds for it)."""
         out = {}
         for kind, keys in (("latents", [k for _, _, k in self.latent_entries()]), ("text", list(self.text_entries()))):
-            files = [self.cache.path(kind, k) for k in keys if getattr(self.cache_cfg, kind)]
+            cached = self.cache_cfg.latents if kind == "latents" else self.text_part is not None
+            files = [self.cache.path(kind, k) for k in keys if cached]
             sizes = [f.stat().st_size for f in files if f.is_file()]
             out[f"{kind}_entries"], out[f"{kind}_bytes"] = len(sizes), sum(sizes)
         return out
@@ -338,23 +351,27 @@ class TrainingData:
         return self.empty_key if d.variant < 0 else d.record.text_keys[d.variant]
 
     def _text(self, draws: list[Draw]) -> Optional[dict[str, torch.Tensor]]:
-        """The draws' text entries stacked; encoded again as for `_latent`; None when one is
-        unusable and the text encoders are not loaded."""
-        if self.cache_cfg.text:
-            entries = [self.cache.get("text", self._text_key(d)) for d in draws]
-            if all(e is not None for e in entries):
-                return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        """The draws' conditioning: their text entries stacked (where the frozen encoders' outputs
+        are cached, joined to the training encoders' live ones); encoded again as for `_latent`;
+        None when one is unusable and the text encoders are not loaded."""
+        captions, dtype = [d.caption for d in draws], DTYPES[self.cache_cfg.dtype]
+        if self.text_part is None:
+            return self.family.encode_text(self.bundle, captions, self.device, dtype)
+        entries = [self.cache.get("text", self._text_key(d)) for d in draws]
+        if any(e is None for e in entries):
             if not self.bundle.text_encoders:
                 return None
             log.warning("text cache entries of %s are damaged or gone; encoding them again",
                         ", ".join(d.item.key for d, e in zip(draws, entries) if e is None))
-        out = self.family.encode_text(self.bundle, [d.caption for d in draws], self.device,
-                                      DTYPES[self.cache_cfg.dtype])
-        if self.cache_cfg.text:
+            out = self._encode_cached_part(captions)
             for i, (d, e) in enumerate(zip(draws, entries)):
                 if e is None:
-                    self._write_back("text", self._text_key(d), {k: v[i] for k, v in out.items()}, {})
-        return out
+                    entries[i] = {k: v[i] for k, v in out.items()}
+                    self._write_back("text", self._text_key(d), entries[i], {})
+        stacked = {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        if self.text_part == "text":
+            return stacked
+        return self.family.encode_text(self.bundle, captions, self.device, dtype, frozen=stacked)
 
     def _write_back(self, kind: str, key: str, entry: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         try:
@@ -399,7 +416,8 @@ class TrainingData:
                 "(was the cache removed or changed while training?); training cannot go on")
         bad = [(d, "latents", d.record.flip_key if d.flipped else d.record.latent_key) if e is None
                else (d, "text", self._text_key(d)) for d, e in zip(draws, lat)
-               if e is None or (self.cache_cfg.text and not self.cache.path("text", self._text_key(d)).is_file())]
+               if e is None or (self.text_part is not None
+                                and not self.cache.path("text", self._text_key(d)).is_file())]
         new = [(d, kind, key) for d, kind, key in bad if d.item.key not in self._named]
         if new:
             self._named.update(d.item.key for d, _, _ in new)

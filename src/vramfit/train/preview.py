@@ -33,6 +33,7 @@ from vramfit.data.buckets import fit_to_bucket
 from vramfit.data.datasets import scan_datasets
 from vramfit.data.scan import Problem, load_image
 from vramfit.formats.safetensors_io import atomic_file, write_text_atomic
+from vramfit.models.adapter import Family
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.train.data import Draw, Record, TrainingData, make_records
@@ -132,7 +133,7 @@ def preview(cfg: RunConfig, per_bucket: int, progress: bool, name: str = "config
     else:
         notes.append("nothing trains: every image is held out for validation")
     per_epoch = Counter(d.record.dataset for d in draws)
-    tokenizers = _tokenizers(cfg, notes)
+    family, tokenizers = _tokenizers(cfg, notes)
     short = not cfg.data.datasets and not cfg.data.kohya
     datasets = []
     for ds in scanned:
@@ -151,25 +152,26 @@ def preview(cfg: RunConfig, per_bucket: int, progress: bool, name: str = "config
     return Preview(
         name=name, datasets=datasets, batch_size=batch, micro_batches=data.epoch_length(0, batch),
         buckets=dict(sorted(Counter(d.record.bucket for d in trained).items())),
-        class_draws=len(draws) - len(trained), steps=_steps(cfg, data), text_entries=_text_entries(cfg, data),
+        class_draws=len(draws) - len(trained), steps=_steps(cfg, data),
+        text_entries=_text_entries(cfg, data, bool(family and family.has_t5 and cfg.model.t5_precision != "none")),
         latent_entries=_latent_entries(cfg, data), notes=notes,
         rows=_rows(draws, {ds.index: ds.config.label for ds in scanned}, per_bucket, batch, progress, notes))
 
 
-def _tokenizers(cfg: RunConfig, notes: list[str]) -> list[Any]:
-    """The tokenizers a run of `cfg` encodes captions with; none (and a note saying why) when the
-    model or its tokenizers cannot be found."""
+def _tokenizers(cfg: RunConfig, notes: list[str]) -> tuple[Optional[Family], list[Any]]:
+    """The model's family and the tokenizers a run of `cfg` encodes captions with; none (and a note
+    saying why) when the model or its tokenizers cannot be found."""
     try:
         source = resolve_source(cfg.model, cache_root(cfg), weights=False)  # a repo id: no weights fetched
         family = detect_family(source, cfg.model.family)
         tokenizers = family.caption_tokenizers(source, cfg)
     except (ValueError, OSError) as exc:
         notes.append(f"caption tokens not counted: {exc}")
-        return []
+        return None, []
     problems = family.config_problems(cfg)
     if problems:
         notes.append(f"train would refuse this config for this {family.name} model: " + "; ".join(problems))
-    return tokenizers
+    return family, tokenizers
 
 
 def _token_stats(tokenizer: Any, captions: list[str], progress: bool) -> TokenStats:
@@ -199,11 +201,15 @@ def _steps(cfg: RunConfig, data: TrainingData) -> str:
             f"{accum}, about {steps * accum / first:.3g} epochs")
 
 
-def _text_entries(cfg: RunConfig, data: TrainingData) -> str:
+def _text_entries(cfg: RunConfig, data: TrainingData, t5: bool) -> str:
+    """The text cache entries the run makes; `t5`: the model has a T5 it loads (while the CLIP
+    encoders train, its outputs alone are cached: train/data.py's "frozen text")."""
     entries = data.text_entries()
     empty = " and the empty caption of caption_dropout" if data.empty_key else ""
     what = f"{len(entries)}: {len(entries) - bool(data.empty_key)} distinct caption variants{empty}"
     trained = TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)
+    if trained and t5:
+        return f"{what}, T5's outputs only ({trained}: the CLIP encoders train and encode every caption each step)"
     if trained:  # cache.text is turned off for them where the run resolves (fit/resolve.py)
         return f"none ({trained}: the text encoders train, every caption is encoded each step: {what})"
     return what if cfg.cache.text else f"none (cache.text = false; encoded while training: {what})"

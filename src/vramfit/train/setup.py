@@ -237,8 +237,11 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
                 if stored_precision(enc) is None:  # a T5 stored as it loaded stays so (fp32 would widen it)
                     enc.to(torch.float32)
         # Cache keys name the encoders as loaded (T5's precision is part of the text key).
+        # While the CLIP encoders train, the outputs of those that never do (T5) are cached.
+        frozen = cfg.text_encoder_training is not None and not cfg.cache.text
         identities = {part: family.encoder_identity(bundle, part)
-                      for part, cached in (("vae", cfg.cache.latents), ("text", cfg.cache.text)) if cached}
+                      for part, cached in (("vae", cfg.cache.latents), ("text", cfg.cache.text),
+                                           ("frozen text", frozen)) if cached}
         family.prepare_encoders(bundle)
     records = make_records(datasets, cfg.train.seed)
     generated = 0
@@ -247,7 +250,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
             records, generated = _with_class_records(cfg, family, bundle, records, device, progress, ranks)
     data = TrainingData(family, bundle, records, cfg.cache, DiskCache(cache_root(cfg) / "entries"), device,
                         seed=cfg.train.seed, prior_weight=cfg.prior.loss_weight, identities=identities,
-                        share=ranks.share)
+                        share=ranks.share, frozen_text=cfg.text_encoder_training is not None)
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions(family.caption_tokenizers(source, cfg))
     data.assign_keys()
@@ -267,16 +270,17 @@ def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device:
         if cfg.cache.latents:
             data.cache_latents(progress)
     with tracker.phase("cache_text"), stopped_as(lambda: _cache_note(data, "text")):
-        if cfg.cache.text:
+        if data.text_part is not None:  # every encoder's outputs, or (encoders training) T5's
             data.cache_text(progress)
         sample_inputs = encode_sample_prompts(cfg, bundle, device) if ranks.main else None
     ranks.barrier()  # every rank's share is written before any rank reads the cache
-    if cfg.cache.latents or cfg.cache.text:
+    if cfg.cache.latents or data.text_part is not None:
         size = data.cache_size()
         data.stats.update(size)
+        text = "text" if data.text_part == "text" else "frozen-encoder text"
         log.info("cache: %s", ", ".join(f"{size[f'{k}_entries']} {name} entries ({size[f'{k}_bytes'] / 2**20:.1f} MiB)"
                                         for k, name, on in (("latents", "latent", cfg.cache.latents),
-                                                            ("text", "text", cfg.cache.text)) if on))
+                                                            ("text", text, data.text_part is not None)) if on))
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
     elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run

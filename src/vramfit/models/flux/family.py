@@ -344,6 +344,13 @@ class FluxFamily:
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
         if part == "vae":
             return "flux-vae:" + module_fingerprint(bundle.vae)
+        if part == "frozen text":  # T5, which never trains (none: no frozen part)
+            if len(bundle.text_encoders) < 2:
+                return ""
+            precision = bundle.extra.get("t5_precision", "bf16")
+            joint = bundle.denoiser.config.joint_attention_dim
+            return (f"flux-t5:{encoder_fingerprint(bundle.text_encoders[1])}:{precision}:"
+                    f"{self._max_len(bundle, None)}:{joint}")
         prints = "+".join(encoder_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 2 else "no-t5"
         precision = bundle.extra.get("t5_precision", "bf16")
@@ -356,11 +363,13 @@ class FluxFamily:
                    or default_t5_tokens(bundle.denoiser.config))
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
-                    dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, max_sequence_length: Optional[int] = None, *,
+                    frozen: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, max_sequence_length, joint_attention_dim] (T5's last hidden states, or
         zeros without T5) and pooled [B, CLIP-L width] (CLIP-L's pooled output). A CLIP-L that trains
         (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stays where it was placed and
-        encodes with gradients where they are enabled; T5 never trains."""
+        encodes with gradients where they are enabled; T5 never trains: `frozen` gives its outputs
+        (encode_frozen_text, cached), and it is not run."""
         stream = bundle.extra.get("stream_encoders", False)
         trained = bool(bundle.extra.get("text_encoders_trained"))
         n_t5 = self._max_len(bundle, max_sequence_length)
@@ -371,15 +380,27 @@ class FluxFamily:
         with placed, torch.set_grad_enabled(trained and torch.is_grad_enabled()):
             pooled = clip(ids.to(device), output_hidden_states=False).pooler_output.float().cpu()
         joint = bundle.denoiser.config.joint_attention_dim
-        if len(bundle.text_encoders) > 1:
-            t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]
-            ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
-                            return_tensors="pt").input_ids
-            with encoder_on(t5, device, stream), torch.no_grad():
-                text = t5(ids.to(device))[0].float().cpu()
+        if frozen is not None:
+            text = frozen["t5"]
+        elif len(bundle.text_encoders) > 1:
+            text = self._t5(bundle, captions, device, n_t5)
         else:
             text = torch.zeros(len(captions), n_t5, joint)
         return {"prompt_embeds": text.to(dtype), "pooled": pooled.to(dtype)}
+
+    def encode_frozen_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """T5's last hidden states [B, max_sequence_length, joint_attention_dim] ("t5"), which
+        encode_text takes as `frozen` while CLIP-L trains."""
+        return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
+
+    @staticmethod
+    def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
+        t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]
+        ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
+                        return_tensors="pt").input_ids
+        with encoder_on(t5, device, bundle.extra.get("stream_encoders", False)), torch.no_grad():
+            return t5(ids.to(device))[0].float().cpu()
 
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:

@@ -383,6 +383,13 @@ class SD3Family:
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
         if part == "vae":
             return "sd3-vae:" + module_fingerprint(bundle.vae)
+        if part == "frozen text":  # T5, which never trains (none: no frozen part)
+            if len(bundle.text_encoders) < 3:
+                return ""
+            precision = bundle.extra.get("t5_precision", "bf16")
+            joint = bundle.denoiser.config.joint_attention_dim
+            return (f"sd3-t5:{encoder_fingerprint(bundle.text_encoders[2])}:{precision}:"
+                    f"{self._max_len(bundle, None)}:{joint}")
         prints = "+".join(encoder_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 3 else "no-t5"
         joint = bundle.denoiser.config.joint_attention_dim
@@ -394,13 +401,15 @@ class SD3Family:
         return int(requested or bundle.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH))
 
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
-                    dtype: torch.dtype, max_sequence_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, max_sequence_length: Optional[int] = None, *,
+                    frozen: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, 77 + max_sequence_length, joint_attention_dim] and pooled [B, 2 x proj].
 
         One encoder is on the device at a time and goes back to the CPU after; with
         memory.stream_encoders (bundle.extra) only its embedding and a layer or two are there.
         CLIP encoders that train (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stay
-        where they were placed and encode with gradients where they are enabled; T5 never trains.
+        where they were placed and encode with gradients where they are enabled; T5 never trains:
+        `frozen` gives its outputs (encode_frozen_text, cached), and it is not run.
         """
         stream = bundle.extra.get("stream_encoders", False)
         trained = bool(bundle.extra.get("text_encoders_trained"))
@@ -420,16 +429,28 @@ class SD3Family:
             raise ValueError(f"the CLIP embeddings are {clip.shape[-1]} wide, more than the transformer's "
                              f"joint_attention_dim {joint}")
         clip = torch.nn.functional.pad(clip, (0, joint - clip.shape[-1]))
-        if len(bundle.text_encoders) > 2:
-            t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
-            ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
-                            add_special_tokens=True, return_tensors="pt").input_ids
-            with encoder_on(t5, device, stream), torch.no_grad():
-                t5_out = t5(ids.to(device))[0].float().cpu()
+        if frozen is not None:
+            t5_out = frozen["t5"].float()
+        elif len(bundle.text_encoders) > 2:
+            t5_out = self._t5(bundle, captions, device, n_t5)
         else:
             t5_out = torch.zeros(len(captions), n_t5, joint)
         return {"prompt_embeds": torch.cat([clip, t5_out], dim=-2).to(dtype),
                 "pooled": torch.cat(pooled, dim=-1).to(dtype)}
+
+    def encode_frozen_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """T5's last hidden states [B, max_sequence_length, joint_attention_dim] ("t5"), which
+        encode_text takes as `frozen` while the CLIP encoders train."""
+        return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
+
+    @staticmethod
+    def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
+        t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
+        ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
+                        add_special_tokens=True, return_tensors="pt").input_ids
+        with encoder_on(t5, device, bundle.extra.get("stream_encoders", False)), torch.no_grad():
+            return t5(ids.to(device))[0].float().cpu()
 
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:

@@ -242,14 +242,24 @@ class SDXLFamily:
     def encoder_identity(self, bundle: ModelBundle, part: str) -> str:
         if part == "vae":
             return "sdxl-vae:" + module_fingerprint(bundle.vae)
+        if part == "frozen text":  # both encoders are CLIPs, which train together or not at all
+            return ""
         return "sdxl-text:" + "+".join(module_fingerprint(m) for m in bundle.text_encoders)
 
+    def encode_frozen_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
+                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        raise ValueError("the SDXL family's text encoders are CLIPs that train together: none stays frozen")
+
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, *, frozen: Optional[dict[str, torch.Tensor]] = None
+                    ) -> dict[str, torch.Tensor]:
         """Penultimate hidden states of both encoders (one on the device at a time; streamed layer
         by layer with memory.stream_encoders, bundle.extra) and bigG's pooled. Encoders that train
         (bundle.extra["text_encoders_trained"]: lora.text_encoder_rank) stay where they were placed
-        and encode with gradients where they are enabled; frozen ones without."""
+        and encode with gradients where they are enabled; frozen ones without. (`frozen`: none here,
+        see encode_frozen_text.)"""
+        if frozen is not None:
+            raise ValueError("the SDXL family has no frozen text encoder outputs to take")
         trained = bool(bundle.extra.get("text_encoders_trained"))
         hidden, pooled = [], None
         for tokenizer, encoder in zip(bundle.tokenizers, bundle.text_encoders):
