@@ -206,3 +206,12 @@ def test_a_wrapped_step_that_is_not_finite_is_not_taken():
     after = io.BytesIO()
     torch.save(opt.state_dict(), after)
     assert torch.equal(p.detach(), before) and after.getvalue() == state.getvalue()
+
+
+def test_a_custom_class_that_cannot_be_imported_is_refused_before_anything_is_cached(images, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert main(train_args(images, tmp_path / "out", cache, "train.optimizer=custom",
+                           "train.optimizer_class=nowhere.Optimizer")) == 2
+    err = capsys.readouterr().err
+    assert "train.optimizer_class = 'nowhere.Optimizer': cannot import it" in err and "Traceback" not in err
+    assert not any(cache.rglob("*.safetensors"))  # refused with the config, before the cache stage

@@ -173,7 +173,20 @@ def _run_problems(cfg) -> list[str]:
     the model (models/registry.py) and the datasets (data/datasets.py: folders, kohya configs)."""
     from vramfit.data.datasets import dataset_problems
 
-    return _named_model_problems(cfg) + dataset_problems(cfg)
+    return _named_model_problems(cfg) + dataset_problems(cfg) + _optimizer_class_problems(cfg)
+
+
+def _optimizer_class_problems(cfg) -> list[str]:
+    """train.optimizer = "custom": its train.optimizer_class imported now, before any model loads."""
+    if cfg.train.optimizer != "custom" or not cfg.train.optimizer_class:
+        return []
+    from vramfit.optim.wrapped import import_class
+
+    try:
+        import_class(cfg.train.optimizer_class)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def cmd_train(args) -> int:
@@ -260,7 +273,10 @@ def cmd_cache(args) -> int:
     print(f"{len(scanned.items)} images usable, {len(scanned.problems)} skipped")
     print("cache: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     trained = TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)
-    if trained:
+    if trained and data.text_part == "frozen text":
+        print(f"captions: only T5's outputs are cached ({trained} trains the CLIP encoders, which encode "
+              "every caption each step)")
+    elif trained:
         print(f"captions not cached: {trained} trains the text encoders, so every caption is encoded each step")
     print("\nmemory by phase:\n" + tracker.report.table())
     return 0
