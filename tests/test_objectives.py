@@ -327,3 +327,30 @@ def test_resume_is_exact_with_every_objective_setting(images, tmp_path, cache_ro
     assert main(args + ["--resume", str(full / "state" / "step-000002")]) == 0
     ref = json.loads((full / "run.json").read_text())["losses"]
     assert len(ref) == 4 and json.loads((part / "run.json").read_text())["losses"] == ref
+
+
+def test_a_v_prediction_zero_snr_run_trains_on_diffusers_velocity(images, tmp_path, cache_root, monkeypatch):
+    """Through `vramfit train` (tiny:sdxl, v-prediction with zero terminal SNR): every training step's
+    target is what diffusers' DDPMScheduler with the same settings gives as the velocity of those
+    latents, noise and timesteps."""
+    import vramfit.models.sdxl.family as sdxl_family
+
+    seen = []
+    real = sdxl_family.ddpm_inputs
+
+    def spy(latents, scheduler, draws, noise_offset, input_perturbation=0.0):
+        out = real(latents, scheduler, draws, noise_offset, input_perturbation)
+        seen.append((latents.detach().float().clone(), draws["noise"].clone(), out[2].clone(), out[1].clone()))
+        return out
+
+    monkeypatch.setattr(sdxl_family, "ddpm_inputs", spy)
+    assert main(train_args(images, tmp_path / "run", cache_root, "train.steps=2", "train.mode=lora",
+                           "train.prediction_type=v_prediction", "train.zero_terminal_snr=true",
+                           model="tiny:sdxl")) == 0
+    assert len(seen) >= 2
+    c = shipped_config("sdxl_scheduler")
+    ref = DDPMScheduler(num_train_timesteps=1000, beta_start=c["beta_start"], beta_end=c["beta_end"],
+                        beta_schedule="scaled_linear", prediction_type="v_prediction", rescale_betas_zero_snr=True)
+    for latents, noise, timesteps, target in seen:
+        torch.testing.assert_close(target, ref.get_velocity(latents, noise, timesteps), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(target, noise)  # not epsilon's
