@@ -425,6 +425,13 @@ def encoder_fingerprint(module: torch.nn.Module) -> str:
     return module_fingerprint(_State(plain_state(module)))
 
 
+def t5_identity(name: str, bundle: ModelBundle, t5: torch.nn.Module, max_len: int) -> str:
+    """The cache identity of a T5's outputs alone (Family.encoder_identity's "frozen text"): its
+    weights, how they are stored, the tokens a caption keeps and the width the denoiser joins."""
+    precision = bundle.extra.get("t5_precision", "bf16")
+    return f"{name}-t5:{encoder_fingerprint(t5)}:{precision}:{max_len}:{bundle.denoiser.config.joint_attention_dim}"
+
+
 def load_clip_tokenizers(folder: Path) -> list[Any]:
     """The two CLIP tokenizers of `folder` (tokenizer/, tokenizer_2/); the second pads with "!"
     (id 0) rather than end-of-text, as SDXL's and SD3's CLIP-G do."""

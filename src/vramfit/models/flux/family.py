@@ -44,7 +44,8 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, folder_encoders, lazy_state, merge_counts, require_tokenizers,
-    save_encoder_folder, t5_file_encoder, t5_folder_encoder, trained_encoder_states, warn_named_over_own,
+    save_encoder_folder, t5_file_encoder, t5_folder_encoder, t5_identity, trained_encoder_states,
+    warn_named_over_own,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -347,10 +348,7 @@ class FluxFamily:
         if part == "frozen text":  # T5, which never trains (none: no frozen part)
             if len(bundle.text_encoders) < 2:
                 return ""
-            precision = bundle.extra.get("t5_precision", "bf16")
-            joint = bundle.denoiser.config.joint_attention_dim
-            return (f"flux-t5:{encoder_fingerprint(bundle.text_encoders[1])}:{precision}:"
-                    f"{self._max_len(bundle, None)}:{joint}")
+            return t5_identity("flux", bundle, bundle.text_encoders[1], self._max_len(bundle, None))
         prints = "+".join(encoder_fingerprint(m) for m in bundle.text_encoders)
         t5 = "t5" if len(bundle.text_encoders) == 2 else "no-t5"
         precision = bundle.extra.get("t5_precision", "bf16")
