@@ -8,13 +8,14 @@ inside backward (full text encoders, the optimizers that step all parameters at 
 against the full baseline with the step after backward. Per case, from the run's memory report
 (<name>.memory.json): the train phase's peak allocated and reserved GPU memory, its peak RSS and
 its median step time (the first step left out), beside the planner's prediction of the train phase
-for the same config (fit/planner.py `predict`, from the layout's shipped config; CPU, no run). A case
-the config refuses, or that fails or times out, is a row with its error. CUDA graphs, the fit probe and sample grids are off in every case, so
-that a delta is the option's own.
+for the same config (fit/planner.py `predict`, from the layout's shipped config; CPU, no run). A
+case the config refuses, or that fails or times out, is a row with its error. CUDA graphs, the fit
+probe and sample grids are off in every case, so that a delta is the option's own.
 
 Writes <out>/training_costs.json (rows, merged with the rows an earlier command wrote there for the
 same model, shape, steps and GPU: a second command runs only the cases with no row yet or one that
-timed out, unless --rerun; --predict-only fills in the planner's column of saved rows and runs nothing) and <out>/training_costs.md (a markdown table for docs/training.md).
+timed out, unless --rerun; --predict-only fills in the planner's column of saved rows and runs
+nothing) and <out>/training_costs.md (a markdown table for docs/training.md).
 The cases run in the order of CASES; the last ones (optimizers on the full fine-tune) write training
 states of up to about 55 GB (Prodigy's fp32 state of SDXL's UNet) under --work, deleted after each
 case. Not run in CI; its CPU smoke test is tests/test_bench_training_costs.py.

@@ -387,8 +387,9 @@ class LoraSettings(_Section):
     text_encoder_rank: int = Field(
         0, ge=0, le=1024, description="Also train a LoRA of this rank on the CLIP text encoders' attention "
         "and MLP linears (q_proj, k_proj, v_proj, out_proj, fc1, fc2): CLIP-L and CLIP-G of the SDXL family "
-        "and SD3, CLIP-L of Flux.1 (T5 stays frozen). 0: the text encoders stay frozen. The captions are then encoded anew each step (cache.text is "
-        "turned off); train.text_encoder_lr sets their learning rate.")
+        "and SD3, CLIP-L of Flux.1. 0: the text encoders stay frozen. The CLIPs then encode every caption "
+        "each step (cache.text is turned off; a frozen T5's outputs are still cached); train.text_encoder_lr "
+        "sets their learning rate.")
     text_encoder_alpha: Optional[float] = Field(None, gt=0, le=65536, description="Scale numerator of the "
                                                 "text encoders' LoRA; default: lora.text_encoder_rank.")
     base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
@@ -860,8 +861,8 @@ class EmaConfig(_Section):
     """An exponential moving average of the trained weights (memory/ema.py), saved beside them."""
 
     enabled: bool = Field(False, description="Keep an EMA of the trained weights (a LoRA's adapter "
-                          "matrices, or every weight of a full fine-tune; trained text encoders' too), saved as <save.name>-ema beside "
-                          "each checkpoint and kept in the training state.")
+                          "matrices, or every weight of a full fine-tune; trained text encoders' too), saved as "
+                          "<save.name>-ema beside each checkpoint and kept in the training state.")
     decay: float = Field(0.9999, gt=0, lt=1, description="Decay d of each update: ema <- d * ema + (1 - d) "
                          "* weights.")
     update_every: int = Field(1, ge=1, le=10**6, description="Update the EMA after every N-th optimizer "
