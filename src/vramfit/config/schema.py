@@ -419,8 +419,9 @@ class TrainConfig(_Section):
     text_encoders: Literal["frozen", "full"] = Field(
         "frozen", description="full: a full fine-tune (train.mode = 'full') also trains every weight of the "
         "CLIP text encoders (SDXL family and SD3: CLIP-L and CLIP-G; Flux.1: CLIP-L; T5 stays frozen), in "
-        "the training precision, at train.text_encoder_lr; the captions are then encoded anew each step "
-        "(cache.text is turned off) and the saved files carry the trained encoders. A LoRA run trains "
+        "the training precision, at train.text_encoder_lr; the CLIPs then encode every caption each step "
+        "(cache.text is turned off; a frozen T5's outputs are still cached) and the saved files carry the "
+        "trained encoders. A LoRA run trains "
         "them with lora.text_encoder_rank instead.")
     optimizer: Literal["adafactor", "adamw", "adamw8bit", "lion", "prodigy", "schedulefree_adamw", "came",
                        "custom"] = Field(
