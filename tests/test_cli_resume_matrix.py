@@ -170,3 +170,16 @@ def test_adapter_and_optimizer_train_resume_exactly_and_export(images, tmp_path,
 
     # (3) it exports the family's default formats, in the keys kohya/LyCORIS loaders read
     _check_exports(kind, full)
+
+
+def test_a_run_resumed_with_another_learning_rate_trains_at_it(tmp_path, images, cache_root):
+    """train.lr changed on resume: the resumed steps run at the new rate (on this run's schedule), not
+    at the saved run's."""
+    sets = ("train.mode=lora", "lora.rank=2", "train.optimizer=adamw", "save.state_every_steps=1",
+            "save.keep_last=5", "train.lr_scheduler=constant", "train.warmup_steps=0")
+    out = tmp_path / "run"
+    assert main(train_args(images, out, cache_root, *sets, "train.steps=2", "train.lr=1e-3", model="tiny:sdxl")) == 0
+    assert main([*train_args(images, out, cache_root, *sets, "train.steps=3", "train.lr=4e-3", model="tiny:sdxl"),
+                 "--resume", "latest"]) == 0
+    saved = torch.load(out / "state" / "step-000003" / "optimizer.pt", weights_only=True)
+    assert [g["lr"] for g in saved["param_groups"]] == [4e-3]

@@ -274,3 +274,30 @@ def test_text_encoder_lora_is_averaged_with_the_denoisers_and_saved_in_the_ema_f
     assert any(not torch.equal(ema_file[k], trained[k]) for k in te)
     diffusers = load_file(str(out / "model-ema-diffusers.safetensors"))
     assert any(k.startswith("text_encoder.") for k in diffusers)
+
+
+def test_a_grid_sampled_with_the_ema_uses_the_text_encoders_ema_too(tmp_path, images, cache_root, monkeypatch):
+    """ema.sample_with_ema with trained text encoders: the grid's encoders get the EMA of their LoRA
+    (what the step's state saves as the EMA), not the trained values."""
+    import vramfit.train.samples as samples
+
+    seen = {}
+    real = samples.merge_trained_encoders
+
+    def spy(targets, trained):
+        seen.update({f"text_encoder_{i}.{n}": p.detach().clone() for i, enc in enumerate(trained)
+                     for n, p in enc.named_parameters() if p.requires_grad})
+        return real(targets, trained)
+
+    monkeypatch.setattr(samples, "merge_trained_encoders", spy)
+    out = tmp_path / "out"
+    assert main(train_args(images, out, cache_root, "train.mode=lora", "train.steps=2", "train.lr=1e-2",
+                           "lora.text_encoder_rank=2", "ema.enabled=true", "ema.decay=0.5",
+                           "ema.sample_with_ema=true", "sample.prompts=[\"a red square\"]", "sample.every_steps=2",
+                           "sample.steps=1", "save.state_every_steps=1", "save.keep_last=5", model="tiny:sdxl")) == 0
+    shadows = load_file(str(_states(out)[2] / "ema.safetensors"))
+    weights = load_file(str(_states(out)[2] / "weights.safetensors"))
+    assert seen and all(k.startswith("text_encoder_") for k in seen)
+    for k, v in seen.items():
+        torch.testing.assert_close(v.float(), shadows["shadow." + k].float(), rtol=0, atol=0)
+    assert any(not torch.equal(weights[k], shadows["shadow." + k]) for k in seen)

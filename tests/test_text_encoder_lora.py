@@ -341,4 +341,46 @@ def test_data_says_only_t5_outputs_are_cached_while_sd3s_clips_train(tmp_path, i
     capsys.readouterr()
     assert main(["data", *args[1:], "--per-bucket", "0"]) == 0
     out = capsys.readouterr().out
-    assert "distinct caption variants, T5's outputs only (lora.text_encoder_rank: the CLIP encoders train" in out
+    assert "distinct caption variants, T5's outputs only, where the model has a T5 (lora.text_encoder_rank" in out
+
+
+def test_the_planner_lowers_t5s_precision_for_the_caption_phase_while_the_clips_train(capsys):
+    """With the CLIPs training, T5 runs in the caption phase only: a budget its bf16 weights do not fit
+    there is met by storing T5 in int8, as without text-encoder training."""
+    assert main(["plan", "--model", "flux1-dev", "--vram", "10GiB", "--set", "train.mode=lora",
+                 "--set", "lora.text_encoder_rank=8"]) == 0
+    out = capsys.readouterr().out
+    assert 'model.t5_precision = "int8": with "bf16" the cache_text phase is predicted' in out
+
+
+def test_a_t5_entry_gone_while_the_clips_train_skips_its_micro_batch(tmp_path, images, cache_root, caplog,
+                                                                     monkeypatch):
+    """A T5 entry lost after the cache stage (SD3, CLIPs training): its micro-batches are skipped and
+    named, T5 does not come back to the device mid-run, and the run goes on."""
+    from transformers import T5EncoderModel
+
+    from vramfit.train.data import TrainingData
+
+    fill = TrainingData.cache_text
+
+    def then_lose_one(self, progress=False):
+        fill(self, progress)
+        self.cache.path("text", next(iter(self.text_entries()))).unlink()
+        calls["cached"] = calls["n"]
+
+    calls = {"n": 0, "cached": None}
+    forward = T5EncoderModel.forward
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingData, "cache_text", then_lose_one)
+    cache = cache_root / "frozen-lost"
+    shutil.rmtree(cache, ignore_errors=True)
+    caplog.set_level("WARNING", logger="vramfit")
+    monkeypatch.setattr(T5EncoderModel, "forward", counted)
+    assert main(train_args(images, tmp_path / "run", cache, *TE, "train.steps=6", "train.batch_size=1",
+                           model="tiny:sd3")) == 0
+    assert calls["cached"] and calls["n"] == calls["cached"]  # T5 ran in the cache stage only
+    assert "skipping a micro-batch" in caplog.text

@@ -203,12 +203,12 @@ def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int
     in save.dtype. From a diffusers folder (no single-file facts: the largest tensor as joined is
     bounded by JOINED times the model's largest), with the VAE and encoders as stored, which are
     read and converted whole."""
+    whole = cfg.train.text_encoders == "full"
+    trained = sum(e.params for e in facts.encoders if e.kind == "clip") if whole else 0
     if not facts.largest_denoiser_values:
         largest = JOINED * max((p.numel() for p in facts.denoiser.parameters()), default=0)
         vae = facts.vae_stored_bytes or 2 * facts.vae_params  # unread (a shipped layout): fp16
-        return 2 * item * largest + vae + sum(e.stored_bytes for e in facts.encoders)
-    whole = cfg.train.text_encoders == "full"
-    trained = sum(e.params for e in facts.encoders if e.kind == "clip") if whole else 0
+        return 2 * item * largest + vae + sum(e.stored_bytes for e in facts.encoders) + item * trained
     return max(2 * item * facts.largest_denoiser_values, facts.largest_part_bytes) + item * trained
 
 

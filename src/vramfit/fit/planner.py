@@ -764,10 +764,12 @@ def _combinations(knobs: list[Knob]) -> list[dict[str, object]]:
     return [{k.key: k.options[i] for k, i in zip(knobs, idx)} for idx in ranked]
 
 
-def _group_of(knob: Knob, cfg: RunConfig) -> str:
+def _group_of(knob: Knob, cfg: RunConfig, facts: ModelFacts) -> str:
     # Encoders that stay live during training put their settings into the training group.
     if knob.group == "cache_latents" and not cfg.cache.latents:
         return "train"
+    if knob.group == "cache_text" and caches_frozen_text(facts, cfg):
+        return "cache_text"  # T5 encodes in the caption phase only (its outputs cached while the CLIPs train)
     grids = cfg.sample.grids
     if knob.group == "cache_text" and (not cfg.cache.text or (grids and not cfg.cache.latents)):
         # the encoders run while the denoiser trains: live captions, or sample grids that encode their
@@ -811,7 +813,7 @@ def _search(cfg: RunConfig, facts: ModelFacts, knobs: list[Knob], usable: int, c
     values: dict[str, object] = {}
     smallest: Optional[tuple[int, str, dict]] = None
     for group in ("cache_latents", "cache_text", "train"):
-        mine = [k for k in knobs if _group_of(k, cfg) == group]
+        mine = [k for k in knobs if _group_of(k, cfg, facts) == group]
         found = last = None
         for combo in _combinations(mine):
             trial = with_values(cfg, {**values, **combo})
@@ -864,7 +866,7 @@ def _blocking_settings(cfg: RunConfig, facts: ModelFacts, knobs: list, usable: i
     its written value while the phase still fits."""
     group = _phase_group(phase)
     fixed = [k for k in ladder(cfg)
-             if _applies(k, cfg, facts) and k not in knobs and _group_of(k, cfg) == group]
+             if _applies(k, cfg, facts) and k not in knobs and _group_of(k, cfg, facts) == group]
     if not fixed:
         return None
     freed, failed = _search(cfg, facts, knobs + fixed, usable, captions)

@@ -359,7 +359,9 @@ class TrainingData:
             return self.family.encode_text(self.bundle, captions, self.device, dtype)
         entries = [self.cache.get("text", self._text_key(d)) for d in draws]
         if any(e is None for e in entries):
-            if not self.bundle.text_encoders:
+            # with the CLIPs training, T5 is not to come to the device mid-run (the plan has no room for
+            # it there): the micro-batch is skipped, and the next run's cache stage writes the entry
+            if not self.bundle.text_encoders or self.text_part == "frozen text":
                 return None
             log.warning("text cache entries of %s are damaged or gone; encoding them again",
                         ", ".join(d.item.key for d, e in zip(draws, entries) if e is None))

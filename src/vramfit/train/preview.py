@@ -209,7 +209,8 @@ def _text_entries(cfg: RunConfig, data: TrainingData, t5: bool) -> str:
     what = f"{len(entries)}: {len(entries) - bool(data.empty_key)} distinct caption variants{empty}"
     trained = TRAINED_ENCODERS_KEY.get(cfg.text_encoder_training)
     if trained and t5:
-        return f"{what}, T5's outputs only ({trained}: the CLIP encoders train and encode every caption each step)"
+        return (f"{what}, T5's outputs only, where the model has a T5 ({trained}: the CLIP encoders train "
+                "and encode every caption each step)")
     if trained:  # cache.text is turned off for them where the run resolves (fit/resolve.py)
         return f"none ({trained}: the text encoders train, every caption is encoded each step: {what})"
     return what if cfg.cache.text else f"none (cache.text = false; encoded while training: {what})"

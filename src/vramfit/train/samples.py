@@ -107,7 +107,8 @@ class SampleGrids:
             stored = {"t5_precision": self.bundle.extra.get("t5_precision")} if self.family.has_t5 else {}
             vae, encoders = self.family.load_encoders(self.bundle.source, **stored)
             if self.bundle.extra.get("text_encoders_trained"):  # lora.text_encoder_rank: what they learned
-                merge_trained_encoders(list(encoders), list(self.bundle.text_encoders))
+                with self.weights() if self.weights is not None else nullcontext():  # the EMA's, if it samples
+                    merge_trained_encoders(list(encoders), list(self.bundle.text_encoders))
             for m in (vae, *encoders):
                 if stored_precision(m) is None:  # a stored T5 stays so (a cast would widen it)
                     m.to(dtype)

@@ -230,11 +230,13 @@ def load_state(path: Path, model: torch.nn.Module, optimizer, schedule, generato
     # vramfit's optimizers (optim/base.py) restore each state tensor's own dtype and device and
     # the rounding generators themselves
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    bases = list(schedule.base_lrs)  # this run's train.lr (and train.text_encoder_lr)
     schedule.load_state_dict(torch.load(path / "schedule.pt", weights_only=True))
-    # the next step's rate by this run's schedule: one resumed with more train.steps has another
-    # curve than the saved run's, whose last rate the optimizer's state holds
-    for group, base, rate in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
-        group["lr"] = base * rate(schedule.last_epoch)
+    # the next step's rate by this run's schedule and learning rates: one resumed with more
+    # train.steps has another curve than the saved run's, whose last rate the optimizer's state holds
+    schedule.base_lrs = bases
+    for group, base, rate in zip(optimizer.param_groups, bases, schedule.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * rate(schedule.last_epoch)
     rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["generator"])
     torch.set_rng_state(rng["torch"])
