@@ -180,6 +180,8 @@ def _lrs(scheduler: str, steps: int = 10, warmup: int = 2, **keys) -> list[float
 
 
 @pytest.mark.parametrize("scheduler,keys,after", [
+    ("constant", {}, lambda f: 1.0),
+    ("cosine", {}, lambda f: 0.5 * (1 + math.cos(math.pi * f))),
     ("linear", {}, lambda f: 1 - f),
     ("cosine_with_restarts", {"lr_cycles": 2}, lambda f: 0.5 * (1 + math.cos(math.pi * ((2 * f) % 1.0)))),
     ("polynomial", {"lr_power": 2.0}, lambda f: (1 - f) ** 2),
