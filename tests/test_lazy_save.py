@@ -165,7 +165,7 @@ def test_the_predicted_save_holds_about_the_largest_tensor_not_the_checkpoint(ca
     module = sys.modules[type(family).__module__]
     monkeypatch.setattr(module, "save_atomic_lazy", _tracked(save_atomic_lazy, seen))
     family.save_single_file(bundle, tmp_path / "m.safetensors", torch.bfloat16, {})
-    assert seen["peak"] <= written == written_at_once(facts, cfg, 2, 0)
+    assert seen["peak"] <= written == written_at_once(facts, cfg, 2)
     assert written < (tmp_path / "m.safetensors").stat().st_size / 10
     saved = load_file(str(tmp_path / "m.safetensors"))
     homes = {k: v.bfloat16() for k, v in bundle.denoiser.state_dict().items()}
@@ -221,7 +221,7 @@ def test_a_single_file_saved_from_a_diffusers_folder_is_predicted_by_its_largest
     facts = read_facts(cfg, cache_root)
     assert facts.largest_denoiser_values == 0  # no single-file facts: the folder's bound applies
     n = sum(p.numel() for p in facts.denoiser.parameters())
-    written = written_at_once(facts, cfg, 2, n)
+    written = written_at_once(facts, cfg, 2)
     bundle = family.load(resolve_source(cfg.model, cache_root))
     seen = {"peak": 0}
     module = sys.modules[type(family).__module__]

@@ -194,9 +194,9 @@ def home_sums(cfg: RunConfig, den: DenoiserHost, cpu: bool, shared: bool = False
 JOINED = 3
 
 
-def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int, n: int) -> int:
+def written_at_once(facts: ModelFacts, cfg: RunConfig, item: int) -> int:
     """Host bytes a full fine-tune's single file holds while it is written (`item`: bytes a value of
-    save.dtype; `n`: the denoiser's values, unused: it is never held whole). The families write it a
+    save.dtype; the denoiser is never held whole). The families write it a
     tensor at a time (formats/safetensors_io.py `save_atomic_lazy`): the largest denoiser tensor
     made in save.dtype with the parts it is joined from (twice its size). From a single file, or
     the largest part read from the source as stored; text encoders trained whole are first copied
@@ -299,7 +299,7 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
     kept = steady  # saves come between steps too (save.every_steps, a stop): the step's buffers are held
     if cfg.train.mode == "full":
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.save.dtype]
-        checkpoint = written_at_once(facts, cfg, item, n)
+        checkpoint = written_at_once(facts, cfg, item)
         if "diffusers" in cfg.save_formats:
             checkpoint = max(checkpoint, diffusers_save_bytes(facts, item))
     else:
