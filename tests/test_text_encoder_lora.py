@@ -311,6 +311,17 @@ def test_t5_outputs_are_cached_while_the_clip_encoders_train(name, tmp_path, ima
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(T5EncoderModel, "forward", counted)
+    import vramfit.run as run
+
+    kept = []
+    fill = run.fill_cache
+
+    def then_look(cfg, loaded, *args, **kwargs):
+        out = fill(cfg, loaded, *args, **kwargs)
+        kept.append([type(e).__name__ for e in loaded.bundle.text_encoders])
+        return out
+
+    monkeypatch.setattr(run, "fill_cache", then_look)
     model = f"tiny:{name}"
     sets = (*TE, "train.steps=3", "sample.every_steps=0")
     cache = cache_root / f"frozen-{name}"
@@ -324,6 +335,7 @@ def test_t5_outputs_are_cached_while_the_clip_encoders_train(name, tmp_path, ima
     assert cached_calls >= 1
     assert main(train_args(images, tmp_path / "run", cache, *sets, model=model)) == 0
     assert calls["n"] == cached_calls  # reused: no T5 call while caching again nor in any step
+    assert kept and kept[-1] and not any("T5" in name for name in kept[-1])  # let go of after caching
     # the joined conditioning equals the live one
     family = FAMILIES[name]
     bundle = family.load(resolve_source(load_config(None, [f"model.path={model}"], need_data=False).model,

@@ -267,8 +267,10 @@ def predict_host(facts: ModelFacts, cfg: RunConfig, den: DenoiserHost, *, cpu: b
     models: dict[str, int] = {}
     if not cfg.cache.text:  # live captions: the encoders wait in CPU memory between uses
         trained_clips = cfg.text_encoder_training is not None  # on the device for the whole run
+        cached_t5 = caches_frozen_text(facts, cfg)  # its outputs cached, then let go of
         models["text encoders"] = sum(encoders.get(e.name, 0) for e in facts.encoders
-                                      if not (trained_clips and e.kind == "clip"))
+                                      if not (trained_clips and e.kind == "clip")
+                                      and not (cached_t5 and e.kind == "t5"))
     if cfg.cache.latents and (grids or not cfg.cache.text):
         models["vae"] = vae  # kept: for live captions' run, or for the grids after caching
     steady = {**models, "streamed homes": den.streamed, "streamed gradients": den.streamed_grads,

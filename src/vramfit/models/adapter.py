@@ -167,6 +167,11 @@ class Family(LoraFamily, Protocol):
         """The outputs of the encoders that never train (see encoder_identity's "frozen text")."""
         ...
 
+    def release_frozen_encoders(self, bundle: ModelBundle) -> None:
+        """Let go of the encoders that never train once their outputs are cached (nothing reads
+        them while the others train; sample grids load their own)."""
+        ...
+
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]: ...
 

@@ -530,10 +530,11 @@ def trained_encoder_states(bundle: ModelBundle,
 def folder_encoders(family, bundle: ModelBundle, dtype: torch.dtype) -> tuple[Any, list, list]:
     """(VAE, text encoders, the trained state of each or None) a diffusers-folder save writes: the
     bundle's own where it still holds them with T5 as loaded, else the source's read again
-    (`family.load_encoders`: encoders dropped for training, a T5 stored quantized or left out), the
-    trained ones' states (`trained_encoder_states`) taken from the bundle in either case."""
+    (`family.load_encoders`: encoders dropped for training, T5 let go of once its outputs were cached,
+    a T5 stored quantized or left out), the trained ones' states (`trained_encoder_states`) taken
+    from the bundle in either case."""
     t5_as_loaded = not family.has_t5 or bundle.extra.get("t5_precision", "bf16") == "bf16"
-    own = bundle.vae is not None and t5_as_loaded
+    own = bundle.vae is not None and t5_as_loaded and not bundle.extra.get("frozen_encoders_cached")
     vae, encoders = (bundle.vae, bundle.text_encoders) if own else family.load_encoders(bundle.source)
     trained = trained_encoder_states(bundle, dtype) if bundle.vae is not None else []
     trained += [None] * (len(encoders) - len(trained))  # a T5 left out of the bundle: the source's

@@ -200,7 +200,7 @@ def place_text_encoders(bundle, cfg: RunConfig, device: torch.device) -> list[to
     params = [p for e in clips for p in e.parameters() if p.requires_grad]
     what = (f"LoRA rank {cfg.lora.text_encoder_rank} on {modules} modules of" if how == "lora" else
             f"every weight ({cfg.train.precision}) of")
-    frozen = len(bundle.text_encoders) - len(clips)
+    frozen = bundle.extra.get("frozen_encoders_cached")  # train/setup.py fill_cache
     log.info("text encoders: %s %d encoders (%.2f M parameters); they encode every caption each step "
              "(cache.text is off)%s", what, len(clips), sum(p.numel() for p in params) / 1e6,
              "; T5 stays frozen: its outputs are cached" if frozen else "")

@@ -283,7 +283,10 @@ def fill_cache(cfg: RunConfig, loaded: Prepared, tracker: MemoryTracker, device:
                                                             ("text", text, data.text_part is not None)) if on))
     if cfg.cache.latents and cfg.cache.text:
         bundle.drop_encoders()
-    elif not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
+    elif data.text_part == "frozen text":  # T5's outputs cached while the CLIPs train: nothing reads it now
+        loaded.family.release_frozen_encoders(bundle)
+        bundle.extra["frozen_encoders_cached"] = True
+    if not cfg.cache.latents:  # live latents: the VAE stays on the device for the whole run
         bundle.vae.to(device)  # (encode_text moves each text encoder in and out itself)
     free_device_memory(device)
     return sample_inputs

@@ -392,6 +392,10 @@ class FluxFamily:
         encode_text takes as `frozen` while CLIP-L trains."""
         return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
 
+    def release_frozen_encoders(self, bundle: ModelBundle) -> None:
+        """T5, once its outputs are cached (the CLIP encoders train; grids load their own T5)."""
+        del bundle.text_encoders[1:]
+
     @staticmethod
     def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
         t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]

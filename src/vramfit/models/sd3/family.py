@@ -441,6 +441,10 @@ class SD3Family:
         encode_text takes as `frozen` while the CLIP encoders train."""
         return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
 
+    def release_frozen_encoders(self, bundle: ModelBundle) -> None:
+        """T5, once its outputs are cached (the CLIP encoders train; grids load their own T5)."""
+        del bundle.text_encoders[2:]
+
     @staticmethod
     def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
         t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]

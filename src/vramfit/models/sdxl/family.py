@@ -250,6 +250,9 @@ class SDXLFamily:
                            dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise ValueError("the SDXL family's text encoders are CLIPs that train together: none stays frozen")
 
+    def release_frozen_encoders(self, bundle: ModelBundle) -> None:
+        """None to let go of (both encoders are CLIPs)."""
+
     def encode_text(self, bundle: ModelBundle, captions: list[str], device: torch.device,
                     dtype: torch.dtype, *, frozen: Optional[dict[str, torch.Tensor]] = None
                     ) -> dict[str, torch.Tensor]:
