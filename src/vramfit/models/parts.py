@@ -23,6 +23,7 @@ from vramfit.formats.safetensors_io import (
     CheckpointError, Lazy, load_prefixed, meta_tensors, read_header, read_tensors,
 )
 from vramfit.memory.accounting import return_freed_host_memory
+from vramfit.memory.encoder_stream import encoder_on
 from vramfit.memory.quantize import mark_fp8_source, mark_stored, plain_state, quantize_encoder
 from vramfit.memory.vae_tiling import set_vae_tiling
 from vramfit.models.adapter import ModelBundle, Source
@@ -423,6 +424,18 @@ def encoder_fingerprint(module: torch.nn.Module) -> str:
     digested over the plain tensors its quantized weights are made of (memory/quantize.py
     `plain_state`)."""
     return module_fingerprint(_State(plain_state(module)))
+
+
+def t5_hidden_states(bundle: ModelBundle, index: int, captions: list[str], device: torch.device, n_t5: int,
+                     **tokenize) -> torch.Tensor:
+    """The last hidden states (fp32, on the CPU) of the T5 at `index` of the bundle's encoders for
+    `captions`, `n_t5` tokens each; on `device` only while it encodes (streamed layer by layer with
+    memory.stream_encoders, bundle.extra). `tokenize`: the family's further tokenizer arguments."""
+    t5, tokenizer = bundle.text_encoders[index], bundle.tokenizers[index]
+    ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True, return_tensors="pt",
+                    **tokenize).input_ids
+    with encoder_on(t5, device, bundle.extra.get("stream_encoders", False)), torch.no_grad():
+        return t5(ids.to(device))[0].float().cpu()
 
 
 def t5_identity(name: str, bundle: ModelBundle, t5: torch.nn.Module, max_len: int) -> str:

@@ -44,8 +44,8 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, folder_encoders, lazy_state, merge_counts, require_tokenizers,
-    save_encoder_folder, t5_file_encoder, t5_folder_encoder, t5_identity, trained_encoder_states,
-    warn_named_over_own,
+    save_encoder_folder, t5_file_encoder, t5_folder_encoder, t5_hidden_states, t5_identity,
+    trained_encoder_states, warn_named_over_own,
 )
 
 TRANSFORMER = "model.diffusion_model."
@@ -381,7 +381,7 @@ class FluxFamily:
         if frozen is not None:
             text = frozen["t5"]
         elif len(bundle.text_encoders) > 1:
-            text = self._t5(bundle, captions, device, n_t5)
+            text = t5_hidden_states(bundle, 1, captions, device, n_t5)
         else:
             text = torch.zeros(len(captions), n_t5, joint)
         return {"prompt_embeds": text.to(dtype), "pooled": pooled.to(dtype)}
@@ -390,19 +390,11 @@ class FluxFamily:
                            dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """T5's last hidden states [B, max_sequence_length, joint_attention_dim] ("t5"), which
         encode_text takes as `frozen` while CLIP-L trains."""
-        return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
+        return {"t5": t5_hidden_states(bundle, 1, captions, device, self._max_len(bundle, None)).to(dtype)}
 
     def release_frozen_encoders(self, bundle: ModelBundle) -> None:
         """T5, once its outputs are cached (the CLIP encoders train; grids load their own T5)."""
         del bundle.text_encoders[1:]
-
-    @staticmethod
-    def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
-        t5, tokenizer = bundle.text_encoders[1], bundle.tokenizers[1]
-        ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
-                        return_tensors="pt").input_ids
-        with encoder_on(t5, device, bundle.extra.get("stream_encoders", False)), torch.no_grad():
-            return t5(ids.to(device))[0].float().cpu()
 
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:

@@ -41,7 +41,8 @@ from vramfit.models.objectives import loss_of, objective_terms, sample_latent
 from vramfit.models.parts import (
     as_stored, build_checked, check_folder_shapes, clip_text_model, count_params, encode_vae_images,
     encoder_file_state, encoder_fingerprint, folder_encoders, lazy_state, load_clip_tokenizers, merge_counts,
-    require_tokenizers, save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder, t5_identity,
+    require_tokenizers, save_encoder_folder, shipped_config, t5_file_encoder, t5_folder_encoder, t5_hidden_states,
+    t5_identity,
     trained_encoder_states, warn_named_over_own,
 )
 from vramfit.models.sd3.flow import (
@@ -429,7 +430,7 @@ class SD3Family:
         if frozen is not None:
             t5_out = frozen["t5"].float()
         elif len(bundle.text_encoders) > 2:
-            t5_out = self._t5(bundle, captions, device, n_t5)
+            t5_out = t5_hidden_states(bundle, 2, captions, device, n_t5, add_special_tokens=True)
         else:
             t5_out = torch.zeros(len(captions), n_t5, joint)
         return {"prompt_embeds": torch.cat([clip, t5_out], dim=-2).to(dtype),
@@ -439,19 +440,12 @@ class SD3Family:
                            dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """T5's last hidden states [B, max_sequence_length, joint_attention_dim] ("t5"), which
         encode_text takes as `frozen` while the CLIP encoders train."""
-        return {"t5": self._t5(bundle, captions, device, self._max_len(bundle, None)).to(dtype)}
+        n_t5 = self._max_len(bundle, None)
+        return {"t5": t5_hidden_states(bundle, 2, captions, device, n_t5, add_special_tokens=True).to(dtype)}
 
     def release_frozen_encoders(self, bundle: ModelBundle) -> None:
         """T5, once its outputs are cached (the CLIP encoders train; grids load their own T5)."""
         del bundle.text_encoders[2:]
-
-    @staticmethod
-    def _t5(bundle: ModelBundle, captions: list[str], device: torch.device, n_t5: int) -> torch.Tensor:
-        t5, tokenizer = bundle.text_encoders[2], bundle.tokenizers[2]
-        ids = tokenizer(captions, padding="max_length", max_length=n_t5, truncation=True,
-                        add_special_tokens=True, return_tensors="pt").input_ids
-        with encoder_on(t5, device, bundle.extra.get("stream_encoders", False)), torch.no_grad():
-            return t5(ids.to(device))[0].float().cpu()
 
     def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor, device: torch.device,
                       dtype: torch.dtype, tiling: bool) -> dict[str, torch.Tensor]:
