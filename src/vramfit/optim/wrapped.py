@@ -61,7 +61,7 @@ class WrappedOptimizer(ParamOptimizer):
                  rounding: Optional[RoundingGenerators] = None, key: str = "train.optimizer_args"):
         params = list(params)
         super().__init__(params, dict(lr=kwargs.get("lr", 1e-3)), rounding)
-        self.shadows = [p if p.dtype == torch.float32 else torch.empty(0, device=p.device) for p in params]
+        self.shadows = [_shadow_of(p) for p in params]
         try:
             self.inner = cls(self.shadows, **kwargs)
         except TypeError as exc:
@@ -106,7 +106,7 @@ class WrappedOptimizer(ParamOptimizer):
         if inner is None:  # the constructor's first group, before the wrapped optimizer exists
             return
         group = self.param_groups[-1]
-        shadows = [p if p.dtype == torch.float32 else torch.empty(0, device=p.device) for p in group["params"]]
+        shadows = [_shadow_of(p) for p in group["params"]]
         self.shadows += shadows
         inner.add_param_group({"params": shadows, "lr": group["lr"]})
 
@@ -138,6 +138,12 @@ class WrappedOptimizer(ParamOptimizer):
     @contextmanager
     def averaged(self) -> Iterator[None]:
         yield
+
+
+def _shadow_of(p: torch.Tensor) -> torch.Tensor:
+    """What the wrapped optimizer steps for `p`: `p` itself in fp32, else an fp32 copy filled only
+    during a step (empty between)."""
+    return p if p.dtype == torch.float32 else torch.empty(0, device=p.device)
 
 
 class ScheduleFree(WrappedOptimizer):

@@ -250,7 +250,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
             records, generated = _with_class_records(cfg, family, bundle, records, device, progress, ranks)
     data = TrainingData(family, bundle, records, cfg.cache, DiskCache(cache_root(cfg) / "entries"), device,
                         seed=cfg.train.seed, prior_weight=cfg.prior.loss_weight, identities=identities,
-                        share=ranks.share, frozen_text=cfg.text_encoder_training is not None)
+                        share=ranks.share, frozen_text=frozen)
     data.stats["class_images_generated"] = generated
     data.stats["captions_truncated"] = data.warn_long_captions(family.caption_tokenizers(source, cfg))
     data.assign_keys()

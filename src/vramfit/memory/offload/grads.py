@@ -50,7 +50,7 @@ the copies home and back and the CPU's additions (in bf16 over a billion values:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -99,8 +99,9 @@ class GradsHome:
         self._home: dict[int, tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]] = {}
         self._home_summed: set[int] = set()
         self._staging: Optional[StagedSums] = None  # on CUDA: the copies home on their way into the sums
-        # `share_home_sums`: one set of home sums for every unit (False: not asked; None: not made yet)
-        self._shared_home: Union[bool, None, dict[torch.dtype, torch.Tensor]] = False
+        # `share_home_sums`: one set of home sums for every unit, and its buffers (made at first use)
+        self._share_home = False
+        self._shared_home: Optional[dict[torch.dtype, torch.Tensor]] = None
 
     # ---- boundaries the streamer calls ---------------------------------------------------------
 
@@ -148,8 +149,7 @@ class GradsHome:
             self._staging.drop()  # no addition into the sums still runs before they go
         self._home.clear()
         self._home_summed.clear()
-        if self._shared_home is not False:
-            self._shared_home = None  # made again at the next gradient, as the others
+        self._shared_home = None  # made again at the next gradient, as the others
 
     def unbinding(self, unit: Unit) -> None:
         """`unit` stops being the compute copy: its gathered gradients step now."""
@@ -384,7 +384,7 @@ class GradsHome:
         probe's stand-in, which measures GPU memory and whose sums' values matter to nothing, so that
         it does not hold a sum per streamed value (twice the streamed weights' bytes for bf16 weights
         summed in fp32) in CPU memory beside the real model. The copies and additions stay the same."""
-        self._shared_home = None
+        self._share_home = True
 
     def _home_sum_of(self, key: int) -> torch.Tensor:
         """The kept sum at home of the weight whose id is `key` (made at its unit's first use)."""
@@ -393,7 +393,7 @@ class GradsHome:
         if kept is None:
             trained = [p for p in unit.params if p.requires_grad]
             dtypes = {id(p): self._home_sum_dtype(p) for p in trained}
-            if self._shared_home is False:
+            if not self._share_home:
                 buffers = _zeroed(_sizes(trained, dtypes), pin=self.cuda, device=self.device)
             else:
                 buffers = self._shared_sum_buffers()
