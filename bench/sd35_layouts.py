@@ -279,14 +279,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--layouts: {', '.join(unknown)} unknown; use {', '.join(LAYOUTS)}")
     rows = []
-    for layout in layouts:
-        log(f"sd3.5-{layout}")
-        rows.append(run_layout(layout, args))
-        log(json.dumps(rows[-1]))
     out = args.out / f"sd35_layouts{'_tiny' if args.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else None
-    out.write_text(json.dumps({"gpu": gpu, "steps": args.steps, "rows": rows}, indent=2))
+    for layout in layouts:  # written after each layout: a run cut short keeps the layouts before it
+        log(f"sd3.5-{layout}")
+        rows.append(run_layout(layout, args))
+        log(json.dumps(rows[-1]))
+        out.write_text(json.dumps({"gpu": gpu, "steps": args.steps, "rows": rows}, indent=2))
     print(f"{'layout':<14}{'params':>10}{'vramfit GiB':>13}{'s/step':>9}{'stock GiB':>11}{'s/step':>9}"
           "  check")
     for r in rows:
