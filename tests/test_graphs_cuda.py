@@ -91,6 +91,11 @@ CASES = {
     # Flux.1: the recorded transformer is a wrapper without diffusers' config (the family reads what it
     # needs from the bundle), over a streamed or nf4 base, and a streamed full fine-tune stepped in backward
     "flux-lora-streamed": ("tiny:flux", ["train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true"]),
+    # ... under checkpointing with blocks above memory.stream_unit_mib: the frozen base's units are the
+    # recomputed blocks whole (a unit a part of one left its Parameters at home for the block's backward)
+    "flux-lora-streamed-checkpointed-cut": ("tiny:flux", [
+        "train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true", "train.gradient_checkpointing=true",
+        "memory.stream_unit_mib=0.01"]),
     "flux-lora-nf4-samples": ("tiny:flux", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4",
                                             *SAMPLES]),
     "flux-full-streamed-inbwd": ("tiny:flux", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),

@@ -23,7 +23,7 @@ from vramfit.fit.planner import MARGIN, block_count, choose, device_terms, predi
 from vramfit.fit.resolve import Environment, resolve
 from vramfit.memory.accounting import tensor_bytes
 from vramfit.memory.offload import block_modules, resident_blocks, split_units
-from vramfit.memory.offload.units import stream_blocks
+from vramfit.memory.offload.units import recomputed_whole, stream_blocks
 from vramfit.models.registry import detect_family
 from vramfit.models.sources import resolve_source
 from vramfit.train.setup import place_denoiser
@@ -113,8 +113,10 @@ def test_resident_blocks_live_on_the_device_and_the_others_at_home(mode):
     blocks and predicts the weights and slots of this placement."""
     device = torch.device("cuda" if CUDA else "cpu")
     memory = {"stream_weights": True, "resident_blocks": 60, "stream_unit_mib": 0.05}
+    # no checkpointing: a LoRA's frozen base is cut as finely as a full fine-tune's weights
     cfg = RunConfig.model_validate({"model": {"path": "tiny:ssd1b"}, "data": {"resolution": SIZE},
-                                    "train": {"mode": mode, "device": device.type}, "memory": memory})
+                                    "train": {"mode": mode, "device": device.type, "gradient_checkpointing": False},
+                                    "memory": memory})
     family, bundle, streamer = _placed(cfg, device)
 
     def streams(p: torch.nn.Parameter) -> bool:  # a LoRA streams its frozen weights only
@@ -266,3 +268,34 @@ def test_a_partially_streamed_step_records_with_cuda_graphs(images, tmp_path, ca
     assert "recorded the denoiser's forward and backward" in caplog.text
     assert "run without CUDA graphs" not in caplog.text
     assert graphed == pytest.approx(plain, rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("model", ["tiny:flux", "tiny:ssd1b"])
+def test_a_streamed_frozen_base_is_never_cut_finer_than_a_recomputed_block(model):
+    """Under gradient checkpointing a LoRA's frozen base streams in units no smaller than the blocks
+    checkpointing recomputes whole (torch keeps what a recomputation saves as the Parameters, whose
+    data goes home with their unit: units.py `recomputed_whole`); a full fine-tune's trained weights
+    (saved as detached views, which keep the copy) are still cut at memory.stream_unit_mib; the
+    planner counts the same stream blocks."""
+    device = torch.device("cuda" if CUDA else "cpu")
+    units, counted = {}, {}
+    for mode in ("lora", "full"):
+        cfg = RunConfig.model_validate({
+            "model": {"path": model}, "data": {"resolution": SIZE},
+            "train": {"mode": mode, "device": device.type, "gradient_checkpointing": True},
+            "memory": {"stream_weights": True, "resident_blocks": 0, "stream_unit_mib": 0.01}})
+        _, bundle, streamer = _placed(cfg, device)
+        whole = recomputed_whole(bundle.denoiser)
+        modules = dict(bundle.denoiser.named_modules())
+        inside = {name for name, m in modules.items() if id(m) in whole for name in
+                  [f"{name}.{sub}" for sub, _ in m.named_modules() if sub]}
+        units[mode] = [u.name for u in streamer.units]
+        counted[mode] = block_count(read_facts(cfg), cfg)
+        assert counted[mode] == len(units[mode])
+        cut = [name for name in units[mode] if name in inside]
+        if mode == "lora":
+            assert whole and not cut, cut
+            assert any(id(modules[name]) in whole for name in units[mode])
+        else:
+            assert cut  # trained weights: parts of the recomputed blocks are units of their own
+    assert len(units["lora"]) < len(units["full"])

@@ -275,10 +275,12 @@ def _quantized(facts: ModelFacts, cfg: RunConfig) -> dict[int, int]:
 def _stream_blocks(facts: ModelFacts, cfg: RunConfig, quantized: dict[int, int],
                    resident: int = 0) -> list[tuple[str, torch.nn.Module, bool]]:
     """The stream blocks as the streamer cuts them for `cfg` (units.py `stream_blocks`: quantized
-    weights never stream), `resident` of them kept."""
+    weights never stream; a LoRA's frozen base under checkpointing cut no finer than the recomputed
+    blocks), `resident` of them kept."""
     limit = int(cfg.memory.stream_unit_mib * MIB * 4 / weight_item_bytes(cfg))  # meta tensors are fp32
+    whole = cfg.train.gradient_checkpointing is not False and cfg.train.mode != "full"
     return stream_blocks(facts.denoiser, FAMILIES[facts.family].block_containers, limit,
-                         lambda p: id(p) not in quantized, resident)
+                         lambda p: id(p) not in quantized, resident, whole)
 
 
 def block_count(facts: ModelFacts, cfg: RunConfig) -> int:

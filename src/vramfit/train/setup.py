@@ -351,7 +351,8 @@ def place_denoiser(bundle, cfg: RunConfig, device: torch.device):
         log.info("compiling %d repeated blocks of the denoiser (the first step of each bucket shape "
                  "compiles them)", compile_blocks(unet, family.repeated_blocks))
     streamer = stream_weights(unet, device, cfg.memory, blocks=family.block_containers,
-                              stream_trainable=cfg.train.mode == "full")
+                              stream_trainable=cfg.train.mode == "full",
+                              checkpointed=cfg.train.gradient_checkpointing is not False)
     if streamer is not None and cfg.memory.stream_weights:
         stats = streamer.stats
         log.info("streaming %.1f MiB of block weights in %d units; %d of %d stream blocks resident "

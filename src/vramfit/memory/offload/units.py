@@ -120,29 +120,54 @@ def resident_blocks(blocks: int, resident: int, sizes: Optional[Sequence[int]] =
     return kept
 
 
-def split_units(name: str, module: nn.Module, limit: int, streamed) -> list[tuple[str, nn.Module]]:
-    """`module` as one unit, or its children's units when it streams more than `limit` bytes.
-    Parameters held directly by a split module stay resident."""
+def recomputed_whole(denoiser: nn.Module) -> frozenset[int]:
+    """The ids of the modules gradient checkpointing recomputes whole: in diffusers' models, the
+    items of a ModuleList held by a module that checkpoints (has `gradient_checkpointing`) and does
+    not checkpoint inside itself (Flux's and SD3's transformer blocks, the UNet's resnets and
+    BasicTransformerBlocks; not a Transformer2DModel, which checkpoints its own blocks).
+
+    Why a streamed unit must not be a part of one when its weights are frozen: torch's checkpoint
+    keeps what the recomputation saves as the tensors themselves, and a frozen weight is saved as
+    its Parameter, whose `.data` goes back home (CPU) when its unit gives way to the next; the
+    backward of the region would then read it there. A region that is one unit stays bound from
+    its recomputation through its backward."""
+    found = set()
+    for module in denoiser.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            for child in module.children():
+                if isinstance(child, nn.ModuleList):
+                    found.update(id(m) for m in child if not hasattr(m, "gradient_checkpointing"))
+    return frozenset(found)
+
+
+def split_units(name: str, module: nn.Module, limit: int, streamed,
+                whole: frozenset[int] = frozenset()) -> list[tuple[str, nn.Module]]:
+    """`module` as one unit, or its children's units when it streams more than `limit` bytes and
+    is not one of `whole` (ids: `recomputed_whole`). Parameters held directly by a split module
+    stay resident."""
     size = sum(tensor_bytes(p) for p in module.parameters() if streamed(p))
     if size == 0:
         return []
     children = list(module.named_children())
-    if size <= limit or not children:
+    if size <= limit or not children or id(module) in whole:
         return [(name, module)]
     units = []
     for child_name, child in children:
-        units += split_units(f"{name}.{child_name}", child, limit, streamed)
+        units += split_units(f"{name}.{child_name}", child, limit, streamed, whole)
     return units
 
 
 def stream_blocks(denoiser: nn.Module, containers: Sequence[str], limit: int, streamed,
-                  resident: int = 0) -> list[tuple[str, nn.Module, bool]]:
+                  resident: int = 0, keep_recomputed_whole: bool = False) -> list[tuple[str, nn.Module, bool]]:
     """The stream blocks in forward order, each (name, module, kept on the device): every block of
     `containers` cut by `split_units` as when all of them stream (so with `resident` 0 the units
     are those of a fully streamed run), `resident` of them kept, spread by `resident_blocks`.
+    `keep_recomputed_whole`: no unit is a part of a module checkpointing recomputes whole (frozen
+    weights streamed under gradient checkpointing: `recomputed_whole` says why).
     Raises ValueError where `resident` is more than there are (`too_many_resident` words it)."""
+    whole = recomputed_whole(denoiser) if keep_recomputed_whole else frozenset()
     cut = [unit for name, block in block_modules(denoiser, containers)
-           for unit in split_units(name, block, limit, streamed)]
+           for unit in split_units(name, block, limit, streamed, whole)]
     # by element count, which the planner's meta copy and the placed model agree on whatever the dtypes
     sizes = [sum(p.numel() for p in module.parameters() if streamed(p)) for _, module in cut]
     kept = resident_blocks(len(cut), resident, sizes)

@@ -81,7 +81,7 @@ class WeightStreamer:
 
     def __init__(self, denoiser: nn.Module, device: torch.device, *, blocks: Sequence[str], stream: bool,
                  stream_trainable: bool, max_unit_bytes: int, offload_activations: bool, capacity: int = 2,
-                 resident: int = 0, sums_on_device: bool = False):
+                 resident: int = 0, sums_on_device: bool = False, keep_recomputed_whole: bool = False):
         device = concrete_device(device)  # tensors report cuda:N; compare alike
         self.model, self.device = denoiser, device
         self.cuda = device.type == "cuda"
@@ -95,7 +95,8 @@ class WeightStreamer:
         def streamed(p: nn.Parameter) -> bool:
             return stream and _streams(p, stream_trainable)
 
-        found = stream_blocks(denoiser, blocks, max_unit_bytes, streamed, resident if stream else 0)
+        found = stream_blocks(denoiser, blocks, max_unit_bytes, streamed, resident if stream else 0,
+                              keep_recomputed_whole)
         named = [(name, module) for name, module, kept in found if not kept]
         self.stats.blocks, self.stats.streamed_blocks = len(found), len(named)
         self.stats.resident_blocks = len(found) - len(named)
@@ -471,22 +472,26 @@ class WeightStreamer:
 
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
-                   blocks: Sequence[str], stream_trainable: bool) -> Optional[WeightStreamer]:
+                   blocks: Sequence[str], stream_trainable: bool, checkpointed: bool = False) -> Optional[WeightStreamer]:
     """Apply settings.stream_weights (every stream block but settings.resident_blocks of them) and
     offload_activations to `denoiser`, whose blocks are in its attributes `blocks` (see the package
     docstring); None when both are off. Call after LoRA is added and before the optimizer is built;
-    the weights that are not streamed are moved to `device` here."""
+    the weights that are not streamed are moved to `device` here. `checkpointed`: the denoiser
+    recomputes blocks in backward; where only frozen weights stream (not `stream_trainable`), no
+    unit is then a part of a recomputed block (units.py `recomputed_whole`)."""
+    whole = checkpointed and not stream_trainable
     if not (settings.stream_weights or settings.offload_activations):
         return None
     # None: a config that fit/resolve.py did not resolve streams every block, as the resolved default does
     resident = settings.resident_blocks or 0
     limit = int(settings.stream_unit_mib * 2**20)
     if settings.stream_weights and resident:  # fit/resolve.py checks it first, from the model's facts
-        count = len(stream_blocks(denoiser, blocks, limit, partial(_streams, trainable=stream_trainable)))
+        count = len(stream_blocks(denoiser, blocks, limit, partial(_streams, trainable=stream_trainable),
+                                  keep_recomputed_whole=whole))
         problem = too_many_resident(resident, count, blocks, settings.stream_unit_mib)
         if problem:
             raise ConfigError([problem])
     return WeightStreamer(denoiser, device, blocks=blocks, stream=settings.stream_weights,
                           stream_trainable=stream_trainable, max_unit_bytes=limit,
                           offload_activations=settings.offload_activations, resident=resident,
-                          sums_on_device=settings.streamed_grad_sums == "device")
+                          sums_on_device=settings.streamed_grad_sums == "device", keep_recomputed_whole=whole)
