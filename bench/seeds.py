@@ -20,7 +20,9 @@ Cases (see seed-baselines.md):
   flux LoRA: stock (diffusers' train_dreambooth_lora_flux.py defaults: bf16 transformer and VAE,
     VAE encoding every step, fp32 LoRA on the attention projections, torch AdamW, no
     checkpointing, guidance 3.5, 512 T5 tokens precomputed), stock_ckpt (the same with the script's
-    --gradient_checkpointing, where the stock one does not fit the GPU)
+    --gradient_checkpointing, where the stock one does not fit the GPU); cuDNN's fused attention
+    left out of torch's choices, as vramfit does (train/setup.py `use_attention_kernels`): with it,
+    torch 2.11 / CUDA 13 faults on Flux.1's attention on an H100 and the recipe cannot run at all
 8-bit AdamW is bitsandbytes' where it is installed (and CUDA is there), else torchao's AdamW8bit;
 the row says which.
 """
@@ -313,6 +315,8 @@ def main() -> None:
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     bench = Bench(args.workload, args.tiny, device)
+    if device == "cuda" and WORKLOADS[args.workload]["kind"] == "flux":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.case == "flops":
         result = bench.count_flops()
     elif args.case in SEED_CASES[args.workload]:

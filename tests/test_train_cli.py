@@ -230,3 +230,19 @@ def test_data_shuffle_decides_the_order(images, tmp_path, cache_root, monkeypatc
     else:
         assert all(order == found for order in orders)
 
+
+
+def test_a_cuda_run_leaves_cudnn_attention_out():
+    """cuDNN's fused attention faults on Flux.1's shapes under the torch build this project runs on
+    (train/setup.py `use_attention_kernels`): a CUDA run turns it off; a CPU run leaves torch's choice."""
+    from vramfit.train.setup import use_attention_kernels
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        use_attention_kernels(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        use_attention_kernels(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -365,10 +365,11 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     from vramfit.generate import generate_device
-    from vramfit.train.setup import use_cpu_threads
+    from vramfit.train.setup import use_attention_kernels, use_cpu_threads
 
     # on the CPU, as train.cpu_threads = "auto" does; a --device that cannot be used stops here
     use_cpu_threads("auto", generate_device(args.device))
+    use_attention_kernels(generate_device(args.device))
     return args.func(args)
 
 

@@ -187,6 +187,15 @@ def use_cpu_threads(setting: int | str, device: torch.device) -> None:
         torch.set_num_threads(cpu_threads(setting))
 
 
+def use_attention_kernels(device: torch.device) -> None:
+    """On CUDA, leave cuDNN's fused attention out of scaled_dot_product_attention's choices (flash and
+    memory-efficient attention serve every shape vramfit runs). Under torch 2.11 with CUDA 13 on an
+    H100 cuDNN's kernel reads outside its buffers (Xid 31: an illegal address) for Flux.1's attention
+    (24 heads of 128 over 4,608 tokens at 1024x1024), in diffusers' own training recipe too."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Prepared(NamedTuple):
     """A run's model and data once loaded and scanned (`load_data`), before the cache is filled."""
 
@@ -211,6 +220,7 @@ def load_data(cfg: RunConfig, tracker: MemoryTracker, device: torch.device, prog
     generated first where missing). A stop signal ends it with Interrupted, saying what is kept."""
     ranks = ranks or distributed.DataParallel()
     use_cpu_threads(cfg.train.cpu_threads, device)
+    use_attention_kernels(device)
     progress = progress and cfg.logging.progress  # bars: neither --no-progress nor logging.progress = false
     with stopped_as("while scanning the dataset: nothing was written; run the same command again"):
         datasets = scan_datasets(cfg)
