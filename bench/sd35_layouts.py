@@ -23,7 +23,10 @@ base: `nf4:lora.base_quantization=nf4`), a row of its own under the layout's "va
 
 usage: python bench/sd35_layouts.py --out DIR [--layouts medium,large] [--tiny] [--steps 4]
                                     [--res 1024] [--with-t5] [--no-stock] [--work DIR]
-                                    [--variant NAME:KEY=VALUE,...]
+                                    [--variant NAME:KEY=VALUE,...] [--example]
+
+`--example` also trains examples/sd35_medium_lora.toml as written on the Medium file (with
+`--with-t5`, its int8 T5 streamed while captions are encoded), a sample grid at its last step.
 """
 from __future__ import annotations
 
@@ -195,11 +198,36 @@ def _trained(sets: list[str], run_dir: Path) -> dict:
             "lora_rank": 16, "layout": read_as}
 
 
+def _example(layout: str, model: Path, images: Path, res: int, args) -> dict:
+    """examples/sd35_<layout>_lora.toml as written, on the built file: every phase's peaks (a sample
+    grid at the last step, so the sample phase is measured too), the training step and peak RSS."""
+    example = ROOT / "examples" / f"sd35_{layout}_lora.toml"
+    if not example.exists():
+        return {"error": f"no {example.name}"}
+    sets = [f"model.path={model}", f"data.path={images}", f"data.resolution={res}", f"data.min_size={res}",
+            f"train.steps={args.steps}", f"sample.every_steps={args.steps}", "save.every_steps=0",
+            f"cache.dir={args.work / 'cache-example'}"]
+    if args.tiny:
+        sets += ["train.device=cpu", "memory.stream_encoders=false", "data.bucket_step=32", "sample.steps=2"]
+    report = run_train(example, sets, args.work / f"run-{'tiny-' if args.tiny else ''}{layout}-example", echo=False)
+    train = train_phase(report)
+    if report.get("error") or train is None:
+        return {"error": str(report.get("error", "no training phase in the report"))[-3000:]}
+    phases = report.get("phases", [])
+    return {"example": example.name, "peak_allocated_gib": _gib(train["gpu_peak_allocated"]),
+            "peak_reserved_gib": _gib(train["gpu_peak_reserved"]), "step_s": round(train["step_seconds"], 4),
+            "rss_peak_gib": _gib(max((p["rss_peak"] for p in phases), default=0)),
+            "phases": {p["name"]: {"alloc_gib": _gib(p["gpu_peak_allocated"]), "resv_gib": _gib(p["gpu_peak_reserved"]),
+                                   "rss_gib": _gib(p["rss_peak"]), "seconds": round(p["seconds"], 1)}
+                       for p in phases}}
+
+
 def run_layout(layout: str, args) -> dict:
     folder = args.work / (f"tiny_sd3.5_{layout}" if args.tiny else f"sd3.5_{layout}")
     model = folder / f"sd3.5_{layout}.safetensors"
     flags = ["--tiny"] if args.tiny else []
-    if not model.exists() or not (folder / "params.json").exists():
+    t5_missing = args.with_t5 and not (folder / "text_encoders" / "t5xxl_fp16.safetensors").exists()
+    if not model.exists() or not (folder / "params.json").exists() or t5_missing:
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "build", layout, str(folder), *flags,
                         *(["--with-t5"] if args.with_t5 else [])], check=True, cwd=ROOT)
     params = json.loads((folder / "params.json").read_text())["params"]
@@ -221,6 +249,8 @@ def run_layout(layout: str, args) -> dict:
     row["vramfit"] = _trained(sets, run_dir)
     if "error" in row["vramfit"]:
         return row
+    if args.example:
+        row["example"] = _example(layout, model, images, res, args)
     for name, extra in args.variant:  # the same run with the memory savers the variant sets
         row.setdefault("variants", {})[name] = dict(_trained([*sets, *extra], run_dir.with_name(
             f"{run_dir.name}-{name}")), sets=extra)
@@ -266,6 +296,9 @@ def main() -> None:
     ap.add_argument("--res", type=int, default=1024)
     ap.add_argument("--with-t5", action="store_true", help="write a T5-XXL text_encoders/t5xxl_fp16 file too")
     ap.add_argument("--no-stock", action="store_true", help="leave out the stock diffusers-recipe row")
+    ap.add_argument("--example", action="store_true",
+                    help="also run examples/sd35_<layout>_lora.toml as written (where there is one), a sample grid "
+                    "at its last step, every phase's peaks in the row")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="also train with these settings (a run of its own per layout), e.g. "
                     "nf4:lora.base_quantization=nf4; repeatable")
@@ -295,12 +328,16 @@ def main() -> None:
               f"{v.get('step_s') or 'error':>9}{s.get('peak_allocated_gib') or '-':>11}"
               f"{s.get('step_s') or '-':>9}  "
               f"{'ok' if c.get('lora_matches') else c.get('error', 'failed')[-200:]}")
+        if "example" in r:
+            e = r["example"]
+            print(f"  {'example':<12}{'':>10}{e.get('peak_allocated_gib') or '-':>13}"
+                  f"{e.get('step_s') or e.get('error', 'error')[-200:]:>9}")
         for name, v in r.get("variants", {}).items():
             print(f"  {name:<12}{'':>10}{v.get('peak_allocated_gib') or '-':>13}"
                   f"{v.get('step_s') or v.get('error', 'error')[-200:]:>9}")
     print(f"written {out}")
     failed = any("error" in r.get(k, {}) or (k == "check" and not r[k].get("lora_matches"))
-                 for r in rows for k in ("vramfit", "check", "stock") if k in r) or \
+                 for r in rows for k in ("vramfit", "check", "stock", "example") if k in r) or \
         any("error" in v for r in rows for v in r.get("variants", {}).values())
     sys.exit(1 if failed else 0)
 
