@@ -13,6 +13,7 @@ reports every run's phase peaks, step time and host memory. Not run in CI.
 written to flux_full_example.json).
 
 usage: python bench/flux_example.py --out DIR [--steps 4] [--stock] [--variant NAME:K=V,...] [--tiny] [--full]
+                                    [--work DIR] [--runs DIR]
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/vramfit-bench-flux"))
+    ap.add_argument("--runs", type=Path, help="where the runs write (default: under --work); the full "
+                    "fine-tune's end writes its training state and a 22 GiB file beside the 27 GiB of sources")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--stock", action="store_true", help="also run the stock recipe (bench/seeds.py)")
     ap.add_argument("--skip-example", action="store_true", help="only the variants")
@@ -146,8 +149,8 @@ def main() -> None:
         (v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
     for i, (name, sets) in enumerate(runs):
         log(f"vramfit {name} ...")
-        report = run_train(example,
-                           base + [f"cache.dir={args.work / 'cache'}", *sets], args.work / f"run-{name}")
+        run_dir = (args.runs or args.work) / f"run-{'full-' if args.full else ''}{name}"
+        report = run_train(example, base + [f"cache.dir={args.work / 'cache'}", *sets], run_dir)
         put(summary(name, report))
         if i == 0 and args.stock:  # the references right after the first row, before any variant
             put(stock(args))

@@ -688,7 +688,9 @@ class MemoryConfig(_Section):
     stream_unit_mib: float = Field(
         256.0, gt=0, le=2**20, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "
-        "the GPU at once. Smaller: less GPU memory, more and smaller copies.")
+        "the GPU at once (a LoRA's frozen base under train.gradient_checkpointing is never split "
+        "finer than the blocks that recompute: Flux.1's and SD3.5 Large's blocks stay whole). "
+        "Smaller: less GPU memory, more and smaller copies.")
     resident_blocks: Optional[int] = Field(
         None, ge=0, le=10**4, description="With stream_weights: this many of the denoiser's stream "
         "blocks stay on the GPU like unstreamed weights (in a full fine-tune with their gradients and "
