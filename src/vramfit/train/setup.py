@@ -191,7 +191,9 @@ def use_attention_kernels(device: torch.device) -> None:
     """On CUDA, leave cuDNN's fused attention out of scaled_dot_product_attention's choices (flash and
     memory-efficient attention serve every shape vramfit runs). Under torch 2.11 with CUDA 13 on an
     H100 cuDNN's kernel reads outside its buffers (Xid 31: an illegal address) for Flux.1's attention
-    (24 heads of 128 over 4,608 tokens at 1024x1024), in diffusers' own training recipe too."""
+    (24 heads of 128 over 4,608 tokens at 1024x1024), in diffusers' own training recipe too: a known
+    defect of torch's cuDNN attention on some shapes (pytorch/pytorch#134001, #190321), whose
+    mitigation upstream is this switch."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 
