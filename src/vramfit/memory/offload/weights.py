@@ -472,7 +472,8 @@ class WeightStreamer:
 
 
 def stream_weights(denoiser: nn.Module, device: torch.device, settings: MemoryConfig, *,
-                   blocks: Sequence[str], stream_trainable: bool, checkpointed: bool = False) -> Optional[WeightStreamer]:
+                   blocks: Sequence[str], stream_trainable: bool,
+                   checkpointed: bool = False) -> Optional[WeightStreamer]:
     """Apply settings.stream_weights (every stream block but settings.resident_blocks of them) and
     offload_activations to `denoiser`, whose blocks are in its attributes `blocks` (see the package
     docstring); None when both are off. Call after LoRA is added and before the optimizer is built;
