@@ -544,6 +544,10 @@ def _bar(iterable, desc: str, enabled: bool):
 
 
 def free_device_memory(device: Optional[torch.device]) -> None:
-    gc.collect()
+    """On a GPU: collect the reference cycles that still hold device tensors and give the
+    allocator's cached blocks back, so the next phase (and the memory report) sees them free. On
+    the CPU nothing: CPython's own collections free host memory in time, and an explicit one
+    scans every object of the process (0.1 to 0.4 s a call, more the more it holds)."""
     if device is not None and device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
