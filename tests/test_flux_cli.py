@@ -310,3 +310,48 @@ def test_what_flux_cannot_take_is_refused_with_the_key(images, tmp_path, cache_r
         assert main(args) == 2
         err = capsys.readouterr().err
         assert "train.guidance: applies to Flux.1" in err and "model.vae: a VAE file of its own" in err
+
+
+def test_a_streamed_base_draws_the_grids_of_an_unstreamed_one(images, tmp_path, cache_root, monkeypatch):
+    """memory.stream_weights with sample grids (captions cached): the grid streams the denoiser as
+    training does, only the VAE placed for it; the same grids as without streaming, and no streamed
+    weight is moved by the grid (each is its home in CPU memory after it); without cached captions
+    the pair is refused, naming the keys."""
+    from vramfit.memory.offload import WeightStreamer
+    from vramfit.train import samples as samples_module
+
+    samples = ("sample.every_steps=1", "sample.prompts=['a red circle']", "sample.seeds=[1]", "sample.steps=2",
+               "train.steps=2", "train.gradient_checkpointing=true")
+    streamers: list = []
+    made = WeightStreamer.__init__
+
+    def keep(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        streamers.append(self)
+
+    monkeypatch.setattr(WeightStreamer, "__init__", keep)
+    homes_after_grids: list[bool] = []
+    render = samples_module.SampleGrids.render
+
+    def render_and_look(self, step):
+        path = render(self, step)
+        for streamer in streamers:
+            homes_after_grids.append(all(p.data_ptr() == h.data_ptr() for u in streamer.units
+                                         for p, h in zip(u.params, u.homes)))
+        return path
+
+    monkeypatch.setattr(samples_module.SampleGrids, "render", render_and_look)
+    grids = {}
+    for streamed in ("false", "true"):
+        out = tmp_path / streamed
+        assert main(train_args(images, out, cache_root / "fs", *LORA, *samples, f"memory.stream_weights={streamed}",
+                               "memory.stream_unit_mib=0.01", model="tiny:flux")) == 0
+        grids[streamed] = [torch.tensor(list(Image.open(p).convert("RGB").getdata()), dtype=torch.int16)
+                           for p in sorted((out / "samples").glob("*.png"))]
+    assert streamers and streamers[-1].units and homes_after_grids and all(homes_after_grids)
+    assert len(grids["true"]) == len(grids["false"]) == 2  # after step 1, and the final one
+    for a, b in zip(grids["true"], grids["false"]):
+        assert (a - b).abs().max() <= 1
+    code = main(train_args(images, tmp_path / "no", cache_root / "fs", *LORA, *samples, "memory.stream_weights=true",
+                           "cache.text=false", model="tiny:flux"))
+    assert code == 2

@@ -98,6 +98,9 @@ CASES = {
         "memory.stream_unit_mib=0.01"]),
     "flux-lora-nf4-samples": ("tiny:flux", ["train.mode=lora", "lora.base_quantization=nf4", "train.lr=1e-4",
                                             *SAMPLES]),
+    # sample grids of a streamed base: the denoiser renders streamed, only the VAE placed on the GPU
+    "flux-lora-streamed-samples": ("tiny:flux", ["train.mode=lora", "train.lr=1e-4", "memory.stream_weights=true",
+                                                 *SAMPLES]),
     "flux-full-streamed-inbwd": ("tiny:flux", [*STREAMED_INBWD, "train.gradient_checkpointing=true"]),
     # adapters that form their weight each call (peft's DoRA and LoKr), recorded
     "sdxl-dora": ("tiny:sdxl", ["train.mode=lora", "lora.type=dora", "train.lr=1e-4", "save.formats=['lora_kohya']"]),

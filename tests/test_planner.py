@@ -739,3 +739,22 @@ def test_sample_grids_count_both_guidance_halves_only_where_guidance_doubles_the
 
     assert work("sd3m", 7.0) == 2 * work("sd3m", 1.0)
     assert work("flux1-dev", 3.5) == work("flux1-dev", 1.0) > 0
+
+
+def test_a_streamed_grid_counts_the_streamed_denoiser_beside_the_whole_vae():
+    """A grid of a streamed base keeps what training keeps on the device (resident weights, the
+    slots) with the VAE placed whole beside it; without streaming diffusers' offload has one
+    model on the device at a time and no slots."""
+    sample = {"prompts": ["a"], "every_steps": 10}
+
+    def parts(streamed: bool) -> tuple[dict, dict]:
+        cfg = RunConfig.model_validate({"data": {"resolution": 1024}, "train": {"mode": "lora"}, "sample": sample,
+                                        "memory": {"stream_weights": streamed}})
+        phases = {p.name: p.parts for p in predict(facts_for_layout("flux1-dev"), cfg).phases}
+        return phases["samples"], phases["train"]
+
+    grid, train = parts(True)
+    assert grid["stream unit"] == train["stream unit"] > 0 and grid["weights"] == train["weights"]
+    assert grid["vae"] > 0 and ("work" in grid) != ("activations" in grid)
+    grid, _ = parts(False)
+    assert "stream unit" not in grid

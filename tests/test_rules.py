@@ -15,7 +15,8 @@ def test_each_rule_refuses_its_key_and_names_the_other_setting():
     cases = {
         "train.compile": {"train": {"compile": True}, "memory": {"stream_weights": True}},
         "train.cuda_graphs": {"train": {"cuda_graphs": True, "mode": "lora"}, "lora": {"dropout": 0.1}},
-        "sample.every_steps": {"sample": {"every_steps": 5, "prompts": ["a"]}, "memory": {"stream_weights": True}},
+        "sample.every_steps": {"sample": {"every_steps": 5, "prompts": ["a"]}, "memory": {"stream_weights": True},
+                               "cache": {"text": False}},
         "train.steps": {"train": {"steps": 5, "epochs": 2}},
         "save.every_epochs": {"save": {"every_epochs": 1, "every_steps": 5}},
         "sample.every_epochs": {"sample": {"every_epochs": 1, "every_steps": 5, "prompts": ["a"]}},

@@ -462,10 +462,13 @@ def generate(pipe, prompts: Sequence[str], *, negative: Optional[str] = None, se
 
 
 @contextmanager
-def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool) -> Iterator[None]:
+def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool,
+              leave: Optional[torch.nn.Module] = None) -> Iterator[None]:
     """The pipeline's models in eval mode and placed as `place` does (with `device`; else cast to
     `dtype` where given), each back in its mode and on its device afterwards (offload hooks
-    removed), so a training model is where it was. A cast is not undone."""
+    removed), so a training model is where it was. A cast is not undone. `leave`: a model used
+    where it is, neither moved nor cast (a streamed denoiser, whose streamer brings each block to
+    the GPU as it runs); the others then go to `device` whole, without offload hooks."""
     modules = {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     modes = {name: m.training for name, m in modules.items()}
     devices = {name: next(m.parameters()).device for name, m in modules.items()
@@ -474,7 +477,11 @@ def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool) -> Iter
     try:
         for m in modules.values():
             m.eval()
-        if device is not None:
+        if device is not None and leave is not None:
+            for m in modules.values():
+                if m is not leave:
+                    cast_floating(m, dtype, device) if dtype is not None else m.to(device)
+        elif device is not None:
             place(pipe, device, dtype, offload=offload)
         elif dtype is not None:
             _cast(pipe, dtype)
@@ -482,7 +489,11 @@ def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool) -> Iter
     finally:
         for name, m in modules.items():
             m.train(modes[name])
-        if device is not None:
+        if device is not None and leave is not None:
+            for name, m in modules.items():
+                if m is not leave and name in devices:
+                    m.to(devices[name])
+        elif device is not None:
             if getattr(pipe, "_vramfit_placed", None) != placed_before:
                 pipe.remove_all_hooks()
                 for name, m in modules.items():
@@ -517,7 +528,7 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
                 steps: int = 20, guidance: Optional[float] = None, width: int = DEFAULT_SIZE,
                 height: int = DEFAULT_SIZE, device=None, dtype: Optional[torch.dtype] = None,
                 offload: bool = True, max_sequence_length: Optional[int] = None, labels: bool = True,
-                encoded: Optional[dict] = None):
+                encoded: Optional[dict] = None, leave: Optional[torch.nn.Module] = None):
     """A grid of fixed prompts (rows) x fixed seeds (columns), for samples during training.
 
     Uses the adapters active on the pipeline's denoiser (e.g. the LoRA being trained) and loads
@@ -526,12 +537,13 @@ def sample_grid(pipe, prompts: Sequence[str], seeds: Sequence[int], *, negative:
     to the device it was on (offload hooks removed), so a training model is where it was;
     `dtype` (default None: none) casts the models, the denoiser included, and is not undone.
     `encoded`: {prompt: embeddings} from `encode_prompts`, for a pipeline without text encoders.
+    `leave`: a model used where it is (a streamed denoiser: `_visiting`).
     """
     guidance = sampling_defaults(pipe)["guidance"] if guidance is None else float(guidance)
     _check(pipe, prompts, steps, width, height, max(1, len(seeds)))
     if not seeds:
         raise ValueError("sample_grid needs at least one seed")
-    with _visiting(pipe, device, dtype, offload):
+    with _visiting(pipe, device, dtype, offload, leave):
         rows = [_render(pipe, prompt, seeds, negative=negative, steps=steps, guidance=guidance,
                         width=width, height=height, max_sequence_length=max_sequence_length,
                         encoded=None if encoded is None else encoded[prompt])

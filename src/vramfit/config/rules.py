@@ -89,9 +89,12 @@ def _graphs(cfg: Any) -> Optional[str]:
 
 
 def _samples(cfg: Any) -> Optional[str]:
-    if (cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.memory.stream_weights:
-        return ("cannot be used with memory.stream_weights: sample grids would put the whole denoiser on the GPU "
-                "while they render; render them after training with vramfit generate, or turn streaming off")
+    if ((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.memory.stream_weights
+            and not (cfg.cache.text and cfg.cache.latents)):
+        return ("with memory.stream_weights needs cache.text and cache.latents: a grid of a streamed denoiser "
+                "takes its prompts encoded in the caption phase and streams the denoiser as training does, "
+                "with only the VAE placed whole (train/samples.py); cache both, render the grids after "
+                "training with vramfit generate, or turn streaming off")
     return None
 
 

@@ -684,7 +684,8 @@ class MemoryConfig(_Section):
         "train.optimizer_in_backward and Adafactor steps each streamed weight on the GPU while its "
         "block is there (its small optimizer state lives on the GPU) and copies the new values "
         "home; otherwise the gradients go home and the streamed weights step on the CPU, seconds "
-        "a step (their optimizer state in CPU memory). LoRA matrices stay on the GPU.")
+        "a step (their optimizer state in CPU memory). LoRA matrices stay on the GPU. Sample "
+        "grids (with cache.text and cache.latents) stream the denoiser too, beside the whole VAE.")
     stream_unit_mib: float = Field(
         256.0, gt=0, le=2**20, description="With stream_weights: a block holding more than this many MiB of "
         "streamed weights is split into its sub-modules, so at most about two such units are on "

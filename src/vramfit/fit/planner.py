@@ -583,7 +583,8 @@ def _trained_encoders(facts: ModelFacts, cfg: RunConfig) -> dict[str, int]:
 
 def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> dict[str, int]:
     """Sample grids (train/samples.py): diffusers' model CPU offload brings one model at a time to
-    the GPU; with captions cached the prompts were encoded before (the denoiser, then the VAE),
+    the GPU (a streamed denoiser streams instead, beside the whole VAE); with captions cached the
+    prompts were encoded before (the denoiser, then the VAE),
     else the last text encoder is still there when the first ones run again for the negative
     prompt (the two largest encoders at once); the optimizer state stays. The grid
     runs every model in the dtype of the denoiser's frozen weights (all its weights when none is
@@ -597,14 +598,20 @@ def _samples_phase(facts: ModelFacts, cfg: RunConfig, terms: dict[str, int]) -> 
     shape = family.activations(facts.config, h // 8, w // 8, t5_tokens(family, cfg, facts.config))
     guidance = family.default_guidance if cfg.sample.guidance is None else cfg.sample.guidance
     halves = 2 if family.guidance_doubles_batch and guidance > 1 else 1  # guidance: both halves at once
+    work = {"work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)}
+    decoding = {"activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}
+    kept = {"optimizer state": terms["optimizer state"], "ema": terms["ema"]}
+    if cfg.memory.stream_weights:
+        # a streamed denoiser renders as it trains (its resident weights, slots and device sums stay),
+        # with the VAE on the device through the grid (prompts always encoded before: config/rules.py)
+        streamed = {k: terms[k] for k in ("weights", "stream unit", "gradient sums")}
+        return {**kept, **streamed, "vae": item * facts.vae_params,
+                **max(work, decoding, key=lambda st: sum(st.values())), "workspace": WORKSPACE}
     # with captions and latents cached the prompts were encoded in the caption phase (train/samples.py)
     stages = [{"text encoders": 0 if cfg.cache.text and cfg.cache.latents else sum(encoders[-2:])},
-              {"weights": terms["weights"],
-               "work": int(halves * SAMPLE_WORK[facts.family] * item / 2 * shape.work)},
-              {"vae": item * facts.vae_params, "activations": int(VAE_DECODE_BYTES_PER_PIXEL * item / 2 * w * h)}]
-    return {"optimizer state": terms["optimizer state"], "ema": terms["ema"],
-            **max(stages, key=lambda st: sum(st.values())),
-            "workspace": WORKSPACE}
+              {"weights": terms["weights"], **work},
+              {"vae": item * facts.vae_params, **decoding}]
+    return {**kept, **max(stages, key=lambda st: sum(st.values())), "workspace": WORKSPACE}
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, captions: int = TEXT_CHUNK) -> Prediction:

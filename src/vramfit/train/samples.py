@@ -4,7 +4,9 @@ The grid is rendered by a diffusers pipeline over the model being trained (with 
 active), so what it shows is what an exported checkpoint will give. Where captions are cached,
 the sample prompts are encoded with them, in the caption phase (`encode_sample_prompts`), and
 the VAE is kept in CPU memory: a grid then needs only the denoiser and the decoder on the GPU, and
-reads nothing from disk. Otherwise (live text encoders) the VAE and text encoders are read from
+reads nothing from disk. A streamed denoiser (memory.stream_weights, which then needs both caches)
+renders as it trains: its streamer brings each block to the GPU as it runs, and only the VAE is
+placed there, whole, for the grid. Otherwise (live text encoders) the VAE and text encoders are read from
 the source again for each grid (T5 stored as model.t5_precision asks while it loads, a part at a
 time) and freed after; on CUDA
 each model visits the GPU only while it runs (generate.sample_grid). With
@@ -99,6 +101,9 @@ class SampleGrids:
             free_device_memory(self.device)
         s = self.cfg.sample
         dtype = grid_dtype(self.bundle.denoiser)
+        # a streamed denoiser renders as it trains, each block brought to the GPU as it runs; only
+        # the VAE is placed (config/rules.py: such a grid always has its prompts encoded before)
+        leave = self.bundle.denoiser if self.cfg.memory.stream_weights else None
         if self.inputs is not None:
             vae, encoders = self.inputs.vae.to(dtype), []
             pipe = decoder_pipeline(self.bundle, vae)
@@ -125,7 +130,7 @@ class SampleGrids:
                                    guidance=s.guidance, width=s.width or size, height=s.height or size,
                                    device=self.device,
                                    max_sequence_length=self.bundle.extra.get("max_sequence_length"),
-                                   encoded=None if self.inputs is None else self.inputs.encoded)
+                                   encoded=None if self.inputs is None else self.inputs.encoded, leave=leave)
         finally:
             del pipe, vae, encoders
             free_device_memory(self.device)
