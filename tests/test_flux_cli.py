@@ -312,11 +312,12 @@ def test_what_flux_cannot_take_is_refused_with_the_key(images, tmp_path, cache_r
         assert "train.guidance: applies to Flux.1" in err and "model.vae: a VAE file of its own" in err
 
 
-def test_a_streamed_base_draws_the_grids_of_an_unstreamed_one(images, tmp_path, cache_root, monkeypatch):
+def test_a_streamed_base_draws_the_grids_of_an_unstreamed_one(images, tmp_path, cache_root, monkeypatch, capsys):
     """memory.stream_weights with sample grids (captions cached): the grid streams the denoiser as
     training does, only the VAE placed for it; the same grids as without streaming, and no streamed
-    weight is moved by the grid (each is its home in CPU memory after it); without cached captions
-    the pair is refused, naming the keys."""
+    weight is moved by the grid (each is its home in CPU memory after it) and the final grid's slots
+    go before the save; without cached captions (live ones, or trained text encoders) the pair is
+    refused, naming the keys."""
     from vramfit.memory.offload import WeightStreamer
     from vramfit.train import samples as samples_module
 
@@ -349,9 +350,12 @@ def test_a_streamed_base_draws_the_grids_of_an_unstreamed_one(images, tmp_path, 
         grids[streamed] = [torch.tensor(list(Image.open(p).convert("RGB").getdata()), dtype=torch.int16)
                            for p in sorted((out / "samples").glob("*.png"))]
     assert streamers and streamers[-1].units and homes_after_grids and all(homes_after_grids)
+    assert streamers[-1].slot_bytes() == 0  # the final grid's slots are not held through the save
     assert len(grids["true"]) == len(grids["false"]) == 2  # after step 1, and the final one
     for a, b in zip(grids["true"], grids["false"]):
         assert (a - b).abs().max() <= 1
-    code = main(train_args(images, tmp_path / "no", cache_root / "fs", *LORA, *samples, "memory.stream_weights=true",
-                           "cache.text=false", model="tiny:flux"))
-    assert code == 2
+    for refused, key in (("cache.text=false", "cache.text"), ("lora.text_encoder_rank=4", "lora.text_encoder_rank")):
+        capsys.readouterr()
+        code = main(train_args(images, tmp_path / "no", cache_root / "fs", *LORA, *samples,
+                               "memory.stream_weights=true", refused, model="tiny:flux"))
+        assert code == 2 and key in capsys.readouterr().err

@@ -271,6 +271,8 @@ def train_run(cfg: RunConfig, *, progress: bool = True, resume: Optional[str] = 
         if rendering:
             with tracker.phase("samples"):
                 grids.render(state.step)
+                if streamer is not None:  # the grid's streamed blocks made slots again: not through the save
+                    streamer.free_slots()
     except KeyboardInterrupt as exc:
         kept = ("the training state was saved first" if result.interrupted else
                 "the checkpoint and the training state were saved first")

@@ -89,8 +89,14 @@ def _graphs(cfg: Any) -> Optional[str]:
 
 
 def _samples(cfg: Any) -> Optional[str]:
-    if ((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.memory.stream_weights
-            and not (cfg.cache.text and cfg.cache.latents)):
+    if not ((cfg.sample.every_steps or cfg.sample.every_epochs) and cfg.memory.stream_weights):
+        return None
+    if cfg.text_encoder_training is not None:  # its captions are encoded live: cache.text is turned off
+        return (f"cannot be used with memory.stream_weights and {TRAINED_ENCODERS_KEY[cfg.text_encoder_training]}: "
+                "a grid of a streamed denoiser takes its prompts encoded in the caption phase, which trained "
+                "text encoders have not; render the grids after training with vramfit generate, or turn "
+                "streaming off")
+    if not (cfg.cache.text and cfg.cache.latents):
         return ("with memory.stream_weights needs cache.text and cache.latents: a grid of a streamed denoiser "
                 "takes its prompts encoded in the caption phase and streams the denoiser as training does, "
                 "with only the VAE placed whole (train/samples.py); cache both, render the grids after "
