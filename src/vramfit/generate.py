@@ -489,17 +489,14 @@ def _visiting(pipe, device, dtype: Optional[torch.dtype], offload: bool,
     finally:
         for name, m in modules.items():
             m.train(modes[name])
-        if device is not None and leave is not None:
+        placed = getattr(pipe, "_vramfit_placed", None) != placed_before  # by `place`, with its hooks
+        if device is not None and (placed or leave is not None):
+            if placed:
+                pipe.remove_all_hooks()
+                pipe._vramfit_placed = placed_before
             for name, m in modules.items():
                 if m is not leave and name in devices:
                     m.to(devices[name])
-        elif device is not None:
-            if getattr(pipe, "_vramfit_placed", None) != placed_before:
-                pipe.remove_all_hooks()
-                for name, m in modules.items():
-                    if name in devices:
-                        m.to(devices[name])
-                pipe._vramfit_placed = placed_before
 
 
 @torch.no_grad()
